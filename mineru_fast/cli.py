@@ -1,0 +1,141 @@
+"""``mineru-fast`` command line: parse, synth-model, trace.
+
+Exit status of ``parse``: 0 every page parsed, 1 some pages failed (the rest is saved), 2 an input
+or usage error (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .errors import MineruFastError
+from .hub import DEFAULT_MODEL_ID
+from .options import PRECISIONS, PRESETS, TASKS, ParserOptions
+
+EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _max_new_tokens(text: str) -> dict[str, int]:
+    """``"layout=64,text=32"`` -> ``{"layout": 64, "text": 32}``."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in TASKS or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"expected TASK=N with TASK in {TASKS}, got {item!r}")
+        out[key] = int(value)
+    return out
+
+
+def _build_argparser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mineru-fast", description="Fast CPU document parsing with MinerU2.5.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log warnings (e.g. dropped layout lines)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON")
+    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
+    p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
+    p.add_argument("--model", default=DEFAULT_MODEL_ID, help="model directory or hub id (default: %(default)s)")
+    p.add_argument("--pages", help="1-based page range, e.g. '1-3,5'")
+    p.add_argument("--password", help="user password of encrypted PDFs")
+    p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="reference", help="options preset")
+    p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
+    p.add_argument("--max-new-tokens", type=_max_new_tokens, default={}, metavar="TASK=N,...",
+                   help=f"per-task generation bounds, tasks {', '.join(TASKS)}")  # fmt: skip
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
+    s.add_argument("directory", type=Path)
+    s.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    s.add_argument("--seed", type=int, default=0)
+
+    t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
+    t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")
+    t.add_argument("--images", type=Path, required=True, metavar="DIR")
+    t.add_argument("-o", "--output", type=Path, required=True)
+    return ap
+
+
+def _trace_for(replay: Path | None, source: Path, n_inputs: int) -> Path | None:
+    if replay is None:
+        return None
+    if replay.is_dir():
+        path = replay / f"{source.stem}.json"
+        if not path.is_file():
+            raise MineruFastError(f"no trace {path.name} in {replay}")
+        return path
+    if n_inputs > 1:
+        raise MineruFastError("--replay FILE takes one input; pass a directory of <stem>.json for several")
+    return replay
+
+
+def _cmd_parse(args: argparse.Namespace) -> int:
+    from .parser import DocumentParser
+
+    overrides: dict = {"max_new_tokens": args.max_new_tokens, "progress": not args.quiet and sys.stderr.isatty()}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if args.precision is not None:
+        overrides["precision"] = args.precision
+    try:
+        options = ParserOptions.preset(args.preset, **overrides)
+    except ValueError as exc:
+        raise MineruFastError(str(exc)) from exc
+    parser = DocumentParser.from_pretrained(args.model, options=options)
+    status = EXIT_OK
+    for source in args.inputs:
+        try:
+            trace = _trace_for(args.replay, source, len(args.inputs))
+            document = parser.parse(source, pages=args.pages, password=args.password, replay=trace)
+        except MineruFastError as exc:
+            print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
+            status = EXIT_USAGE
+            continue
+        out = document.save(args.output / document.name)
+        failed = [p.index + 1 for p in document.pages if p.status == "failure"]
+        print(f"{source}: {document.status}, {len(document.pages)} page(s) -> {out}")
+        for page in document.pages:
+            for error in page.errors:
+                print(f"mineru-fast: {source}: page {page.index + 1}: {error}", file=sys.stderr)
+        if failed or document.status != "success":
+            status = max(status, EXIT_PAGES_FAILED)
+    return status
+
+
+def _cmd_synth_model(args: argparse.Namespace) -> int:
+    from .synthetic import make_synthetic_model
+
+    out = make_synthetic_model(args.directory, size=args.size, seed=args.seed)
+    print(f"wrote {args.size} synthetic model to {out}")
+    return EXIT_OK
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .traces import build_omnidocbench_traces
+
+    paths = build_omnidocbench_traces(args.omnidocbench, args.images, args.output)
+    print(f"wrote {len(paths)} trace(s) to {args.output}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mineru-fast`` console script; returns the exit status."""
+    args = _build_argparser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    commands = {"parse": _cmd_parse, "synth-model": _cmd_synth_model, "trace": _cmd_trace}
+    try:
+        return commands[args.command](args)
+    except MineruFastError as exc:
+        print(f"mineru-fast: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mineru-fast: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

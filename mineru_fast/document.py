@@ -1,0 +1,294 @@
+"""The parse result: ``Document`` -> ``Page`` -> ``Block``, and its MinerU-format outputs.
+
+Outputs match what MinerU users already consume: ``<stem>.md`` (paratext left out),
+``<stem>_content_list.json`` (one item per body block, bbox as integers on a 0..1000 scale,
+``page_idx``, ``text_level`` for titles, ``img_path``, ``table_body``, captions and footnotes
+grouped with their image or table), ``images/`` with crops of image, table and equation blocks,
+plus ``<stem>.json`` (everything, including timings and errors) and a layout overlay PNG per page.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from PIL import Image, ImageDraw, ImageFont
+
+from .protocol import PARATEXT_TYPES
+
+Status = Literal["success", "partial", "failure"]
+
+_CROPPED_TYPES = ("image", "table", "equation")
+_CAPTION_OWNER = {
+    "image_caption": "image",
+    "image_footnote": "image",
+    "table_caption": "table",
+    "table_footnote": "table",
+    "code_caption": "code",
+}
+_OVERLAY_COLORS = {
+    "title": (220, 40, 40),
+    "text": (40, 90, 220),
+    "table": (20, 160, 60),
+    "image": (200, 120, 0),
+    "equation": (150, 40, 200),
+}
+
+
+@dataclass
+class Block:
+    """One layout block with its content.
+
+    Attributes:
+        type: MinerU2.5 block type (``"text"``, ``"title"``, ``"table"``, ...).
+        bbox: ``(x1, y1, x2, y2)`` normalized to 0..1 of the page image as displayed.
+        angle: text rotation in degrees (0/90/180/270) or None if the model gave none.
+        content: final content (text, LaTeX without delimiters, table HTML); None if not read.
+        raw: the content step's raw output; None if not read.
+        finish_reason: ``"stop"`` (end token), ``"length"`` (hit max_new_tokens) or None.
+        error: why this block has no content although it should, else None.
+    """
+
+    type: str
+    bbox: tuple[float, float, float, float]
+    angle: int | None = None
+    content: str | None = None
+    raw: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def bbox_1000(self) -> list[int]:
+        """The bbox as integers on MinerU's 0..1000 scale."""
+        return [round(v * 1000) for v in self.bbox]
+
+    def to_dict(self) -> dict:
+        return {
+            "type": self.type,
+            "bbox": list(self.bbox),
+            "angle": self.angle,
+            "content": self.content,
+            "raw": self.raw,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+        }
+
+
+@dataclass
+class Page:
+    """One page: its blocks in reading order, status, problems and timings (seconds).
+
+    Attributes:
+        index: 0-based page index in the source document.
+        size: ``(width, height)`` of the rendered page in pixels (0, 0 if it failed to render).
+        image: the rendered page, kept so ``Document.save`` can write crops and overlays; None
+            after a render failure.
+    """
+
+    index: int
+    size: tuple[int, int] = (0, 0)
+    blocks: list[Block] = field(default_factory=list)
+    status: Status = "success"
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    layout_raw: str | None = None
+    image: Image.Image | None = field(default=None, repr=False)
+
+    def crop_name(self, block_idx: int) -> str:
+        return f"page{self.index + 1:04d}_block{block_idx:03d}_{self.blocks[block_idx].type}.jpg"
+
+    def to_dict(self) -> dict:
+        return {
+            "page_idx": self.index,
+            "size": list(self.size),
+            "status": self.status,
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "timings": self.timings,
+            "layout_raw": self.layout_raw,
+            "blocks": [b.to_dict() for b in self.blocks],
+        }
+
+
+def _attach_captions(blocks: list[Block]) -> tuple[list[int], dict[int, list[int]]]:
+    """Group caption/footnote blocks with the nearest body of their kind on the page.
+
+    Returns:
+        ``(items, attached)``: indices of blocks that stand on their own, in reading order, and for
+        each body index the indices of its captions/footnotes (in reading order). A caption with no
+        body of its kind on the page stands on its own.
+    """
+    attached: dict[int, list[int]] = {}
+    items: list[int] = []
+    for i, block in enumerate(blocks):
+        owner_type = _CAPTION_OWNER.get(block.type)
+        owners = [j for j, b in enumerate(blocks) if b.type == owner_type] if owner_type else []
+        if not owners:
+            items.append(i)
+            continue
+        cx, cy = (block.bbox[0] + block.bbox[2]) / 2, (block.bbox[1] + block.bbox[3]) / 2
+
+        def distance(j: int) -> float:
+            x1, y1, x2, y2 = blocks[j].bbox
+            return max(x1 - cx, 0, cx - x2) + max(y1 - cy, 0, cy - y2)
+
+        attached.setdefault(min(owners, key=distance), []).append(i)
+    return items, attached
+
+
+def _texts(blocks: list[Block], indices: list[int], kind: str) -> list[str]:
+    return [blocks[i].content or "" for i in indices if blocks[i].type.endswith(kind)]
+
+
+@dataclass
+class Document:
+    """Result of parsing one document.
+
+    Attributes:
+        name: source stem, used for output file names.
+        status: ``success`` (every page fine), ``partial`` (some pages or blocks failed) or
+            ``failure`` (no page could be parsed, or the input could not be opened).
+        errors: document-level errors (input errors); page problems are on the pages.
+        timings: seconds by stage, summed over pages (``vision``, ``prefill``, ``decode``, ...).
+    """
+
+    name: str
+    pages: list[Page] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def status(self) -> Status:
+        if self.errors or (self.pages and all(p.status == "failure" for p in self.pages)):
+            return "failure"
+        if any(p.status != "success" for p in self.pages):
+            return "partial"
+        return "success"
+
+    def to_markdown(self, image_dir: str = "images") -> str:
+        """MinerU-style Markdown: titles as ``#`` headings, equations as ``$$`` blocks, tables as
+        HTML with their captions and footnotes, images as links to ``image_dir`` crops. Paratext
+        (headers, footers, page numbers, side notes, page footnotes) is left out."""
+        parts: list[str] = []
+        for page in self.pages:
+            items, attached = _attach_captions(page.blocks)
+            for i in items:
+                parts.extend(self._markdown_item(page, i, attached.get(i, []), image_dir))
+        return "\n\n".join(p for p in parts if p) + "\n"
+
+    @staticmethod
+    def _markdown_item(page: Page, i: int, extras: list[int], image_dir: str) -> list[str]:
+        block = page.blocks[i]
+        text = block.content or ""
+        captions = _texts(page.blocks, extras, "_caption")
+        footnotes = _texts(page.blocks, extras, "_footnote")
+        if block.type in PARATEXT_TYPES:
+            return []
+        if block.type == "title":
+            return [f"# {text}" if text else ""]
+        if block.type == "equation":
+            return [f"$$\n{text}\n$$" if text else ""]
+        if block.type == "image":
+            return [f"![]({image_dir}/{page.crop_name(i)})", *captions, *footnotes]
+        if block.type == "table":
+            return [*captions, text, *footnotes]
+        if block.type in ("code", "algorithm"):
+            return [*captions, f"```\n{text}\n```" if text else ""]
+        return [text]
+
+    def to_content_list(self, image_dir: str = "images") -> list[dict]:
+        """MinerU's ``content_list.json`` items, in reading order, paratext included."""
+        out: list[dict] = []
+        for page in self.pages:
+            items, attached = _attach_captions(page.blocks)
+            for i in items:
+                block, extras = page.blocks[i], attached.get(i, [])
+                item: dict = {"type": block.type}
+                if block.type in ("image", "table"):
+                    item["img_path"] = f"{image_dir}/{page.crop_name(i)}"
+                    item[f"{block.type}_caption"] = _texts(page.blocks, extras, "_caption")
+                    item[f"{block.type}_footnote"] = _texts(page.blocks, extras, "_footnote")
+                    if block.type == "table":
+                        item["table_body"] = block.content or ""
+                elif block.type == "equation":
+                    item.update(img_path=f"{image_dir}/{page.crop_name(i)}", text_format="latex")
+                    item["text"] = f"$$\n{block.content}\n$$" if block.content else ""
+                elif block.type in ("code", "algorithm"):
+                    item.update(type="code", sub_type=block.type, code_body=block.content or "")
+                    item["code_caption"] = _texts(page.blocks, extras, "_caption")
+                else:
+                    if block.type not in PARATEXT_TYPES:
+                        item["type"] = "text"
+                    item["text"] = block.content or ""
+                    if block.type == "title":
+                        item["text_level"] = 1
+                item["bbox"] = block.bbox_1000()
+                item["page_idx"] = page.index
+                out.append(item)
+        return out
+
+    def to_dict(self) -> dict:
+        """Everything, JSON-serializable: status, errors, timings, pages with raw outputs."""
+        return {
+            "name": self.name,
+            "status": self.status,
+            "errors": self.errors,
+            "timings": self.timings,
+            "pages": [p.to_dict() for p in self.pages],
+        }
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops of
+        image/table/equation blocks and ``layout/page_NNNN.png`` overlays into ``out_dir``.
+
+        Returns:
+            ``out_dir`` as a Path (created if needed).
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{self.name}.md").write_text(self.to_markdown(), encoding="utf-8")
+        content_list = json.dumps(self.to_content_list(), ensure_ascii=False, indent=2)
+        (out / f"{self.name}_content_list.json").write_text(content_list, encoding="utf-8")
+        (out / f"{self.name}.json").write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2), encoding="utf-8")
+        for page in self.pages:
+            if page.image is None:
+                continue
+            self._save_crops(page, out / "images")
+            (out / "layout").mkdir(exist_ok=True)
+            layout_overlay(page).save(out / "layout" / f"page_{page.index + 1:04d}.png")
+        return out
+
+    @staticmethod
+    def _save_crops(page: Page, image_dir: Path) -> None:
+        assert page.image is not None
+        width, height = page.size
+        for i, block in enumerate(page.blocks):
+            if block.type not in _CROPPED_TYPES:
+                continue
+            x1, y1, x2, y2 = block.bbox
+            image_dir.mkdir(exist_ok=True)
+            crop = page.image.crop((round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height)))
+            crop.save(image_dir / page.crop_name(i), quality=90)
+
+    def _repr_markdown_(self) -> str:  # Jupyter renders a Document as its Markdown
+        return self.to_markdown()
+
+
+def layout_overlay(page: Page) -> Image.Image:
+    """The page image with each block's box drawn, colored by type and numbered in reading order."""
+    if page.image is None:
+        raise ValueError(f"page {page.index + 1} has no image")
+    canvas = page.image.convert("RGB")
+    draw = ImageDraw.Draw(canvas, "RGBA")
+    width, height = canvas.size
+    line = max(2, round(max(width, height) / 600))
+    font = ImageFont.load_default(size=max(12, 8 * line))
+    for n, block in enumerate(page.blocks, start=1):
+        color = _OVERLAY_COLORS.get(block.type, (120, 120, 120))
+        x1, y1, x2, y2 = block.bbox
+        box = (x1 * width, y1 * height, x2 * width, y2 * height)
+        draw.rectangle(box, outline=color + (255,), fill=color + (40,), width=line)
+        draw.text((box[0] + line, box[1] + line), f"{n} {block.type}", fill=color + (255,), font=font)
+    return canvas

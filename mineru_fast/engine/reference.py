@@ -1,0 +1,191 @@
+"""The reference engine: transformers' own Qwen2-VL, used the way the official client uses it.
+
+``Qwen2VLForConditionalGeneration.generate`` at batch 1, greedy, SDPA attention, with MinerU's
+decoding rules added as a logits processor (``sampling.BatchLogitsProcessor``). It is the
+correctness reference of the fast engine and the benchmark's baseline.
+
+The image processor and tokenizer are loaded separately (``AutoImageProcessor``,
+``AutoTokenizer``) rather than through ``AutoProcessor``: in transformers 5 the Qwen2-VL processor
+also builds a video processor, which needs torchvision, and no torchvision release installs beside
+the CPU build of torch 2.13. The token sequence is the same: the prompt's single ``<|image_pad|>``
+is expanded to ``grid_t * grid_h * grid_w / merge_size**2`` copies, as the processor does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..protocol import END_TOKENS, build_prompt
+from .base import GenerationRequest, GenerationResult
+from .sampling import BatchLogitsProcessor
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _StageTimer:
+    """Forward hooks that split a ``generate`` call into vision, prefill and decode seconds.
+
+    transformers may run the vision encoder inside the first forward or before it (pre-encoded
+    multimodal inputs); either way ``prefill_s`` is the first forward without vision time.
+    """
+
+    def __init__(self, model: torch.nn.Module, vision: torch.nn.Module) -> None:
+        self.vision_s = 0.0
+        self.forward_s: list[float] = []
+        self._vision_in_forward: list[float] = []
+        self._t_vision = self._t_forward = 0.0
+        self._handles = [
+            vision.register_forward_pre_hook(self._vision_start),
+            vision.register_forward_hook(self._vision_end),
+            model.register_forward_pre_hook(self._forward_start),
+            model.register_forward_hook(self._forward_end),
+        ]
+
+    def _vision_start(self, *_: object) -> None:
+        self._t_vision = time.perf_counter()
+
+    def _vision_end(self, *_: object) -> None:
+        elapsed = time.perf_counter() - self._t_vision
+        self.vision_s += elapsed
+        if len(self._vision_in_forward) > len(self.forward_s):  # inside a forward
+            self._vision_in_forward[-1] += elapsed
+
+    def _forward_start(self, *_: object) -> None:
+        self._vision_in_forward.append(0.0)
+        self._t_forward = time.perf_counter()
+
+    @property
+    def prefill_s(self) -> float:
+        return self.forward_s[0] - self._vision_in_forward[0] if self.forward_s else 0.0
+
+    def _forward_end(self, *_: object) -> None:
+        self.forward_s.append(time.perf_counter() - self._t_forward)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _GeneratedTokensProcessor:
+    """Adapts ``BatchLogitsProcessor`` (batch 1) to transformers' ``LogitsProcessor`` call."""
+
+    def __init__(self, rules: BatchLogitsProcessor, prompt_len: int) -> None:
+        self.rules = rules
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids.shape[1] - self.prompt_len
+        if generated > len(self.rules.blockers[0].tokens):
+            self.rules.observe([int(input_ids[0, -1])])
+        return self.rules(scores.float())
+
+
+class ReferenceEngine:
+    """transformers ``generate`` at batch 1 (see module docstring).
+
+    Args:
+        model_dir: a MinerU2.5 / Qwen2-VL checkpoint directory.
+        precision: ``"fp32"`` or ``"bf16"`` (weights and activations).
+
+    Raises:
+        ModelLoadError: the directory cannot be loaded by transformers.
+    """
+
+    def __init__(self, model_dir: str | Path, precision: str = "bf16") -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+        from transformers import logging as hf_logging
+
+        from ..errors import ModelLoadError
+
+        if precision not in DTYPES:
+            raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the missing-torchvision fallback notice is expected
+        hf_logging.disable_progress_bar()
+        try:
+            self.model = Qwen2VLForConditionalGeneration.from_pretrained(
+                str(model_dir), dtype=DTYPES[precision], attn_implementation="sdpa"
+            ).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"transformers cannot load {model_dir}: {exc}") from exc
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            hf_logging.enable_progress_bar()
+        self.precision = precision
+        self.end_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS]
+        self.vocab_size = self.model.config.text_config.vocab_size
+
+    def encode(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
+        """Model inputs of one request: ``input_ids`` ``[1, L]``, ``attention_mask`` ``[1, L]``,
+        ``pixel_values`` ``[patches, 3*2*14*14]`` float32, ``image_grid_thw`` ``[1, 3]``."""
+        image = self.image_processor(images=[request.image], return_tensors="pt")
+        merge = self.image_processor.merge_size
+        n_image_tokens = int(image["image_grid_thw"].prod()) // (merge * merge)
+        text = build_prompt(request.prompt).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+        tokens = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        return {**tokens, "pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"]}
+
+    def forced_ids(self, text: str) -> list[int]:
+        """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""
+        return self.tokenizer.encode(text, add_special_tokens=False) + [self.end_ids[0]]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Output text of generated ids, special tokens kept, end tokens dropped."""
+        return self.tokenizer.decode([t for t in token_ids if t not in self.end_ids], skip_special_tokens=False)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Decode each request in turn (batch 1); a failing request returns an error result."""
+        results = []
+        for request in requests:
+            try:
+                results.append(self._generate_one(request))
+            except Exception as exc:  # one bad request must not sink the others
+                logger.exception("generation failed")
+                results.append(GenerationResult("", [], "error", error=f"{type(exc).__name__}: {exc}"))
+        return results
+
+    @torch.inference_mode()
+    def _generate_one(self, request: GenerationRequest) -> GenerationResult:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        inputs = self.encode(request)
+        prompt_len = inputs["input_ids"].shape[1]
+        forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
+        rules = BatchLogitsProcessor([request.sampling], [forced], self.vocab_size)
+        config = GenerationConfig(
+            max_new_tokens=request.sampling.max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=self.end_ids,
+            pad_token_id=self.end_ids[1],
+        )
+        timer = _StageTimer(self.model, self.model.model.visual)
+        start = time.perf_counter()
+        try:
+            output = self.model.generate(
+                **inputs,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([_GeneratedTokensProcessor(rules, prompt_len)]),
+            )
+        finally:
+            total = time.perf_counter() - start
+            timer.remove()
+        token_ids = output[0, prompt_len:].tolist()
+        return GenerationResult(
+            text=self.decode(token_ids),
+            token_ids=token_ids,
+            finish_reason="stop" if token_ids and token_ids[-1] in self.end_ids else "length",
+            prompt_tokens=prompt_len,
+            vision_s=timer.vision_s,
+            prefill_s=timer.prefill_s,
+            decode_s=total - timer.vision_s - timer.prefill_s,
+        )

@@ -1,0 +1,94 @@
+"""Greedy decoding rules as batched tensor code, shared by every engine.
+
+For each sequence (row) of a batch: presence and frequency penalties over its *generated* tokens
+(OpenAI/vLLM semantics: ``logit -= presence * [count > 0] + frequency * count``), a ban on tokens
+that would repeat an n-gram of its generated tokens, and, in replay, forcing of a known token.
+The prompt never counts. ``transformers`` has no presence/frequency penalty and its
+no-repeat-n-gram looks at the prompt too, hence this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..protocol import SamplingParams
+
+
+class NGramBlocker:
+    """Incremental no-repeat-n-gram bookkeeping for one sequence.
+
+    ``banned()`` returns the tokens that, appended now, would complete an n-gram already present
+    in the generated tokens. Cost per step: one tuple of n-1 ints hashed, O(1) amortized.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], set[int]] = {}
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.n and len(self.tokens) >= self.n:
+            prefix = tuple(self.tokens[-self.n : -1])
+            self._next.setdefault(prefix, set()).add(token)
+
+    def banned(self) -> set[int]:
+        if not self.n or len(self.tokens) < self.n - 1:
+            return set()
+        prefix = tuple(self.tokens[len(self.tokens) - (self.n - 1) :])
+        return self._next.get(prefix, set())
+
+
+class BatchLogitsProcessor:
+    """Decoding rules of a batch of sequences, each with its own ``SamplingParams``.
+
+    Call it on each step's logits (``[B, V]`` float32, modified in place), pick ``argmax``, then
+    ``observe`` the chosen tokens. Rows can be replaced (continuous batching) with ``reset_row``.
+
+    Args:
+        params: one ``SamplingParams`` per row.
+        forced: per row, the token ids replay must produce (or None for free decoding).
+        vocab_size: logits width V.
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], forced: Sequence[list[int] | None], vocab_size: int) -> None:
+        batch = len(params)
+        self.vocab_size = vocab_size
+        self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32)
+        self.presence = torch.zeros(batch, 1, dtype=torch.float32)
+        self.frequency = torch.zeros(batch, 1, dtype=torch.float32)
+        self.blockers: list[NGramBlocker] = [NGramBlocker(0)] * batch
+        self.forced: list[list[int] | None] = [None] * batch
+        for row, (p, f) in enumerate(zip(params, forced, strict=True)):
+            self.reset_row(row, p, f)
+
+    def reset_row(self, row: int, params: SamplingParams, forced: list[int] | None) -> None:
+        """Start a new sequence in ``row``: clear its history and set its rules."""
+        self.counts[row].zero_()
+        self.presence[row, 0] = params.presence_penalty
+        self.frequency[row, 0] = params.frequency_penalty
+        self.blockers[row] = NGramBlocker(params.no_repeat_ngram_size)
+        self.forced[row] = forced
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply penalties, n-gram bans and forcing to ``logits`` ``[B, V]`` (float32) in place."""
+        logits -= self.frequency * self.counts + self.presence * (self.counts > 0)
+        for row, blocker in enumerate(self.blockers):
+            banned = blocker.banned()
+            if banned:
+                logits[row, list(banned)] = -torch.inf
+            forced = self.forced[row]
+            if forced is not None:
+                step = len(blocker.tokens)
+                if step < len(forced):
+                    logits[row].fill_(-torch.inf)
+                    logits[row, forced[step]] = 0.0
+        return logits
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Record the token each row generated this step (one per row, in row order)."""
+        for row, token in enumerate(tokens):
+            self.blockers[row].append(token)
+            self.counts[row, token] += 1.0

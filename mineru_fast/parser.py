@@ -1,0 +1,226 @@
+"""``DocumentParser``: the one entry point. Source in, ``Document`` out.
+
+Per page: render -> layout request (1036x1036, "Layout Detection:") -> blocks -> one content
+request per readable block (crop of the full-resolution page) -> post-processing -> ``Page``.
+A page that fails is reported on its own and the other pages go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from PIL import Image
+
+from .document import Block, Document, Page
+from .engine.base import Engine, GenerationRequest, GenerationResult
+from .errors import InputError, TraceError
+from .hub import DEFAULT_MODEL_ID, resolve_model
+from .inputs import OpenedDocument, Source, open_document
+from .options import ParserOptions
+from .postprocess import postprocess_content
+from .protocol import LAYOUT_TASK, NOT_READ_TYPES, crop_block, layout_image, parse_layout, prompt_for, task_of
+from .traces import PageTrace, Trace, load_trace
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DocumentParser"]
+
+
+def _add_timings(timings: dict[str, float], results: Iterable[GenerationResult]) -> None:
+    for r in results:
+        timings["vision"] = timings.get("vision", 0.0) + r.vision_s
+        timings["prefill"] = timings.get("prefill", 0.0) + r.prefill_s
+        timings["decode"] = timings.get("decode", 0.0) + r.decode_s
+        timings["tokens"] = timings.get("tokens", 0) + len(r.token_ids)
+
+
+class DocumentParser:
+    """Parses PDFs and images into ``Document`` objects with a MinerU2.5 model.
+
+    Build it with ``from_pretrained``; then ``parse`` one document or stream many with
+    ``parse_many``. Not thread-safe: use one parser per thread (or serialize calls).
+
+    Args:
+        engine: an inference engine (see ``mineru_fast.engine``).
+        options: the options it was built with.
+        model_dir: the checkpoint directory, for reference.
+    """
+
+    def __init__(self, engine: Engine, options: ParserOptions, model_dir: Path) -> None:
+        self.engine = engine
+        self.options = options
+        self.model_dir = model_dir
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_id: str | Path = DEFAULT_MODEL_ID, options: ParserOptions | None = None
+    ) -> DocumentParser:
+        """Load a MinerU2.5 checkpoint from a local directory or a Hugging Face hub id.
+
+        Args:
+            path_or_id: model directory, or hub id (default ``opendatalab/MinerU2.5-2509-1.2B``),
+                looked up in the local hub cache before any download.
+            options: parser options; default ``ParserOptions()``.
+
+        Raises:
+            ModelLoadError: the model cannot be found or loaded (the message says how to fix it).
+        """
+        import torch
+
+        from .engine.reference import ReferenceEngine
+
+        options = options or ParserOptions()
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        model_dir = resolve_model(path_or_id)
+        engine = ReferenceEngine(model_dir, precision=options.precision)
+        return cls(engine, options, model_dir)
+
+    def parse(
+        self,
+        source: Source | list[Image.Image],
+        *,
+        pages: str | None = None,
+        password: str | None = None,
+        replay: Trace | str | Path | None = None,
+    ) -> Document:
+        """Parse one document.
+
+        Args:
+            source: file path, bytes, a PIL image, or a list of PIL images (the pages of one
+                document).
+            pages: 1-based page range such as ``"1-3,5"``; None parses every page.
+            password: user password of an encrypted PDF.
+            replay: a trace (or its path) whose outputs are forced instead of decoded (benchmarks,
+                pipeline tests); see ``mineru_fast.traces``.
+
+        Returns:
+            The ``Document``; per-page failures are in ``page.errors`` and ``document.status``.
+
+        Raises:
+            InputError: the document cannot be opened (format, password, corruption, page range).
+            TraceError: the replay trace is unreadable or has fewer pages than the document.
+        """
+        trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
+        if isinstance(source, list):
+            document = Document("document")
+            for i, image in enumerate(source):
+                with open_document(image, **self._input_limits()) as opened:
+                    document.pages.append(self._parse_page(opened, 0, self._page_trace(trace, i), page_index=i))
+            return self._finish(document)
+        with open_document(source, pages=pages, password=password, **self._input_limits()) as opened:
+            if trace is not None and len(trace.pages) < opened.page_count:
+                raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
+            document = Document(opened.name)
+            progress = self._progress(len(opened.page_indices), opened.name)
+            for index in opened.page_indices:
+                document.pages.append(self._parse_page(opened, index, self._page_trace(trace, index)))
+                progress.update(1)
+            progress.close()
+        return self._finish(document)
+
+    def parse_many(self, sources: Iterable[Source], **kwargs: object) -> Iterator[Document]:
+        """Parse documents one after another, yielding each when done (bounded memory).
+
+        A document that cannot be opened is yielded as a ``failure`` Document carrying the error,
+        so one bad input never stops the stream. Keyword arguments go to ``parse``.
+        """
+        for source in sources:
+            try:
+                yield self.parse(source, **kwargs)  # type: ignore[arg-type]
+            except InputError as exc:
+                name = Path(source).stem if isinstance(source, (str, Path)) else "document"
+                yield Document(name, errors=[f"{type(exc).__name__}: {exc}"])
+
+    def _input_limits(self) -> dict[str, int]:
+        o = self.options
+        return {"dpi": o.dpi, "max_side": o.max_side, "max_pixels": o.max_image_pixels}
+
+    def _progress(self, total: int, name: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=name, unit="page", disable=not self.options.progress, leave=False)
+
+    @staticmethod
+    def _page_trace(trace: Trace | None, index: int) -> PageTrace | None:
+        if trace is None:
+            return None
+        if index >= len(trace.pages):
+            raise TraceError(f"trace has no page {index + 1}")
+        return trace.pages[index]
+
+    def _parse_page(
+        self, opened: OpenedDocument, index: int, trace: PageTrace | None, page_index: int | None = None
+    ) -> Page:
+        page = Page(index if page_index is None else page_index)
+        start = time.perf_counter()
+        try:
+            image = opened.render(index)
+        except InputError as exc:
+            page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
+            return page
+        page.image, page.size = image, image.size
+        page.timings["render"] = time.perf_counter() - start
+        try:
+            self._layout_and_content(page, trace)
+        except Exception as exc:  # a broken page fails alone; the document goes on
+            logger.exception("page %d failed", page.index + 1)
+            page.status, page.errors = "failure", page.errors + [f"{type(exc).__name__}: {exc}"]
+        page.timings["total"] = time.perf_counter() - start
+        return page
+
+    def _layout_and_content(self, page: Page, trace: PageTrace | None) -> None:
+        assert page.image is not None
+        layout_request = GenerationRequest(
+            layout_image(page.image),
+            prompt_for(LAYOUT_TASK),
+            self.options.sampling(LAYOUT_TASK),
+            forced_text=trace.layout if trace else None,
+        )
+        (layout,) = self.engine.generate([layout_request])
+        _add_timings(page.timings, [layout])
+        if layout.finish_reason == "error":
+            raise RuntimeError(f"layout step failed: {layout.error}")
+        page.layout_raw = layout.text
+        blocks, page.warnings = parse_layout(layout.text)
+        if layout.finish_reason == "length":
+            page.warnings.append("layout output hit max_new_tokens; later blocks may be missing")
+        if trace is not None and len(trace.contents) != len(blocks):
+            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
+        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
+
+        requests, targets = [], []
+        for i, block in enumerate(blocks):
+            if block.type in NOT_READ_TYPES:
+                continue
+            crop = crop_block(page.image, block)
+            if crop is None:
+                page.blocks[i].error = "block is smaller than one pixel"
+                continue
+            task = task_of(block.type)
+            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
+            requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
+            targets.append(i)
+        results = self.engine.generate(requests)
+        _add_timings(page.timings, results)
+        for i, result in zip(targets, results):
+            block = page.blocks[i]
+            block.raw, block.finish_reason = result.text, result.finish_reason
+            if result.finish_reason == "error":
+                block.error = result.error
+            else:
+                block.content = postprocess_content(block.type, result.text)
+            if result.finish_reason == "length":
+                page.warnings.append(f"block {i} ({block.type}) hit max_new_tokens")
+        if any(b.error for b in page.blocks):
+            page.status = "partial"
+
+    @staticmethod
+    def _finish(document: Document) -> Document:
+        for page in document.pages:
+            for key, value in page.timings.items():
+                document.timings[key] = document.timings.get(key, 0.0) + value
+        return document

@@ -1,0 +1,259 @@
+"""Replay traces: the exact outputs a parse must produce, and a builder from OmniDocBench.
+
+A trace file holds one JSON object per input document::
+
+    {"pages": [{"layout": "<raw layout-step text>",
+                "contents": ["<raw content-step text>" or null, ...]}, ...]}
+
+``pages[i]`` is the document's i-th page (0-based, whatever page range is parsed);
+``contents[j]`` is the raw output for the j-th block of the parsed layout, null for a block that
+is not read. Engines force these outputs token by token while computing everything in full, so a
+replayed parse costs what the real model producing that output costs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+from PIL import Image
+
+from .errors import TraceError
+from .protocol import NOT_READ_TYPES
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PageTrace", "Trace", "load_trace", "html_to_otsl", "build_omnidocbench_traces", "OMNIDOCBENCH_TYPES"]
+
+
+@dataclass
+class PageTrace:
+    """Outputs of one page: the layout text and one content text (or None) per parsed block."""
+
+    layout: str
+    contents: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    """Outputs of one document, page by page."""
+
+    pages: list[PageTrace]
+
+    def to_dict(self) -> dict:
+        return {"pages": [{"layout": p.layout, "contents": p.contents} for p in self.pages]}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1), encoding="utf-8")
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and validate a trace file.
+
+    Raises:
+        TraceError: unreadable file, invalid JSON, or a structure other than the schema above.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    pages = data.get("pages") if isinstance(data, dict) else None
+    if not isinstance(pages, list):
+        raise TraceError(f"{path}: expected an object with a 'pages' list")
+    out = []
+    for i, page in enumerate(pages):
+        layout, contents = (page.get("layout"), page.get("contents", [])) if isinstance(page, dict) else (None, None)
+        if not isinstance(layout, str) or not isinstance(contents, list):
+            raise TraceError(f"{path}: page {i} needs a 'layout' string and a 'contents' list")
+        if not all(c is None or isinstance(c, str) for c in contents):
+            raise TraceError(f"{path}: page {i} 'contents' must hold strings or nulls")
+        out.append(PageTrace(layout, contents))
+    return Trace(out)
+
+
+class _TableGrid(HTMLParser):
+    """Collects ``(rowspan, colspan, text)`` cells row by row from an HTML table."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.rows: list[list[tuple[int, int, str]]] = []
+        self._cell: list[str] | None = None
+        self._span = (1, 1)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            a = dict(attrs)
+            self._span = (_int(a.get("rowspan")), _int(a.get("colspan")))
+            self._cell = []
+            if not self.rows:
+                self.rows.append([])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None:
+            text = re.sub(r"\s+", " ", "".join(self._cell)).strip()
+            self.rows[-1].append((*self._span, text))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _int(value: str | None) -> int:
+    try:
+        return max(1, int(value or 1))
+    except ValueError:
+        return 1
+
+
+def html_table_cells(html_text: str) -> list[list[tuple[int, int, str]]]:
+    """Rows of ``(rowspan, colspan, text)`` of an HTML table (inner markup dropped)."""
+    parser = _TableGrid()
+    parser.feed(html_text)
+    return [row for row in parser.rows if row]
+
+
+def html_to_otsl(html_text: str) -> str:
+    """Convert an HTML table into OTSL, the output format of MinerU2.5's table step.
+
+    Spanned positions become ``<lcel>`` (same row), ``<ucel>`` (first column of the span, rows
+    below) or ``<xcel>`` (the rest); rows end with ``<nl>``; ragged rows are padded with ``<ecel>``.
+    """
+    rows = html_table_cells(html_text)
+    grid: dict[tuple[int, int], str] = {}
+    for r, row in enumerate(rows):
+        c = 0
+        for rowspan, colspan, text in row:
+            while (r, c) in grid:
+                c += 1
+            for dr in range(rowspan):
+                for dc in range(colspan):
+                    if dr == 0 and dc == 0:
+                        token = f"<fcel>{text}" if text else "<ecel>"
+                    else:
+                        token = "<lcel>" if dr == 0 else ("<ucel>" if dc == 0 else "<xcel>")
+                    grid.setdefault((r + dr, c + dc), token)
+            c += colspan
+    n_rows = max((r for r, _ in grid), default=-1) + 1
+    n_cols = max((c for _, c in grid), default=-1) + 1
+    return "".join("".join(grid.get((r, c), "<ecel>") for c in range(n_cols)) + "<nl>" for r in range(n_rows))
+
+
+# OmniDocBench category -> MinerU2.5 block type (None: not a block MinerU2.5 reports).
+OMNIDOCBENCH_TYPES: dict[str, str | None] = {
+    "title": "title",
+    "text_block": "text",
+    "equation_isolated": "equation",
+    "equation_caption": "text",
+    "figure": "image",
+    "figure_caption": "image_caption",
+    "figure_footnote": "image_footnote",
+    "table": "table",
+    "table_caption": "table_caption",
+    "table_footnote": "table_footnote",
+    "code_txt": "code",
+    "code_txt_caption": "code_caption",
+    "reference": "ref_text",
+    "header": "header",
+    "footer": "footer",
+    "page_number": "page_number",
+    "page_footnote": "page_footnote",
+    "abandon": None,
+    "text_mask": None,
+    "table_mask": None,
+    "need_mask": None,
+}
+_ROTATE_BY_ATTRIBUTE = {"rotate90": "<|rotate_right|>", "rotate180": "<|rotate_down|>", "rotate270": "<|rotate_left|>"}
+
+
+def _box_1000(poly: list[float], width: int, height: int) -> tuple[int, int, int, int]:
+    xs, ys = poly[0::2], poly[1::2]
+    x1, x2 = (min(max(round(v / width * 1000), 0), 1000) for v in (min(xs), max(xs)))
+    y1, y2 = (min(max(round(v / height * 1000), 0), 1000) for v in (min(ys), max(ys)))
+    if x2 <= x1:
+        x1, x2 = (x1 - 1, x1) if x1 > 0 else (0, 1)
+    if y2 <= y1:
+        y1, y2 = (y1 - 1, y1) if y1 > 0 else (0, 1)
+    return x1, y1, x2, y2
+
+
+def _content(block_type: str, det: dict) -> str | None:
+    if block_type in NOT_READ_TYPES:
+        return None
+    if block_type == "table":
+        return html_to_otsl(det.get("html") or "")
+    if block_type == "equation":
+        latex = (det.get("latex") or "").strip()
+        latex = latex[2:-2].strip() if latex.startswith("$$") and latex.endswith("$$") else latex
+        return f"\\[\n{latex}\n\\]"
+    return det.get("text") or ""
+
+
+def _reading_key(det: dict, height: int) -> tuple[float, float]:
+    """Annotated order first; unordered paratext goes first if in the top half, else last."""
+    if det.get("order") is not None:
+        return (float(det["order"]), 0.0)
+    top = min(det["poly"][1::2])
+    return (-1.0 if top < height / 2 else float("inf"), top)
+
+
+def page_trace_from_omnidocbench(page: dict, width: int, height: int) -> PageTrace:
+    """One OmniDocBench page annotation -> the layout and content outputs MinerU2.5 would give.
+
+    Boxes are scaled from the image's pixel size to 0..1000 (``page_info`` sizes are unreliable),
+    categories mapped with ``OMNIDOCBENCH_TYPES``, tables converted HTML -> OTSL, isolated
+    equations wrapped in ``\\[ \\]`` as the model writes them.
+    """
+    dets = [d for d in page["layout_dets"] if OMNIDOCBENCH_TYPES.get(d["category_type"]) and not d.get("ignore")]
+    dets.sort(key=lambda d: _reading_key(d, height))
+    lines, contents = [], []
+    for det in dets:
+        block_type = OMNIDOCBENCH_TYPES[det["category_type"]]
+        assert block_type is not None
+        x1, y1, x2, y2 = _box_1000(det["poly"], width, height)
+        rotate = _ROTATE_BY_ATTRIBUTE.get((det.get("attribute") or {}).get("text_rotate", ""), "<|rotate_up|>")
+        lines.append(
+            f"<|box_start|>{x1:03d} {y1:03d} {x2:03d} {y2:03d}<|box_end|><|ref_start|>{block_type}<|ref_end|>{rotate}"
+        )
+        contents.append(_content(block_type, det))
+    return PageTrace("\n".join(lines), contents)
+
+
+def build_omnidocbench_traces(annotations: str | Path, images: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write one trace per annotated page image: ``out_dir/<image stem>.json``.
+
+    Args:
+        annotations: OmniDocBench-format JSON (a list of ``{"page_info", "layout_dets"}``).
+        images: directory holding the page images named by ``page_info.image_path``.
+        out_dir: output directory (created).
+
+    Returns:
+        The written trace paths, in annotation order.
+
+    Raises:
+        TraceError: unreadable annotations or a missing image.
+    """
+    try:
+        pages = json.loads(Path(annotations).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TraceError(f"cannot read annotations {annotations}: {exc}") from exc
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for page in pages:
+        image_path = Path(images) / page["page_info"]["image_path"]
+        try:
+            with Image.open(image_path) as im:
+                width, height = im.size
+        except OSError as exc:
+            raise TraceError(f"cannot open page image {image_path}: {exc}") from exc
+        path = out / f"{image_path.stem}.json"
+        Trace([page_trace_from_omnidocbench(page, width, height)]).save(path)
+        written.append(path)
+    return written

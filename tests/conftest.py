@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny synthetic model and the optional ../shared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MINERU_FAST_SHARED", REPO.parent / "shared"))
+CORPUS = SHARED / "corpus"
+WORKLOAD = SHARED / "workloads" / "omnidocbench_demo"
+
+
+def need(path: Path) -> Path:
+    """Skip the calling test when third-party data is absent (it lives beside the clone)."""
+    if not path.exists():
+        pytest.skip(f"{path} not present (shared data is used by path, not shipped)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mineru_fast.synthetic import make_synthetic_model
+
+    return make_synthetic_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference_engine(tiny_model: Path):
+    from mineru_fast.engine.reference import ReferenceEngine
+
+    return ReferenceEngine(tiny_model, precision="fp32")
+
+
+@pytest.fixture(scope="session")
+def workload_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mineru_fast.traces import build_omnidocbench_traces
+
+    need(WORKLOAD)
+    out = tmp_path_factory.mktemp("traces")
+    build_omnidocbench_traces(WORKLOAD / "annotations.json", WORKLOAD / "images", out)
+    return out

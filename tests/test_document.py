@@ -1,0 +1,92 @@
+"""Tier 1: Markdown, content list and saved files of a hand-built Document."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from mineru_fast.document import Block, Document, Page, layout_overlay
+from mineru_fast.options import ParserOptions
+
+
+def sample_document() -> Document:
+    image = Image.new("RGB", (1000, 2000), "white")
+    blocks = [
+        Block("header", (0.1, 0.01, 0.9, 0.03), 0, "Journal of Tests"),
+        Block("title", (0.1, 0.05, 0.9, 0.08), 0, "Results"),
+        Block("text", (0.1, 0.1, 0.9, 0.2), 0, "First paragraph."),
+        Block("table_caption", (0.1, 0.21, 0.9, 0.23), 0, "Table 1: numbers"),
+        Block("table", (0.1, 0.24, 0.9, 0.4), 0, "<table><tr><td>1</td></tr></table>"),
+        Block("equation", (0.2, 0.45, 0.8, 0.5), 0, "E = mc^2"),
+        Block("image", (0.1, 0.55, 0.5, 0.8)),
+        Block("image_caption", (0.1, 0.81, 0.5, 0.83), 0, "Figure 1: a cat"),
+        Block("page_number", (0.45, 0.97, 0.55, 0.99), 0, "7"),
+    ]
+    page = Page(0, image.size, blocks, image=image)
+    return Document("paper", pages=[page])
+
+
+def test_markdown_follows_mineru_conventions_and_drops_paratext():
+    md = sample_document().to_markdown()
+    assert md == (
+        "# Results\n\nFirst paragraph.\n\nTable 1: numbers\n\n<table><tr><td>1</td></tr></table>\n\n"
+        "$$\nE = mc^2\n$$\n\n![](images/page0001_block006_image.jpg)\n\nFigure 1: a cat\n"
+    )
+
+
+def test_content_list_matches_mineru_format():
+    items = sample_document().to_content_list()
+    assert [i["type"] for i in items] == ["header", "text", "text", "table", "equation", "image", "page_number"]
+    title, table, equation, image = items[1], items[3], items[4], items[5]
+    assert title == {"type": "text", "text": "Results", "text_level": 1, "bbox": [100, 50, 900, 80], "page_idx": 0}
+    assert table["table_caption"] == ["Table 1: numbers"] and table["table_footnote"] == []
+    assert table["table_body"] == "<table><tr><td>1</td></tr></table>"
+    assert table["img_path"] == "images/page0001_block004_table.jpg"
+    assert equation["text"] == "$$\nE = mc^2\n$$" and equation["text_format"] == "latex"
+    assert image["image_caption"] == ["Figure 1: a cat"]
+    assert items[0]["text"] == "Journal of Tests"
+
+
+def test_save_writes_markdown_json_crops_and_overlay(tmp_path):
+    doc = sample_document()
+    out = doc.save(tmp_path / "paper")
+    assert (out / "paper.md").read_text() == doc.to_markdown()
+    assert json.loads((out / "paper_content_list.json").read_text()) == doc.to_content_list()
+    assert json.loads((out / "paper.json").read_text())["status"] == "success"
+    crops = sorted(p.name for p in (out / "images").iterdir())
+    assert crops == ["page0001_block004_table.jpg", "page0001_block005_equation.jpg", "page0001_block006_image.jpg"]
+    assert Image.open(out / "images" / "page0001_block004_table.jpg").size == (800, 320)
+    assert Image.open(out / "layout" / "page_0001.png").size == (1000, 2000)
+
+
+def test_overlay_draws_boxes_on_the_page():
+    overlay = layout_overlay(sample_document().pages[0])
+    assert overlay.getpixel((100, 480)) != (255, 255, 255)  # table box outline
+    assert overlay.getpixel((950, 1500)) == (255, 255, 255)  # outside every box
+
+
+def test_status_reflects_page_failures():
+    doc = sample_document()
+    doc.pages.append(Page(1, status="failure", errors=["CorruptDocument: bad page"]))
+    assert doc.status == "partial"
+    assert Document("x", pages=[Page(0, status="failure")]).status == "failure"
+    assert Document("x", errors=["InputError: nope"]).status == "failure"
+
+
+def test_document_renders_as_markdown_in_notebooks():
+    doc = sample_document()
+    assert doc._repr_markdown_() == doc.to_markdown()
+
+
+def test_options_validate_and_presets_apply():
+    assert ParserOptions.preset("exact").precision == "fp32"
+    assert ParserOptions(max_new_tokens={"layout": 8}).sampling("layout").max_new_tokens == 8
+    assert ParserOptions(max_new_tokens={"text": 9}).sampling("title").max_new_tokens == 9
+    assert ParserOptions().sampling("table").max_new_tokens == 8192
+    for bad in ({"precision": "fp8"}, {"threads": 0}, {"max_new_tokens": {"chart": 3}}, {"engine": "vllm"}):
+        with pytest.raises(ValueError):
+            ParserOptions(**bad)
+    with pytest.raises(ValueError, match="unknown preset"):
+        ParserOptions.preset("turbo")

@@ -1,0 +1,166 @@
+"""Tier 1: reading documents (synthetic files made here; corpus files where present)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from conftest import CORPUS, need
+from PIL import Image
+from samples import image_bytes, pdf_bytes, text_page
+
+from mineru_fast.errors import (
+    CorruptDocument,
+    ImageTooLarge,
+    InputError,
+    PageRangeError,
+    PasswordRequired,
+    UnsupportedFormat,
+)
+from mineru_fast.inputs import open_document, parse_page_range, to_rgb
+
+
+def test_page_ranges():
+    assert parse_page_range("1-3,5", 10) == [0, 1, 2, 4]
+    assert parse_page_range("3,1,3", 4) == [0, 2]
+    assert parse_page_range("8-", 10) == [7, 8, 9]
+    assert parse_page_range(None, 3) == [0, 1, 2]
+    for bad in ("0", "4", "2-1", "a-b", "1,,x"):
+        with pytest.raises(PageRangeError):
+            parse_page_range(bad, 3)
+
+
+def test_pdf_renders_at_200_dpi_with_page_selection(tmp_path):
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(pdf_bytes(3))  # 850x1100 px pages at 100 dpi = 612x792 pt
+    with open_document(path, pages="2-3") as doc:
+        assert (doc.name, doc.format, doc.page_count, doc.page_indices) == ("doc", "pdf", 3, [1, 2])
+        page = doc.render(1)
+    assert page.mode == "RGB" and page.size == (1700, 2200)
+
+
+def test_pdf_long_side_is_capped(tmp_path):
+    with open_document(pdf_bytes(1), max_side=1000) as doc:
+        assert max(doc.render(0).size) == 1000
+
+
+def test_format_comes_from_content_not_name(tmp_path):
+    png_named_pdf = tmp_path / "really_a_png.pdf"
+    png_named_pdf.write_bytes(image_bytes(text_page(), "PNG"))
+    with open_document(png_named_pdf) as doc:
+        assert doc.format == "PNG"
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (b"", CorruptDocument),
+        (bytes(range(256)) * 40, UnsupportedFormat),
+        (pdf_bytes(1)[:400], CorruptDocument),
+    ],
+    ids=["zero-bytes", "random-binary", "truncated-pdf"],
+)
+def test_bad_files_raise_typed_errors(tmp_path, data, error):
+    path = tmp_path / "bad.pdf"
+    path.write_bytes(data)
+    with pytest.raises(error) as info:
+        open_document(path)
+    assert "bad" in str(info.value)
+    assert isinstance(info.value, InputError)
+
+
+def test_missing_file_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        open_document(tmp_path / "nope.pdf")
+
+
+def test_encrypted_pdf_needs_password():
+    path = need(CORPUS / "password_required_pw-1234.pdf")
+    with pytest.raises(PasswordRequired, match="--password"):
+        open_document(path)
+    with pytest.raises(PasswordRequired, match="wrong"):
+        open_document(path, password="nope")
+    with open_document(path, password="1234") as doc:
+        assert doc.page_count == 1
+        assert doc.render(0).size == (1700, 2200)
+
+
+def test_empty_user_password_opens_without_one():
+    with open_document(need(CORPUS / "encrypted_aes128_empty_userpw.pdf")) as doc:
+        assert doc.page_count == 1
+
+
+def test_page_rotate_is_honoured():
+    with open_document(need(CORPUS / "slides_table_3p_rotate270.pdf")) as doc:
+        width, height = doc.render(0).size
+    assert width > height  # portrait MediaBox shown landscape
+
+
+def test_multi_frame_tiff_gives_one_page_per_frame():
+    frames = [Image.new("RGB", (60, 40), c) for c in ("red", "green", "blue")]
+    data = image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    with open_document(data, pages="2-3") as doc:
+        assert doc.page_count == 3
+        assert [doc.render(i).getpixel((5, 5)) for i in doc.page_indices] == [(0, 128, 0), (0, 0, 255)]
+
+
+def test_cmyk_converts_to_rgb():
+    cmyk = Image.new("CMYK", (10, 10), (0, 255, 255, 0))  # pure red in CMYK
+    with open_document(image_bytes(cmyk, "JPEG", quality=100)) as doc:
+        r, g, b = doc.render(0).getpixel((5, 5))
+    assert r > 230 and g < 30 and b < 30
+
+
+def test_sixteen_bit_gray_scales_to_eight_bits():
+    values = np.array([[0, 32768, 65535]], dtype=np.uint16)
+    image = Image.frombytes("I;16", (values.shape[1], 1), values.astype("<u2").tobytes())
+    rgb = to_rgb(image)
+    assert [rgb.getpixel((x, 0)) for x in range(3)] == [(0, 0, 0), (128, 128, 128), (255, 255, 255)]
+
+
+def test_alpha_and_palette_transparency_become_white():
+    rgba = Image.new("RGBA", (4, 4), (0, 0, 0, 0))
+    rgba.putpixel((0, 0), (10, 20, 30, 255))
+    rgb = to_rgb(rgba)
+    assert rgb.getpixel((1, 1)) == (255, 255, 255) and rgb.getpixel((0, 0)) == (10, 20, 30)
+    palette = Image.new("P", (4, 4), 0)
+    palette.putpalette([0, 0, 0, 200, 0, 0])
+    palette.info["transparency"] = 0
+    assert to_rgb(palette).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_sixteen_bit_trns_pixels_become_white():
+    values = np.array([[255, 1000]], dtype=np.uint16)
+    image = Image.frombytes("I;16", (values.shape[1], 1), values.astype("<u2").tobytes())
+    image.info["transparency"] = 255
+    assert to_rgb(image).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_exif_orientation_is_applied():
+    image = Image.new("RGB", (40, 20), "white")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    with open_document(image_bytes(image, "JPEG", exif=exif)) as doc:
+        assert doc.render(0).size == (20, 40)
+
+
+def test_pixel_limit_refuses_decompression_bombs():
+    with pytest.raises(ImageTooLarge, match="limit"):
+        open_document(image_bytes(Image.new("L", (400, 300)), "PNG"), max_pixels=100_000)
+
+
+def test_huge_images_are_downscaled_to_max_side():
+    with open_document(image_bytes(Image.new("RGB", (5000, 1000), "white"), "PNG"), max_side=3500) as doc:
+        assert doc.render(0).size == (3500, 700)
+
+
+def test_pil_image_source_is_one_page():
+    with open_document(Image.new("LA", (30, 20))) as doc:
+        assert doc.page_count == 1 and doc.render(0).mode == "RGB"
+
+
+def test_truncated_image_is_corrupt():
+    data = image_bytes(text_page(), "PNG")
+    with pytest.raises(CorruptDocument):
+        open_document(io.BytesIO(data[: len(data) // 2]).getvalue())

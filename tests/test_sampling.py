@@ -1,0 +1,70 @@
+"""Tier 1: batched decoding rules against brute-force definitions and transformers."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import NoRepeatNGramLogitsProcessor
+
+from mineru_fast.engine.sampling import BatchLogitsProcessor, NGramBlocker
+from mineru_fast.protocol import SamplingParams
+
+
+def brute_force_banned(tokens: list[int], n: int) -> set[int]:
+    """Tokens t such that tokens[-(n-1):] + [t] already occurs as an n-gram."""
+    if len(tokens) < n - 1:
+        return set()
+    tail = tokens[len(tokens) - (n - 1) :]
+    return {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i : i + n - 1] == tail}
+
+
+def test_ngram_blocker_matches_brute_force_on_repetitive_sequences():
+    rng = random.Random(0)
+    for n in (1, 2, 3, 5):
+        blocker, tokens = NGramBlocker(n), []
+        for _ in range(300):
+            assert blocker.banned() == brute_force_banned(tokens, n)
+            token = rng.choice([1, 2, 3])  # tiny alphabet: many repeats
+            blocker.append(token)
+            tokens.append(token)
+
+
+def test_ngram_blocker_agrees_with_transformers_on_generated_tokens():
+    rng = random.Random(1)
+    tokens = [rng.randrange(6) for _ in range(200)]
+    n, vocab = 4, 6
+    blocker = NGramBlocker(n)
+    reference = NoRepeatNGramLogitsProcessor(n)
+    for step in range(len(tokens)):
+        scores = reference(torch.tensor([tokens[:step]]), torch.zeros(1, vocab))
+        assert blocker.banned() == set(torch.nonzero(scores[0] == -torch.inf).flatten().tolist())
+        blocker.append(tokens[step])
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    params = SamplingParams(presence_penalty=1.0, frequency_penalty=0.05, no_repeat_ngram_size=0)
+    rules = BatchLogitsProcessor([params, SamplingParams(no_repeat_ngram_size=0)], [None, None], vocab_size=5)
+    for tokens in ([2, 0], [2, 0], [3, 0]):  # row 0 generates 2, 2, 3; row 1 generates 0, 0, 0
+        rules.observe(tokens)
+    logits = rules(torch.zeros(2, 5))
+    assert torch.allclose(logits[0], torch.tensor([0.0, 0.0, -1.10, -1.05, 0.0]))
+    assert torch.equal(logits[1], torch.zeros(5))  # no penalties configured on row 1
+
+
+def test_forcing_overrides_bans_and_then_releases():
+    params = SamplingParams(no_repeat_ngram_size=1)  # n=1 bans every generated token
+    rules = BatchLogitsProcessor([params], [[4, 4]], vocab_size=6)
+    for _ in range(2):
+        logits = rules(torch.randn(1, 6))
+        assert int(logits.argmax()) == 4 and torch.isinf(logits).sum() == 5
+        rules.observe([4])
+    free = rules(torch.zeros(1, 6))
+    assert free[0, 4] == -torch.inf and torch.isinf(free).sum() == 1
+
+
+def test_reset_row_clears_history():
+    rules = BatchLogitsProcessor([SamplingParams(presence_penalty=2.0)], [None], vocab_size=3)
+    rules.observe([1])
+    rules.reset_row(0, SamplingParams(), None)
+    assert torch.equal(rules(torch.zeros(1, 3)), torch.zeros(1, 3))
