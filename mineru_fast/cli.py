@@ -44,8 +44,13 @@ def _build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="reference", help="options preset")
     p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
-    p.add_argument("--max-new-tokens", type=_max_new_tokens, default={}, metavar="TASK=N,...",
-                   help=f"per-task generation bounds, tasks {', '.join(TASKS)}")  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens",
+        type=_max_new_tokens,
+        default={},
+        metavar="TASK=N,...",
+        help=f"per-task generation bounds, tasks {', '.join(TASKS)}",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
@@ -125,7 +130,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mineru-fast`` console script; returns the exit status."""
     args = _build_argparser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
+    )
     commands = {"parse": _cmd_parse, "synth-model": _cmd_synth_model, "trace": _cmd_trace}
     try:
         return commands[args.command](args)

@@ -112,6 +112,13 @@ class Page:
         }
 
 
+def _distance(bbox: tuple[float, float, float, float], point: tuple[float, float]) -> float:
+    """L1 distance from a point to a box (0 inside)."""
+    x1, y1, x2, y2 = bbox
+    x, y = point
+    return max(x1 - x, 0, x - x2) + max(y1 - y, 0, y - y2)
+
+
 def _attach_captions(blocks: list[Block]) -> tuple[list[int], dict[int, list[int]]]:
     """Group caption/footnote blocks with the nearest body of their kind on the page.
 
@@ -128,13 +135,9 @@ def _attach_captions(blocks: list[Block]) -> tuple[list[int], dict[int, list[int
         if not owners:
             items.append(i)
             continue
-        cx, cy = (block.bbox[0] + block.bbox[2]) / 2, (block.bbox[1] + block.bbox[3]) / 2
-
-        def distance(j: int) -> float:
-            x1, y1, x2, y2 = blocks[j].bbox
-            return max(x1 - cx, 0, cx - x2) + max(y1 - cy, 0, cy - y2)
-
-        attached.setdefault(min(owners, key=distance), []).append(i)
+        center = ((block.bbox[0] + block.bbox[2]) / 2, (block.bbox[1] + block.bbox[3]) / 2)
+        nearest = min(owners, key=lambda j, c=center: _distance(blocks[j].bbox, c))
+        attached.setdefault(nearest, []).append(i)
     return items, attached
 
 
@@ -251,7 +254,9 @@ class Document:
         (out / f"{self.name}.md").write_text(self.to_markdown(), encoding="utf-8")
         content_list = json.dumps(self.to_content_list(), ensure_ascii=False, indent=2)
         (out / f"{self.name}_content_list.json").write_text(content_list, encoding="utf-8")
-        (out / f"{self.name}.json").write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2), encoding="utf-8")
+        (out / f"{self.name}.json").write_text(
+            json.dumps(self.to_dict(), ensure_ascii=False, indent=2), encoding="utf-8"
+        )
         for page in self.pages:
             if page.image is None:
                 continue

@@ -15,7 +15,6 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -24,7 +23,7 @@ from .errors import CorruptDocument, ImageTooLarge, InputError, PageRangeError, 
 
 logger = logging.getLogger(__name__)
 
-Source = Union[str, Path, bytes, bytearray, Image.Image]
+Source = str | Path | bytes | bytearray | Image.Image
 
 DEFAULT_DPI = 200
 DEFAULT_MAX_SIDE = 3500

@@ -206,7 +206,7 @@ class DocumentParser:
             targets.append(i)
         results = self.engine.generate(requests)
         _add_timings(page.timings, results)
-        for i, result in zip(targets, results):
+        for i, result in zip(targets, results, strict=True):
             block = page.blocks[i]
             block.raw, block.finish_reason = result.text, result.finish_reason
             if result.finish_reason == "error":

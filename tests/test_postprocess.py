@@ -18,14 +18,16 @@ def test_otsl_spans_become_rowspan_and_colspan():
 
 def test_otsl_block_span_with_xcel():
     otsl = "<fcel>big<lcel><fcel>r<nl><ucel><xcel><fcel>s<nl>"
-    assert otsl_to_html(otsl) == '<table><tr><td rowspan="2" colspan="2">big</td><td>r</td></tr><tr><td>s</td></tr></table>'
+    assert (
+        otsl_to_html(otsl)
+        == '<table><tr><td rowspan="2" colspan="2">big</td><td>r</td></tr><tr><td>s</td></tr></table>'
+    )
 
 
 def test_otsl_ragged_rows_are_padded_and_text_escaped():
     html = otsl_to_html("<fcel>a<b & c><nl><fcel>1<fcel>2<fcel>3<nl>")
     assert html == (
-        "<table><tr><td>a&lt;b &amp; c&gt;</td><td></td><td></td></tr>"
-        "<tr><td>1</td><td>2</td><td>3</td></tr></table>"
+        "<table><tr><td>a&lt;b &amp; c&gt;</td><td></td><td></td></tr><tr><td>1</td><td>2</td><td>3</td></tr></table>"
     )
 
 

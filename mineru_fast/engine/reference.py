@@ -125,13 +125,17 @@ class ReferenceEngine:
         self.vocab_size = self.model.config.text_config.vocab_size
 
     def encode(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
-        """Model inputs of one request: ``input_ids`` ``[1, L]``, ``attention_mask`` ``[1, L]``,
-        ``pixel_values`` ``[patches, 3*2*14*14]`` float32, ``image_grid_thw`` ``[1, 3]``."""
+        """Model inputs of one request, as ``Qwen2VLProcessor`` returns them: ``input_ids``,
+        ``attention_mask`` and ``mm_token_type_ids`` ``[1, L]`` (1 marks image tokens; without it
+        transformers silently falls back to 1-D positions instead of M-RoPE), ``pixel_values``
+        ``[patches, 3*2*14*14]`` float32, ``image_grid_thw`` ``[1, 3]``."""
         image = self.image_processor(images=[request.image], return_tensors="pt")
         merge = self.image_processor.merge_size
         n_image_tokens = int(image["image_grid_thw"].prod()) // (merge * merge)
         text = build_prompt(request.prompt).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
         tokens = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        image_token_id = self.model.config.image_token_id
+        tokens["mm_token_type_ids"] = (tokens["input_ids"] == image_token_id).to(torch.int32)
         return {**tokens, "pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"]}
 
     def forced_ids(self, text: str) -> list[int]:
