@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
-from .options import PRECISIONS, PRESETS, TASKS, ParserOptions
+from .options import PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
 
 EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -42,8 +42,10 @@ def _build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
     p.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="reference", help="options preset")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
     p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
+    p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
     p.add_argument(
         "--max-new-tokens",
         type=_max_new_tokens,
@@ -86,6 +88,10 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         overrides["threads"] = args.threads
     if args.precision is not None:
         overrides["precision"] = args.precision
+    if args.quantization is not None:
+        overrides.update(vision_quant=args.quantization, lm_quant=args.quantization, lm_head_quant=args.quantization)
+    if args.vision_mode is not None:
+        overrides["vision_mode"] = args.vision_mode
     try:
         options = ParserOptions.preset(args.preset, **overrides)
     except ValueError as exc:

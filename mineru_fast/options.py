@@ -1,4 +1,4 @@
-"""``ParserOptions``: every knob of a ``DocumentParser`` in one validated object."""
+"""``ParserOptions``: every knob of a ``DocumentParser`` in one validated object, with presets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from dataclasses import dataclass, field, replace
 from .inputs import DEFAULT_DPI, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
 from .protocol import LAYOUT_TASK, SamplingParams, sampling_for
 
-ENGINES = ("reference",)
+ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "bf16")
+QUANTIZATIONS = ("none", "int8-dynamic", "int8-weight-only")
+VISION_MODES = ("eager", "trace", "compile")
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
 
 __all__ = ["ParserOptions", "PRESETS"]
@@ -19,19 +21,33 @@ class ParserOptions:
     """Options of a ``DocumentParser``; invalid values raise ``ValueError`` at construction.
 
     Attributes:
-        engine: inference engine; ``"reference"`` is transformers' ``generate`` at batch 1.
-        precision: ``"bf16"`` (the checkpoint's dtype) or ``"fp32"``.
-        threads: intra-op threads for torch; None keeps torch's default (physical cores).
-        dpi: PDF render resolution.
-        max_side: longest page side in pixels after rendering or loading.
-        max_image_pixels: inputs above this many pixels are refused (decompression-bomb guard).
-        max_new_tokens: per-task bound on generated tokens, overriding the defaults of
-            ``protocol.SAMPLING``; keys ``"layout"``, ``"text"``, ``"table"``, ``"equation"``.
+        engine: ``"fast"`` (this package's own model code, batched) or ``"reference"``
+            (transformers ``generate`` at batch 1, as the official client runs it).
+        precision: float dtype of weights and activations, ``"fp32"`` or ``"bf16"``.
+        vision_quant / lm_quant / lm_head_quant: ``"none"``, ``"int8-dynamic"`` or
+            ``"int8-weight-only"`` for the vision linears, the LM linears and the LM head (fast
+            engine only).
+        vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
+            ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
+        slots: sequences decoded together by the fast engine (its KV buffers hold this many).
+        max_seq_len: prompt + generated tokens per slot (fast engine KV buffer length).
+        page_window: pages whose layout passes, then whose crops, are batched together.
+        threads: intra-op threads; None = the physical cores available to the process.
+        dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
+        max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
+            ``"text"``, ``"table"``, ``"equation"``.
         progress: show a tqdm progress bar over pages.
     """
 
-    engine: str = "reference"
-    precision: str = "bf16"
+    engine: str = "fast"
+    precision: str = "fp32"
+    vision_quant: str = "int8-dynamic"
+    lm_quant: str = "int8-dynamic"
+    lm_head_quant: str = "int8-dynamic"
+    vision_mode: str = "eager"
+    slots: int = 16
+    max_seq_len: int = 6144
+    page_window: int = 4
     threads: int | None = None
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
@@ -40,13 +56,20 @@ class ParserOptions:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        choices = {
+            "engine": ENGINES,
+            "precision": PRECISIONS,
+            "vision_quant": QUANTIZATIONS,
+            "lm_quant": QUANTIZATIONS,
+            "lm_head_quant": QUANTIZATIONS,
+            "vision_mode": VISION_MODES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        for name in ("dpi", "max_side", "max_image_pixels"):
+        for name in ("slots", "max_seq_len", "page_window", "dpi", "max_side", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for task, bound in self.max_new_tokens.items():
@@ -75,9 +98,17 @@ class ParserOptions:
         return replace(PRESETS[name], **overrides)
 
 
+_FLOAT = {"vision_quant": "none", "lm_quant": "none", "lm_head_quant": "none"}
+
 PRESETS: dict[str, ParserOptions] = {
-    # transformers in fp32: the numerically exact baseline.
-    "exact": ParserOptions(engine="reference", precision="fp32"),
-    # transformers in bf16, as the official client runs it on CPU.
-    "reference": ParserOptions(engine="reference", precision="bf16"),
+    # The fast engine's measured best on CPU (see benchmarks/README.md).
+    "fast": ParserOptions(),
+    # Fast engine, float32, no quantization: the same tokens as the reference engine.
+    "exact": ParserOptions(precision="fp32", **_FLOAT),
+    # Fast engine, bfloat16 weights and activations.
+    "bf16": ParserOptions(precision="bf16", **_FLOAT),
+    # transformers generate at batch 1 in bf16, as MinerU's official client runs it.
+    "reference": ParserOptions(engine="reference", precision="bf16", page_window=1, **_FLOAT),
+    # The same in float32.
+    "reference-fp32": ParserOptions(engine="reference", precision="fp32", page_window=1, **_FLOAT),
 }

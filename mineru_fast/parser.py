@@ -68,15 +68,11 @@ class DocumentParser:
         Raises:
             ModelLoadError: the model cannot be found or loaded (the message says how to fix it).
         """
-        import torch
-
-        from .engine.reference import ReferenceEngine
+        from .engine.factory import build_engine
 
         options = options or ParserOptions()
-        if options.threads is not None:
-            torch.set_num_threads(options.threads)
         model_dir = resolve_model(path_or_id)
-        engine = ReferenceEngine(model_dir, precision=options.precision)
+        engine = build_engine(model_dir, options)
         return cls(engine, options, model_dir)
 
     def parse(
@@ -105,22 +101,29 @@ class DocumentParser:
             TraceError: the replay trace is unreadable or has fewer pages than the document.
         """
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
+        start = time.perf_counter()
         if isinstance(source, list):
             document = Document("document")
             for i, image in enumerate(source):
                 with open_document(image, **self._input_limits()) as opened:
-                    document.pages.append(self._parse_page(opened, 0, self._page_trace(trace, i), page_index=i))
-            return self._finish(document)
+                    page = self._render(opened, 0, page_index=i)
+                self._run_pages([(page, self._page_trace(trace, i))])
+                document.pages.append(page)
+            return self._finish(document, start)
         with open_document(source, pages=pages, password=password, **self._input_limits()) as opened:
             if trace is not None and len(trace.pages) < opened.page_count:
                 raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
             document = Document(opened.name)
             progress = self._progress(len(opened.page_indices), opened.name)
-            for index in opened.page_indices:
-                document.pages.append(self._parse_page(opened, index, self._page_trace(trace, index)))
-                progress.update(1)
+            window = self.options.page_window
+            for first in range(0, len(opened.page_indices), window):
+                indices = opened.page_indices[first : first + window]
+                batch = [(self._render(opened, i), self._page_trace(trace, i)) for i in indices]
+                self._run_pages(batch)
+                document.pages.extend(page for page, _ in batch)
+                progress.update(len(indices))
             progress.close()
-        return self._finish(document)
+        return self._finish(document, start)
 
     def parse_many(self, sources: Iterable[Source], **kwargs: object) -> Iterator[Document]:
         """Parse documents one after another, yielding each when done (bounded memory).
@@ -152,61 +155,78 @@ class DocumentParser:
             raise TraceError(f"trace has no page {index + 1}")
         return trace.pages[index]
 
-    def _parse_page(
-        self, opened: OpenedDocument, index: int, trace: PageTrace | None, page_index: int | None = None
-    ) -> Page:
+    @staticmethod
+    def _render(opened: OpenedDocument, index: int, page_index: int | None = None) -> Page:
         page = Page(index if page_index is None else page_index)
         start = time.perf_counter()
         try:
-            image = opened.render(index)
+            page.image = opened.render(index)
+            page.size = page.image.size
         except InputError as exc:
             page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
-            return page
-        page.image, page.size = image, image.size
         page.timings["render"] = time.perf_counter() - start
-        try:
-            self._layout_and_content(page, trace)
-        except Exception as exc:  # a broken page fails alone; the document goes on
-            logger.exception("page %d failed", page.index + 1)
-            page.status, page.errors = "failure", page.errors + [f"{type(exc).__name__}: {exc}"]
-        page.timings["total"] = time.perf_counter() - start
         return page
 
-    def _layout_and_content(self, page: Page, trace: PageTrace | None) -> None:
-        assert page.image is not None
-        layout_request = GenerationRequest(
-            layout_image(page.image),
-            prompt_for(LAYOUT_TASK),
-            self.options.sampling(LAYOUT_TASK),
-            forced_text=trace.layout if trace else None,
-        )
-        (layout,) = self.engine.generate([layout_request])
-        _add_timings(page.timings, [layout])
-        if layout.finish_reason == "error":
-            raise RuntimeError(f"layout step failed: {layout.error}")
-        page.layout_raw = layout.text
-        blocks, page.warnings = parse_layout(layout.text)
-        if layout.finish_reason == "length":
-            page.warnings.append("layout output hit max_new_tokens; later blocks may be missing")
-        if trace is not None and len(trace.contents) != len(blocks):
-            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
-        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
+    def _run_pages(self, batch: list[tuple[Page, PageTrace | None]]) -> None:
+        """Layout and content steps for a window of rendered pages, batched across the window.
 
+        If the batch fails as a whole, each page is retried alone, so a broken page fails alone.
+        """
+        batch = [(page, trace) for page, trace in batch if page.image is not None]
+        if not batch:
+            return
+        try:
+            self._layout_and_content(batch)
+        except Exception as exc:  # a broken page fails alone; the document goes on
+            if len(batch) > 1:
+                for item in batch:
+                    self._run_pages([item])
+                return
+            page = batch[0][0]
+            logger.exception("page %d failed", page.index + 1)
+            page.status, page.errors = "failure", page.errors + [f"{type(exc).__name__}: {exc}"]
+            page.blocks = []
+        for page, _ in batch:
+            stages = ("render", "vision", "prefill", "decode")
+            page.timings["total"] = sum(page.timings.get(k, 0.0) for k in stages)
+
+    def _layout_and_content(self, batch: list[tuple[Page, PageTrace | None]]) -> None:
+        layout_requests = [
+            GenerationRequest(
+                layout_image(page.image),  # type: ignore[arg-type]
+                prompt_for(LAYOUT_TASK),
+                self.options.sampling(LAYOUT_TASK),
+                forced_text=trace.layout if trace else None,
+            )
+            for page, trace in batch
+        ]
+        layouts = self.engine.generate(layout_requests)
         requests, targets = [], []
-        for i, block in enumerate(blocks):
-            if block.type in NOT_READ_TYPES:
-                continue
-            crop = crop_block(page.image, block)
-            if crop is None:
-                page.blocks[i].error = "block is smaller than one pixel"
-                continue
-            task = task_of(block.type)
-            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
-            requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
-            targets.append(i)
+        for (page, trace), layout in zip(batch, layouts, strict=True):
+            _add_timings(page.timings, [layout])
+            if layout.finish_reason == "error":
+                raise RuntimeError(f"layout step failed on page {page.index + 1}: {layout.error}")
+            page.layout_raw = layout.text
+            blocks, page.warnings = parse_layout(layout.text)
+            if layout.finish_reason == "length":
+                page.warnings.append("layout output hit max_new_tokens; later blocks may be missing")
+            if trace is not None and len(trace.contents) != len(blocks):
+                page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
+            page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
+            for i, block in enumerate(blocks):
+                if block.type in NOT_READ_TYPES:
+                    continue
+                crop = crop_block(page.image, block)  # type: ignore[arg-type]
+                if crop is None:
+                    page.blocks[i].error = "block is smaller than one pixel"
+                    continue
+                task = task_of(block.type)
+                forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
+                requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
+                targets.append((page, i))
         results = self.engine.generate(requests)
-        _add_timings(page.timings, results)
-        for i, result in zip(targets, results, strict=True):
+        for (page, i), result in zip(targets, results, strict=True):
+            _add_timings(page.timings, [result])
             block = page.blocks[i]
             block.raw, block.finish_reason = result.text, result.finish_reason
             if result.finish_reason == "error":
@@ -215,12 +235,14 @@ class DocumentParser:
                 block.content = postprocess_content(block.type, result.text)
             if result.finish_reason == "length":
                 page.warnings.append(f"block {i} ({block.type}) hit max_new_tokens")
-        if any(b.error for b in page.blocks):
-            page.status = "partial"
+        for page, _ in batch:
+            if any(b.error for b in page.blocks):
+                page.status = "partial"
 
     @staticmethod
-    def _finish(document: Document) -> Document:
+    def _finish(document: Document, start: float) -> Document:
         for page in document.pages:
             for key, value in page.timings.items():
                 document.timings[key] = document.timings.get(key, 0.0) + value
+        document.timings["wall"] = time.perf_counter() - start
         return document

@@ -82,6 +82,8 @@ def test_document_renders_as_markdown_in_notebooks():
 
 def test_options_validate_and_presets_apply():
     assert ParserOptions.preset("exact").precision == "fp32"
+    assert ParserOptions.preset("exact").lm_quant == "none" and ParserOptions.preset("exact").engine == "fast"
+    assert ParserOptions.preset("reference").engine == "reference"
     assert ParserOptions(max_new_tokens={"layout": 8}).sampling("layout").max_new_tokens == 8
     assert ParserOptions(max_new_tokens={"text": 9}).sampling("title").max_new_tokens == 9
     assert ParserOptions().sampling("table").max_new_tokens == 8192

@@ -14,7 +14,8 @@ from samples import pdf_bytes
 
 from mineru_fast import DocumentParser, ParserOptions
 from mineru_fast.cli import main
-from mineru_fast.protocol import PARATEXT_TYPES, parse_layout
+from mineru_fast.inputs import open_document
+from mineru_fast.protocol import PARATEXT_TYPES, layout_image, parse_layout
 from mineru_fast.traces import html_table_cells, load_trace
 
 # Random weights never emit a valid layout, so bounding the layout step keeps each page short.
@@ -108,17 +109,21 @@ def test_bad_page_fails_alone(parser, tmp_path):
     doc = parser.parse(path, pages="1-2")
     assert [p.status for p in doc.pages] == ["success", "success"]
 
-    class BrokenOnce:
-        def __init__(self, engine):
-            self.engine, self.calls = engine, 0
+    with open_document(path) as opened:
+        first_layout = layout_image(opened.render(0)).tobytes()
+
+    class BrokenOnPage:
+        """Raises on any batch holding page 1's layout request (the window, then page 1 alone)."""
+
+        def __init__(self, engine, poison):
+            self.engine, self.poison = engine, poison
 
         def generate(self, requests):
-            self.calls += 1
-            if self.calls == 1:
+            if any(r.image.tobytes() == self.poison for r in requests):
                 raise RuntimeError("engine blew up")
             return self.engine.generate(requests)
 
-    broken = DocumentParser(BrokenOnce(parser.engine), parser.options, parser.model_dir)
+    broken = DocumentParser(BrokenOnPage(parser.engine, first_layout), parser.options, parser.model_dir)
     doc = broken.parse(path)
     assert [p.status for p in doc.pages] == ["failure", "success"]
     assert "engine blew up" in doc.pages[0].errors[0] and doc.status == "partial"

@@ -82,10 +82,10 @@ def test_replay_reproduces_the_trace_exactly(reference_engine, crop):
     (result,) = reference_engine.generate([GenerationRequest(crop, prompt_for("layout"), rules, forced_text=text)])
     assert result.text == text
     assert result.finish_reason == "stop"
-    assert result.token_ids == reference_engine.forced_ids(text)
+    assert result.token_ids == reference_engine.preprocessor.forced_ids(text)
     short = SamplingParams(max_new_tokens=5)
     (cut,) = reference_engine.generate([GenerationRequest(crop, prompt_for("layout"), short, forced_text=text)])
-    assert cut.finish_reason == "length" and cut.token_ids == reference_engine.forced_ids(text)[:5]
+    assert cut.finish_reason == "length" and cut.token_ids == reference_engine.preprocessor.forced_ids(text)[:5]
 
 
 def test_timings_split_into_vision_prefill_decode(reference_engine, crop):

@@ -4,11 +4,7 @@
 decoding rules added as a logits processor (``sampling.BatchLogitsProcessor``). It is the
 correctness reference of the fast engine and the benchmark's baseline.
 
-The image processor and tokenizer are loaded separately (``AutoImageProcessor``,
-``AutoTokenizer``) rather than through ``AutoProcessor``: in transformers 5 the Qwen2-VL processor
-also builds a video processor, which needs torchvision, and no torchvision release installs beside
-the CPU build of torch 2.13. The token sequence is the same: the prompt's single ``<|image_pad|>``
-is expanded to ``grid_t * grid_h * grid_w / merge_size**2`` copies, as the processor does.
+Inputs come from ``preprocess.Preprocessor`` (the checkpoint's tokenizer and image processor).
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..protocol import END_TOKENS, build_prompt
 from .base import GenerationRequest, GenerationResult
+from .preprocess import Preprocessor
 from .sampling import BatchLogitsProcessor
 
 logger = logging.getLogger(__name__)
@@ -99,29 +95,25 @@ class ReferenceEngine:
     """
 
     def __init__(self, model_dir: str | Path, precision: str = "bf16") -> None:
-        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+        from transformers import Qwen2VLForConditionalGeneration
         from transformers import logging as hf_logging
 
         from ..errors import ModelLoadError
 
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the missing-torchvision fallback notice is expected
+        self.preprocessor = Preprocessor(model_dir)
         hf_logging.disable_progress_bar()
         try:
             self.model = Qwen2VLForConditionalGeneration.from_pretrained(
                 str(model_dir), dtype=DTYPES[precision], attn_implementation="sdpa"
             ).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"transformers cannot load {model_dir}: {exc}") from exc
         finally:
-            hf_logging.set_verbosity(verbosity)
             hf_logging.enable_progress_bar()
         self.precision = precision
-        self.end_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS]
+        self.end_ids = self.preprocessor.end_ids
         self.vocab_size = self.model.config.text_config.vocab_size
 
     def encode(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
@@ -129,22 +121,15 @@ class ReferenceEngine:
         ``attention_mask`` and ``mm_token_type_ids`` ``[1, L]`` (1 marks image tokens; without it
         transformers silently falls back to 1-D positions instead of M-RoPE), ``pixel_values``
         ``[patches, 3*2*14*14]`` float32, ``image_grid_thw`` ``[1, 3]``."""
-        image = self.image_processor(images=[request.image], return_tensors="pt")
-        merge = self.image_processor.merge_size
-        n_image_tokens = int(image["image_grid_thw"].prod()) // (merge * merge)
-        text = build_prompt(request.prompt).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
-        tokens = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
-        image_token_id = self.model.config.image_token_id
-        tokens["mm_token_type_ids"] = (tokens["input_ids"] == image_token_id).to(torch.int32)
-        return {**tokens, "pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"]}
-
-    def forced_ids(self, text: str) -> list[int]:
-        """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""
-        return self.tokenizer.encode(text, add_special_tokens=False) + [self.end_ids[0]]
-
-    def decode(self, token_ids: list[int]) -> str:
-        """Output text of generated ids, special tokens kept, end tokens dropped."""
-        return self.tokenizer.decode([t for t in token_ids if t not in self.end_ids], skip_special_tokens=False)
+        encoded = self.preprocessor.encode(request)
+        ids = encoded.input_ids[None]
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == self.preprocessor.image_token_id).to(torch.int32),
+            "pixel_values": encoded.pixel_values,
+            "image_grid_thw": torch.tensor([encoded.grid_thw]),
+        }
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Decode each request in turn (batch 1); a failing request returns an error result."""
@@ -163,7 +148,7 @@ class ReferenceEngine:
 
         inputs = self.encode(request)
         prompt_len = inputs["input_ids"].shape[1]
-        forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
+        forced = self.preprocessor.forced_ids(request.forced_text) if request.forced_text is not None else None
         rules = BatchLogitsProcessor([request.sampling], [forced], self.vocab_size)
         config = GenerationConfig(
             max_new_tokens=request.sampling.max_new_tokens,
@@ -185,7 +170,7 @@ class ReferenceEngine:
             timer.remove()
         token_ids = output[0, prompt_len:].tolist()
         return GenerationResult(
-            text=self.decode(token_ids),
+            text=self.preprocessor.decode(token_ids),
             token_ids=token_ids,
             finish_reason="stop" if token_ids and token_ids[-1] in self.end_ids else "length",
             prompt_tokens=prompt_len,

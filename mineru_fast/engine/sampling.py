@@ -72,23 +72,33 @@ class BatchLogitsProcessor:
         self.blockers[row] = NGramBlocker(params.no_repeat_ngram_size)
         self.forced[row] = forced
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply penalties, n-gram bans and forcing to ``logits`` ``[B, V]`` (float32) in place."""
-        logits -= self.frequency * self.counts + self.presence * (self.counts > 0)
-        for row, blocker in enumerate(self.blockers):
+    def __call__(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Apply penalties, n-gram bans and forcing to ``logits`` ``[B, V]`` (float32) in place.
+
+        Logits row ``i`` belongs to sequence row ``rows[i]`` (default: row ``i``).
+        """
+        if rows is None:
+            rows = range(logits.shape[0])
+            select = slice(0, logits.shape[0])
+        else:
+            select = torch.tensor(list(rows))
+        counts = self.counts[select]
+        logits -= self.frequency[select] * counts + self.presence[select] * (counts > 0)
+        for i, row in enumerate(rows):
+            blocker = self.blockers[row]
             banned = blocker.banned()
             if banned:
-                logits[row, list(banned)] = -torch.inf
+                logits[i, list(banned)] = -torch.inf
             forced = self.forced[row]
             if forced is not None:
                 step = len(blocker.tokens)
                 if step < len(forced):
-                    logits[row].fill_(-torch.inf)
-                    logits[row, forced[step]] = 0.0
+                    logits[i].fill_(-torch.inf)
+                    logits[i, forced[step]] = 0.0
         return logits
 
-    def observe(self, tokens: Sequence[int]) -> None:
-        """Record the token each row generated this step (one per row, in row order)."""
-        for row, token in enumerate(tokens):
+    def observe(self, tokens: Sequence[int], rows: Sequence[int] | None = None) -> None:
+        """Record the token each of ``rows`` (default ``0..len(tokens)-1``) generated this step."""
+        for row, token in zip(range(len(tokens)) if rows is None else rows, tokens, strict=True):
             self.blockers[row].append(token)
             self.counts[row, token] += 1.0

@@ -1,0 +1,134 @@
+"""Read a MinerU2.5 / Qwen2-VL checkpoint directory into the fast engine's modules.
+
+The Hugging Face tensor names are mapped once at load; q/k/v and gate/up are concatenated into
+the fused projections; the 3-D patch convolution (kernel = stride) becomes a linear layer.
+Both the published layout (``visual.*``, ``model.layers.*``) and transformers 5's
+(``model.visual.*``, ``model.language_model.*``) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ModelLoadError
+from .model import Qwen2LM, TextConfig
+from .vision import VisionConfig, VisionEncoder
+
+
+def read_configs(model_dir: Path) -> tuple[TextConfig, VisionConfig]:
+    """Text and vision hyper-parameters from ``config.json`` (flat or nested ``text_config``)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = {**raw, **raw.get("text_config", {})}
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    vision = raw["vision_config"]
+    text_config = TextConfig(
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        num_layers=text["num_hidden_layers"],
+        num_heads=text["num_attention_heads"],
+        num_kv_heads=text["num_key_value_heads"],
+        rms_norm_eps=text["rms_norm_eps"],
+        rope_theta=rope.get("rope_theta", text.get("rope_theta", 1000000.0)),
+        mrope_section=tuple(rope["mrope_section"]),
+        tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+    )
+    vision_config = VisionConfig(
+        depth=vision["depth"],
+        embed_dim=vision["embed_dim"],
+        num_heads=vision["num_heads"],
+        mlp_ratio=vision["mlp_ratio"],
+        out_hidden_size=vision.get("hidden_size", text_config.hidden_size),
+        patch_size=vision.get("patch_size", 14),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        in_channels=vision.get("in_chans", vision.get("in_channels", 3)),
+    )
+    return text_config, vision_config
+
+
+def _canonical(name: str) -> str:
+    """transformers 5 names -> published names."""
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors in {model_dir}")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                tensors[_canonical(name)] = f.get_tensor(name)
+    return tensors
+
+
+def _vision_state(t: dict[str, torch.Tensor], config: VisionConfig) -> dict[str, torch.Tensor]:
+    state = {"patch_embed.weight": t["visual.patch_embed.proj.weight"].reshape(config.embed_dim, -1)}
+    for i in range(config.depth):
+        src = f"visual.blocks.{i}."
+        for ours, theirs in [
+            ("norm1", "norm1"), ("norm2", "norm2"), ("qkv", "attn.qkv"), ("proj", "attn.proj"),
+            ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"),
+        ]:  # fmt: skip
+            state[f"blocks.{i}.{ours}.weight"] = t[src + theirs + ".weight"]
+            state[f"blocks.{i}.{ours}.bias"] = t[src + theirs + ".bias"]
+    for ours, theirs in [("norm", "ln_q"), ("fc1", "mlp.0"), ("fc2", "mlp.2")]:
+        state[f"merger.{ours}.weight"] = t[f"visual.merger.{theirs}.weight"]
+        state[f"merger.{ours}.bias"] = t[f"visual.merger.{theirs}.bias"]
+    return state
+
+
+def _text_state(t: dict[str, torch.Tensor], config: TextConfig) -> dict[str, torch.Tensor]:
+    state = {"embed.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
+    head = t.get("lm_head.weight")
+    state["lm_head.weight"] = t["model.embed_tokens.weight"] if config.tie_word_embeddings or head is None else head
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        state[dst + "attention_norm.weight"] = t[src + "input_layernorm.weight"]
+        state[dst + "ffn_norm.weight"] = t[src + "post_attention_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            state[dst + f"attention.wqkv.{kind}"] = torch.cat([t[attn + f"{p}_proj.{kind}"] for p in "qkv"])
+        state[dst + "attention.wo.weight"] = t[attn + "o_proj.weight"]
+        state[dst + "feed_forward.w_gate_up.weight"] = torch.cat(
+            [t[src + "mlp.gate_proj.weight"], t[src + "mlp.up_proj.weight"]]
+        )
+        state[dst + "feed_forward.w_down.weight"] = t[src + "mlp.down_proj.weight"]
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype) -> tuple[VisionEncoder, Qwen2LM]:
+    """Build the vision encoder and language model in ``dtype`` with the checkpoint's weights.
+
+    Modules are built on the meta device and take the checkpoint tensors (cast to ``dtype``)
+    without a second copy; a tied LM head shares the embedding matrix.
+
+    Raises:
+        ModelLoadError: missing files or tensors, or shapes that do not match ``config.json``.
+    """
+    model_dir = Path(model_dir)
+    try:
+        text_config, vision_config = read_configs(model_dir)
+        tensors = _read_tensors(model_dir)
+        with torch.device("meta"):
+            vision, lm = VisionEncoder(vision_config), Qwen2LM(text_config)
+        vision_state = {k: v.to(dtype) for k, v in _vision_state(tensors, vision_config).items()}
+        text_state = {k: v.to(dtype) for k, v in _text_state(tensors, text_config).items()}
+        del tensors
+        vision.load_state_dict(vision_state, strict=True, assign=True)
+        lm.load_state_dict(text_state, strict=True, assign=True)
+    except (KeyError, RuntimeError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {model_dir} into the fast engine: {exc}") from exc
+    if text_config.tie_word_embeddings:
+        lm.lm_head.weight = lm.embed.weight
+    return vision.eval(), lm.eval()

@@ -1,0 +1,54 @@
+"""Build the engine ``ParserOptions`` ask for, with threads and quantization applied."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..cpu import physical_cores_available
+from ..options import ParserOptions
+from .base import Engine
+from .quantize import Int8DynamicConfig, Int8WeightOnlyConfig
+
+logger = logging.getLogger(__name__)
+
+QUANT_CONFIGS = {"int8-dynamic": Int8DynamicConfig(), "int8-weight-only": Int8WeightOnlyConfig(), "none": None}
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads (default: physical cores available); returns the count."""
+    count = threads or physical_cores_available()
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    logger.info("torch intra-op threads: %d", count)
+    return count
+
+
+def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
+    """The reference or fast engine for ``model_dir`` configured by ``options``.
+
+    Raises:
+        ModelLoadError: the checkpoint cannot be loaded.
+    """
+    set_threads(options.threads)
+    if options.engine == "reference":
+        from .reference import ReferenceEngine
+
+        return ReferenceEngine(model_dir, precision=options.precision)
+    from .generate import FastEngine
+
+    engine = FastEngine(
+        model_dir,
+        precision=options.precision,
+        slots=options.slots,
+        max_seq_len=options.max_seq_len,
+        vision_mode=options.vision_mode,
+    )
+    engine.quantize(
+        vision=QUANT_CONFIGS[options.vision_quant],
+        lm=QUANT_CONFIGS[options.lm_quant],
+        lm_head=QUANT_CONFIGS[options.lm_head_quant],
+    )
+    return engine

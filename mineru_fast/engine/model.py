@@ -1,0 +1,193 @@
+"""Qwen2 language model of MinerU2.5: GQA decoder with M-RoPE, static KV buffers, tied head.
+
+gpt-fast style: prefill (one prompt, causal attention over itself) and decode (one token for each
+of B slots, attention over each slot's own cached prefix) are separate methods. q/k/v and
+gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Hyper-parameters of the language model (from the checkpoint's ``config.json``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class MRoPE(nn.Module):
+    """Multimodal rotary embedding: the head's frequency bands are split into sections driven by
+    the temporal, height and width position of each token (text tokens have all three equal)."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        dim = config.head_dim
+        # Plain float32 attributes, not buffers: they must stay float32 and on the CPU whatever
+        # dtype or device the weights are built in.
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+        # band j of the half-dimension takes its angle from axis axis_of_band[j] (0=t, 1=h, 2=w)
+        self.axis_of_band = torch.cat(
+            [torch.full((n,), i % 3, device="cpu") for i, n in enumerate(config.mrope_section)]
+        )
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[3, B, T]`` int64 -> ``(cos, sin)`` ``[B, 1, T, head_dim]`` in ``dtype``."""
+        freqs = positions[..., None].float() * self.inv_freq  # [3, B, T, D/2]
+        freqs = freqs.gather(0, self.axis_of_band.view(1, 1, 1, -1).expand(1, *freqs.shape[1:]))[0]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=True)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        batch, length, _ = x.shape
+        q, k, v = self.wqkv(x).split(
+            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
+        )
+        q = q.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, length, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(batch, length, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: int) -> torch.Tensor:
+        """``x`` ``[1, T, hidden]``; causal attention over the prompt; fills ``slot``'s cache."""
+        q, k, v = self._qkv(x, cos, sin)
+        assert self.kv_cache is not None
+        self.kv_cache.write_prefill(slot, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """``x`` ``[B, 1, hidden]`` for slots ``0..B-1`` writing at ``positions`` ``[B]``;
+        ``mask`` ``[B, 1, 1, L]`` bool marks each slot's valid cache positions."""
+        q, k, v = self._qkv(x, cos, sin)
+        assert self.kv_cache is not None
+        keys, values = self.kv_cache.write_decode(positions, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(x.shape[0], 1, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+
+class Qwen2LM(nn.Module):
+    """The decoder. Call ``setup_cache`` once, then ``prefill`` per new sequence and ``decode`` per
+    step for all live slots. Both return logits of the last position only (float32)."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = MRoPE(config)
+
+    def setup_cache(self, slots: int, max_len: int, dtype: torch.dtype) -> None:
+        """Allocate the static KV buffers: ``slots`` sequences of at most ``max_len`` tokens."""
+        c = self.config
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(slots, c.num_kv_heads, max_len, c.head_dim, dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """``embeds`` ``[1, T, hidden]``, ``positions`` ``[3, 1, T]`` -> logits ``[1, vocab]``."""
+        cos, sin = self.rope(positions, embeds.dtype)
+        h = embeds
+        for layer in self.layers:
+            h = h + layer.attention.prefill(layer.attention_norm(h), cos, sin, slot)
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+        return self._logits(h[:, -1])
+
+    def decode(self, tokens: torch.Tensor, rope_positions: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
+        """One step for slots ``0..B-1``.
+
+        Args:
+            tokens: ``[B]`` int64, the last token of each slot.
+            rope_positions: ``[B]`` int64 M-RoPE position (equal on the three axes for text).
+            cache_positions: ``[B]`` int64 index in the slot's KV buffer to write.
+
+        Returns:
+            Logits ``[B, vocab]`` float32.
+        """
+        h = self.embed(tokens)[:, None]  # [B, 1, hidden]
+        cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
+        length = int(cache_positions.max()) + 1
+        mask = (torch.arange(length) <= cache_positions[:, None])[:, None, None]  # [B, 1, 1, L]
+        for layer in self.layers:
+            h = h + layer.attention.decode(layer.attention_norm(h), cos, sin, cache_positions, mask)
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+        return self._logits(h[:, 0])

@@ -1,0 +1,105 @@
+"""Requests -> model inputs, and generated ids -> text: shared by every engine.
+
+Images go through the checkpoint's own image processor (``AutoImageProcessor``: smart resize to
+multiples of 28 px, CLIP normalization, 14 px patches in 2x2 merge-window order, each image
+repeated to 2 frames) and prompts through its tokenizer, so all engines see identical inputs.
+``AutoProcessor`` is not used: in transformers 5 the Qwen2-VL processor also builds a video
+processor, which needs torchvision, and no torchvision release installs beside the CPU build of
+torch 2.13. The single ``<|image_pad|>`` of the prompt is expanded to
+``t * h * w / merge_size**2`` copies, as the processor does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from ..protocol import END_TOKENS, build_prompt
+from .base import GenerationRequest
+
+
+@dataclass
+class EncodedRequest:
+    """Model inputs of one request.
+
+    Attributes:
+        input_ids: ``[L]`` int64 prompt ids, image pads expanded.
+        pixel_values: ``[patches, 3*2*14*14]`` float32.
+        grid_thw: ``(t, h, w)`` patch grid of the image.
+        forced: token ids replay must produce (end token included), or None.
+    """
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    forced: list[int] | None
+
+
+class Preprocessor:
+    """Tokenizer and image processor of a checkpoint directory.
+
+    Raises:
+        ModelLoadError: the directory lacks tokenizer or image processor files.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the missing-torchvision fallback notice is expected
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load tokenizer/image processor from {model_dir}: {exc}") from exc
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.end_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS]
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.merge_size = self.image_processor.merge_size
+
+    def encode(self, request: GenerationRequest) -> EncodedRequest:
+        """Prompt ids and pixels of a request (raises the image processor's ValueError on images it
+        refuses, e.g. an edge ratio above 200)."""
+        image = self.image_processor(images=[request.image], return_tensors="pt")
+        grid = tuple(int(v) for v in image["image_grid_thw"][0])
+        n_image_tokens = grid[0] * grid[1] * grid[2] // self.merge_size**2
+        text = build_prompt(request.prompt).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
+        return EncodedRequest(ids, image["pixel_values"], grid, forced)  # type: ignore[arg-type]
+
+    def forced_ids(self, text: str) -> list[int]:
+        """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""
+        return self.tokenizer.encode(text, add_special_tokens=False) + [self.end_ids[0]]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Output text of generated ids, special tokens kept, end tokens dropped."""
+        return self.tokenizer.decode([t for t in token_ids if t not in self.end_ids], skip_special_tokens=False)
+
+    def mrope_positions(self, encoded: EncodedRequest) -> torch.Tensor:
+        """M-RoPE positions ``[3, L]`` (temporal, height, width) of a prompt with one image.
+
+        Text tokens count up on all three axes; the image's tokens take ``start + (0, row, col)``
+        on the merged grid; text after the image resumes at ``start + max(rows, cols)``
+        (Qwen2-VL's ``get_rope_index``).
+        """
+        ids = encoded.input_ids
+        is_image = (ids == self.image_token_id).nonzero().flatten()
+        if len(is_image) == 0:
+            return torch.arange(len(ids)).expand(3, -1).clone()
+        start, count = int(is_image[0]), len(is_image)
+        t, h, w = encoded.grid_thw
+        rows, cols = h // self.merge_size, w // self.merge_size
+        before = torch.arange(start).expand(3, -1)
+        grid_t = torch.arange(t).repeat_interleave(rows * cols)
+        grid_h = torch.arange(rows).repeat_interleave(cols).repeat(t)
+        grid_w = torch.arange(cols).repeat(rows * t)
+        image = torch.stack([grid_t, grid_h, grid_w]) + start
+        resume = start + max(rows, cols)
+        after = torch.arange(len(ids) - start - count).expand(3, -1) + resume
+        return torch.cat([before, image, after], dim=1)

@@ -1,0 +1,148 @@
+"""The Qwen2-VL NaViT vision encoder of MinerU2.5, with many images packed into one sequence.
+
+Patches of every image are concatenated, so the linears (patch embedding, qkv, MLP, merger) run
+as single large matmuls; attention runs per image (block-diagonal), through SDPA, which never
+materializes a ``[heads, N, N]`` score matrix on CPU. Rotary tables depend only on the grid and are
+cached by grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import rotate_half
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Hyper-parameters of the vision encoder (from the checkpoint's ``vision_config``)."""
+
+    depth: int
+    embed_dim: int
+    num_heads: int
+    mlp_ratio: int
+    out_hidden_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        dim, hidden = config.embed_dim, config.embed_dim * config.mlp_ratio
+        self.num_heads = config.num_heads
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """``x`` ``[N, dim]`` of packed images with ``lengths`` patches each -> ``[N, dim]``."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # [H, N, d]
+        dtype = q.dtype  # rotary in float32, as the reference does
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(dtype)
+        # 4-D [1, H, n_i, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(qi[None], ki[None], vi[None])[0]
+                for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
+            ],
+            dim=1,
+        )
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x), cos, sin, lengths)
+        h = self.fc1(self.norm2(x))
+        return x + self.fc2(h * torch.sigmoid(1.702 * h))  # quick_gelu
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm, then each 2x2 group of neighbouring patches -> one LM token (MLP with GELU)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        merged = config.embed_dim * config.spatial_merge_size**2
+        self.norm = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.fc1 = nn.Linear(merged, merged)
+        self.fc2 = nn.Linear(merged, config.out_hidden_size)
+        self.merged = merged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x).view(-1, self.merged))))
+
+
+class VisionEncoder(nn.Module):
+    """Pixels of packed images -> LM embeddings.
+
+    ``forward(pixel_values, grids)``: ``pixel_values`` ``[N, 3*2*14*14]`` as the Qwen2-VL image
+    processor lays them out (patches in 2x2 merge-window order), ``grids`` the ``(t, h, w)`` patch
+    grid of each image; returns ``[N / 4, out_hidden_size]``.
+    """
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config)
+        half = config.head_dim // 2  # h and w each rotate a quarter of the head (cos/sin pairs)
+        # A plain float32 CPU attribute, not a buffer: it must not follow the weights' dtype.
+        self.inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half)
+        )
+        self._rope_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rotary(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[N, head_dim]`` float32 of one image grid, in merge-window order (cached)."""
+        if grid not in self._rope_cache:
+            t, h, w = grid
+            m = self.config.spatial_merge_size
+            hpos = (
+                torch.arange(h, device="cpu")
+                .view(h // m, m, 1, 1)
+                .expand(h // m, m, w // m, m)
+                .transpose(1, 2)
+                .flatten()
+            )
+            wpos = (
+                torch.arange(w, device="cpu")
+                .view(1, 1, w // m, m)
+                .expand(h // m, m, w // m, m)
+                .transpose(1, 2)
+                .flatten()
+            )
+            freqs = torch.cat([hpos[:, None] * self.inv_freq, wpos[:, None] * self.inv_freq], dim=-1).repeat(t, 1)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._rope_cache[grid] = (emb.cos(), emb.sin())
+        return self._rope_cache[grid]
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        lengths = [t * h * w for t, h, w in grids]
+        tables = [self.rotary(g) for g in grids]
+        cos = torch.cat([c for c, _ in tables]) if len(tables) > 1 else tables[0][0]
+        sin = torch.cat([s for _, s in tables]) if len(tables) > 1 else tables[0][1]
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        cos, sin = cos[None], sin[None]  # broadcast over heads: [1, N, head_dim]
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        return self.merger(x)
