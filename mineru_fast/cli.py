@@ -81,6 +81,7 @@ def _trace_for(replay: Path | None, source: Path, n_inputs: int) -> Path | None:
 
 
 def _cmd_parse(args: argparse.Namespace) -> int:
+    from .inputs import open_document
     from .parser import DocumentParser
 
     overrides: dict = {"max_new_tokens": args.max_new_tokens, "progress": not args.quiet and sys.stderr.isatty()}
@@ -96,11 +97,20 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         options = ParserOptions.preset(args.preset, **overrides)
     except ValueError as exc:
         raise MineruFastError(str(exc)) from exc
-    parser = DocumentParser.from_pretrained(args.model, options=options)
     status = EXIT_OK
-    for source in args.inputs:
+    readable = []
+    for source in args.inputs:  # refuse unreadable inputs before paying for the model load
         try:
-            trace = _trace_for(args.replay, source, len(args.inputs))
+            with open_document(source, pages=args.pages, password=args.password):
+                readable.append((source, _trace_for(args.replay, source, len(args.inputs))))
+        except MineruFastError as exc:
+            print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
+            status = EXIT_USAGE
+    if not readable:
+        return status
+    parser = DocumentParser.from_pretrained(args.model, options=options)
+    for source, trace in readable:
+        try:
             document = parser.parse(source, pages=args.pages, password=args.password, replay=trace)
         except MineruFastError as exc:
             print(f"mineru-fast: {source}: {exc}", file=sys.stderr)

@@ -47,7 +47,7 @@ class Block:
         angle: text rotation in degrees (0/90/180/270) or None if the model gave none.
         content: final content (text, LaTeX without delimiters, table HTML); None if not read.
         raw: the content step's raw output; None if not read.
-        finish_reason: ``"stop"`` (end token), ``"length"`` (hit max_new_tokens) or None.
+        finish_reason: ``"stop"``, ``"length"`` (a bound was hit), ``"repetition"`` (cut by the guard), or None.
         error: why this block has no content although it should, else None.
     """
 

@@ -118,6 +118,7 @@ class OpenedDocument:
     max_pixels: int = DEFAULT_MAX_PIXELS
     _pdf: object | None = field(default=None, repr=False)
     _image: Image.Image | None = field(default=None, repr=False)
+    _owns_image: bool = field(default=True, repr=False)  # a caller's PIL image is never closed
 
     def render(self, index: int) -> Image.Image:
         """The RGB image of page ``index`` (0-based), long side at most ``max_side`` pixels.
@@ -160,7 +161,8 @@ class OpenedDocument:
                 self._pdf.close()  # type: ignore[attr-defined]
             self._pdf = None
         if self._image is not None:
-            self._image.close()
+            if self._owns_image:
+                self._image.close()
             self._image = None
 
     def __enter__(self) -> OpenedDocument:
@@ -209,16 +211,17 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, *
     return OpenedDocument(name, "pdf", page_count, indices, _pdf=pdf, **limits)
 
 
-def _open_image(name: str, image: Image.Image, pages: str | None, **limits: int) -> OpenedDocument:
+def _open_image(name: str, image: Image.Image, pages: str | None, owned: bool = True, **limits: int) -> OpenedDocument:
     max_pixels = limits["max_pixels"]
     if image.width * image.height > max_pixels:
-        image.close()
+        if owned:
+            image.close()
         raise ImageTooLarge(
             f"{name}: {image.width}x{image.height} pixels exceeds the limit of {max_pixels:,} (max_image_pixels option)"
         )
     frames = getattr(image, "n_frames", 1) if image.format in _MULTI_FRAME_FORMATS else 1
     indices = parse_page_range(pages, frames)
-    return OpenedDocument(name, image.format or "image", frames, indices, _image=image, **limits)
+    return OpenedDocument(name, image.format or "image", frames, indices, _image=image, _owns_image=owned, **limits)
 
 
 def open_document(
@@ -250,7 +253,7 @@ def open_document(
     """
     limits = {"dpi": dpi, "max_side": max_side, "max_pixels": max_pixels}
     if isinstance(source, Image.Image):
-        return _open_image("document", source, pages, **limits)
+        return _open_image("document", source, pages, owned=False, **limits)
     name, data = _read_source(source)
     if not data:
         raise CorruptDocument(f"{name}: the file is empty (0 bytes)")

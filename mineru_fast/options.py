@@ -32,6 +32,8 @@ class ParserOptions:
         slots: sequences decoded together by the fast engine (its KV buffers hold this many).
         max_seq_len: prompt + generated tokens per slot (fast engine KV buffer length).
         page_window: pages whose layout passes, then whose crops, are batched together.
+        repetition_window: fast engine repetition guard: a sequence whose last N tokens hold at
+            most 2 distinct ids is ended and flagged (0 disables).
         threads: intra-op threads; None = the physical cores available to the process.
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
@@ -48,6 +50,7 @@ class ParserOptions:
     slots: int = 16
     max_seq_len: int = 6144
     page_window: int = 4
+    repetition_window: int = 512
     threads: int | None = None
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
@@ -69,6 +72,8 @@ class ParserOptions:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.repetition_window < 0:
+            raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
         for name in ("slots", "max_seq_len", "page_window", "dpi", "max_side", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -104,7 +109,7 @@ PRESETS: dict[str, ParserOptions] = {
     # The fast engine's measured best on CPU (see benchmarks/README.md).
     "fast": ParserOptions(),
     # Fast engine, float32, no quantization: the same tokens as the reference engine.
-    "exact": ParserOptions(precision="fp32", **_FLOAT),
+    "exact": ParserOptions(precision="fp32", repetition_window=0, **_FLOAT),
     # Fast engine, bfloat16 weights and activations.
     "bf16": ParserOptions(precision="bf16", **_FLOAT),
     # transformers generate at batch 1 in bf16, as MinerU's official client runs it.

@@ -103,13 +103,7 @@ class DocumentParser:
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
         start = time.perf_counter()
         if isinstance(source, list):
-            document = Document("document")
-            for i, image in enumerate(source):
-                with open_document(image, **self._input_limits()) as opened:
-                    page = self._render(opened, 0, page_index=i)
-                self._run_pages([(page, self._page_trace(trace, i))])
-                document.pages.append(page)
-            return self._finish(document, start)
+            return self._finish(self._parse_images(source, trace), start)
         with open_document(source, pages=pages, password=password, **self._input_limits()) as opened:
             if trace is not None and len(trace.pages) < opened.page_count:
                 raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
@@ -124,6 +118,19 @@ class DocumentParser:
                 progress.update(len(indices))
             progress.close()
         return self._finish(document, start)
+
+    def _parse_images(self, images: list[Image.Image], trace: Trace | None) -> Document:
+        """Pages given as PIL images: one document, windows of ``page_window`` pages."""
+        document = Document("document")
+        window = self.options.page_window
+        for first in range(0, len(images), window):
+            batch = []
+            for i in range(first, min(first + window, len(images))):
+                with open_document(images[i], **self._input_limits()) as opened:
+                    batch.append((self._render(opened, 0, page_index=i), self._page_trace(trace, i)))
+            self._run_pages(batch)
+            document.pages.extend(page for page, _ in batch)
+        return document
 
     def parse_many(self, sources: Iterable[Source], **kwargs: object) -> Iterator[Document]:
         """Parse documents one after another, yielding each when done (bounded memory).
@@ -208,8 +215,8 @@ class DocumentParser:
                 raise RuntimeError(f"layout step failed on page {page.index + 1}: {layout.error}")
             page.layout_raw = layout.text
             blocks, page.warnings = parse_layout(layout.text)
-            if layout.finish_reason == "length":
-                page.warnings.append("layout output hit max_new_tokens; later blocks may be missing")
+            if layout.finish_reason in ("length", "repetition"):
+                page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
             if trace is not None and len(trace.contents) != len(blocks):
                 page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
             page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
@@ -233,8 +240,8 @@ class DocumentParser:
                 block.error = result.error
             else:
                 block.content = postprocess_content(block.type, result.text)
-            if result.finish_reason == "length":
-                page.warnings.append(f"block {i} ({block.type}) hit max_new_tokens")
+            if result.finish_reason in ("length", "repetition"):
+                page.warnings.append(f"block {i} ({block.type}) was cut: {result.finish_reason}")
         for page, _ in batch:
             if any(b.error for b in page.blocks):
                 page.status = "partial"

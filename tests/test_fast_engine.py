@@ -199,3 +199,20 @@ def test_reduced_precision_stays_close_to_fp32(tiny_model, fast_engine, precisio
     top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     print(f"{precision}/{quant}: min cosine {cosine.min():.5f}, top-1 agreement {top1:.3f}")
     assert cosine.min() >= min_cosine and top1 >= min_top1
+
+
+def test_repetition_guard_ends_and_flags_a_looping_sequence(tiny_model):
+    engine = FastEngine(tiny_model, precision="fp32", slots=2, max_seq_len=2048, repetition_window=16)
+    request = GenerationRequest(text_page().crop((0, 0, 300, 200)), prompt_for("text"), SP(0, 0, 0, 64))
+    seq = _Sequence(0, request, engine.preprocessor.encode(request))
+    for tokens, expected in [
+        ([7] * 16, "repetition"),
+        ([7, 8] * 8, "repetition"),
+        ([7, 8, 9] * 6, None),
+        ([7] * 15, None),
+    ]:
+        seq.tokens = tokens
+        assert engine._finished(seq) == expected, tokens
+    loop = "a" * 40  # replayed output that looks like a loop is never cut
+    (replayed,) = engine.generate([GenerationRequest(request.image, request.prompt, SP(0, 0, 0, 64), forced_text=loop)])
+    assert replayed.finish_reason == "stop" and replayed.text == loop

@@ -164,3 +164,10 @@ def test_truncated_image_is_corrupt():
     data = image_bytes(text_page(), "PNG")
     with pytest.raises(CorruptDocument):
         open_document(io.BytesIO(data[: len(data) // 2]).getvalue())
+
+
+def test_callers_pil_image_stays_open():
+    image = Image.new("RGB", (30, 20), "red")
+    with open_document(image) as doc:
+        doc.render(0)
+    assert image.getpixel((0, 0)) == (255, 0, 0)  # still usable after close()

@@ -10,7 +10,7 @@ from PIL import Image
 
 from ..protocol import SamplingParams
 
-FinishReason = Literal["stop", "length", "error"]
+FinishReason = Literal["stop", "length", "repetition", "error"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class GenerationResult:
     Attributes:
         text: decoded output, special tokens kept, end token removed.
         token_ids: generated token ids, end token included when generated.
-        finish_reason: ``"stop"`` (end token), ``"length"`` (max_new_tokens reached) or ``"error"``.
+        finish_reason: ``"stop"`` (end token), ``"length"`` (max_new_tokens or KV buffer reached),
+            ``"repetition"`` (ended by the repetition guard) or ``"error"``.
         prompt_tokens: prompt length in tokens, image tokens included.
         vision_s / prefill_s / decode_s: seconds in the vision encoder, in the rest of the
             prefill, and in decode steps (logits processing included).

@@ -60,19 +60,26 @@ def _canonical(name: str) -> str:
     return name
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors in {model_dir}")
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                tensors[_canonical(name)] = f.get_tensor(name)
-    return tensors
+class _Tensors:
+    """Lazy access to the tensors of all ``*.safetensors`` files of a directory, in their stored
+    dtype; each is read only when asked for, so loading never holds checkpoint and model at once."""
+
+    def __init__(self, model_dir: Path) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"no *.safetensors in {model_dir}")
+        self._handles = [safe_open(str(f), "pt") for f in files]
+        self._where = {_canonical(name): (h, name) for h in self._handles for name in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle, stored = self._where[name]
+        return handle.get_tensor(stored)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self[name] if name in self._where else None
 
 
-def _vision_state(t: dict[str, torch.Tensor], config: VisionConfig) -> dict[str, torch.Tensor]:
+def _vision_state(t: _Tensors, config: VisionConfig) -> dict[str, torch.Tensor]:
     state = {"patch_embed.weight": t["visual.patch_embed.proj.weight"].reshape(config.embed_dim, -1)}
     for i in range(config.depth):
         src = f"visual.blocks.{i}."
@@ -88,10 +95,10 @@ def _vision_state(t: dict[str, torch.Tensor], config: VisionConfig) -> dict[str,
     return state
 
 
-def _text_state(t: dict[str, torch.Tensor], config: TextConfig) -> dict[str, torch.Tensor]:
+def _text_state(t: _Tensors, config: TextConfig) -> dict[str, torch.Tensor]:
     state = {"embed.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
     head = t.get("lm_head.weight")
-    state["lm_head.weight"] = t["model.embed_tokens.weight"] if config.tie_word_embeddings or head is None else head
+    state["lm_head.weight"] = state["embed.weight"] if config.tie_word_embeddings or head is None else head
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
@@ -107,11 +114,30 @@ def _text_state(t: dict[str, torch.Tensor], config: TextConfig) -> dict[str, tor
     return state
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype) -> tuple[VisionEncoder, Qwen2LM]:
-    """Build the vision encoder and language model in ``dtype`` with the checkpoint's weights.
+def _cast(module: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, linear_dtype: torch.dtype):
+    """Cast a state dict: weights/biases of ``nn.Linear`` layers to ``linear_dtype``, the rest to ``dtype``."""
+    linears = {name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {k: v.to(linear_dtype if k.rpartition(".")[0] in linears else dtype) for k, v in state.items()}
 
-    Modules are built on the meta device and take the checkpoint tensors (cast to ``dtype``)
-    without a second copy; a tied LM head shares the embedding matrix.
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    vision_linear_dtype: torch.dtype | None = None,
+    lm_linear_dtype: torch.dtype | None = None,
+) -> tuple[VisionEncoder, Qwen2LM]:
+    """Build the vision encoder and language model with the checkpoint's weights.
+
+    Args:
+        model_dir: checkpoint directory.
+        dtype: dtype of every parameter, and of activations.
+        vision_linear_dtype / lm_linear_dtype: dtype of the linear layers' weights where it
+            differs, e.g. the checkpoint's bfloat16 for layers about to be quantized, so a float32
+            copy never exists. The tied LM head is untied when its dtype differs from the
+            embedding's.
+
+    Modules are built on the meta device and take the tensors without extra copies; a tied LM head
+    shares the embedding matrix when both have the same dtype.
 
     Raises:
         ModelLoadError: missing files or tensors, or shapes that do not match ``config.json``.
@@ -119,16 +145,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype) -> tuple[VisionEncoder
     model_dir = Path(model_dir)
     try:
         text_config, vision_config = read_configs(model_dir)
-        tensors = _read_tensors(model_dir)
+        tensors = _Tensors(model_dir)
         with torch.device("meta"):
             vision, lm = VisionEncoder(vision_config), Qwen2LM(text_config)
-        vision_state = {k: v.to(dtype) for k, v in _vision_state(tensors, vision_config).items()}
-        text_state = {k: v.to(dtype) for k, v in _text_state(tensors, text_config).items()}
-        del tensors
+        vision_state = _cast(vision, _vision_state(tensors, vision_config), dtype, vision_linear_dtype or dtype)
         vision.load_state_dict(vision_state, strict=True, assign=True)
-        lm.load_state_dict(text_state, strict=True, assign=True)
+        del vision_state
+        lm_state = _cast(lm, _text_state(tensors, text_config), dtype, lm_linear_dtype or dtype)
+        lm.load_state_dict(lm_state, strict=True, assign=True)
     except (KeyError, RuntimeError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model_dir} into the fast engine: {exc}") from exc
-    if text_config.tie_word_embeddings:
+    if text_config.tie_word_embeddings and lm.lm_head.weight.dtype == lm.embed.weight.dtype:
         lm.lm_head.weight = lm.embed.weight
     return vision.eval(), lm.eval()

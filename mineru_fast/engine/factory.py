@@ -39,16 +39,14 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
         return ReferenceEngine(model_dir, precision=options.precision)
     from .generate import FastEngine
 
-    engine = FastEngine(
+    return FastEngine(
         model_dir,
         precision=options.precision,
         slots=options.slots,
         max_seq_len=options.max_seq_len,
         vision_mode=options.vision_mode,
+        vision_quant=QUANT_CONFIGS[options.vision_quant],
+        lm_quant=QUANT_CONFIGS[options.lm_quant],
+        lm_head_quant=QUANT_CONFIGS[options.lm_head_quant],
+        repetition_window=options.repetition_window,
     )
-    engine.quantize(
-        vision=QUANT_CONFIGS[options.vision_quant],
-        lm=QUANT_CONFIGS[options.lm_quant],
-        lm_head=QUANT_CONFIGS[options.lm_head_quant],
-    )
-    return engine

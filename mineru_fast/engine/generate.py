@@ -27,7 +27,7 @@ from ..protocol import SamplingParams
 from .base import GenerationRequest, GenerationResult
 from .checkpoint import load_model
 from .preprocess import EncodedRequest, Preprocessor
-from .quantize import quantize_
+from .quantize import FloatConfig, quantize_
 from .sampling import BatchLogitsProcessor
 from .vision_runner import make_vision_runner
 
@@ -62,6 +62,10 @@ class FastEngine:
             ``finish_reason="length"``.
         vision_pack_patches: most patches packed into one vision forward (bounds activation memory).
         vision_mode: ``"eager"``, ``"trace"`` or ``"compile"`` (see ``vision_runner``).
+        vision_quant / lm_quant / lm_head_quant: ``quantize`` configs, or None for float.
+        repetition_window: repetition guard; a free-running sequence whose last
+            ``repetition_window`` tokens hold at most 2 distinct ids is ended with
+            ``finish_reason="repetition"`` (0 disables; replayed sequences are never cut).
 
     Raises:
         ModelLoadError: the checkpoint cannot be read.
@@ -75,27 +79,37 @@ class FastEngine:
         max_seq_len: int = 6144,
         vision_pack_patches: int = 16384,
         vision_mode: str = "eager",
+        vision_quant: object | None = None,
+        lm_quant: object | None = None,
+        lm_head_quant: object | None = None,
+        repetition_window: int = 0,
     ) -> None:
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.dtype = DTYPES[precision]
         self.preprocessor = Preprocessor(model_dir)
-        self.vision, self.lm = load_model(model_dir, self.dtype)
+        # Layers about to be quantized load in the checkpoint's bfloat16: no float32 copy ever exists.
+        self.vision, self.lm = load_model(
+            model_dir,
+            self.dtype,
+            vision_linear_dtype=torch.bfloat16 if vision_quant is not None else None,
+            lm_linear_dtype=torch.bfloat16 if (lm_quant or lm_head_quant) is not None else None,
+        )
         self.vision_mode = vision_mode
-        self.vision_runner = make_vision_runner(self.vision, vision_mode)
+        self.repetition_window = repetition_window
+        self.quantize(vision_quant, lm_quant, lm_head_quant)
         self.slots, self.max_seq_len, self.vision_pack_patches = slots, max_seq_len, vision_pack_patches
         self.lm.setup_cache(slots, max_seq_len, self.dtype)
         self.vocab_size = self.lm.config.vocab_size
 
     def quantize(self, vision: object | None, lm: object | None, lm_head: object | None) -> None:
-        """Apply quantization configs (``quantize.*Config`` or None to keep) to the vision
-        linears, the LM linears and the LM head."""
-        if vision is not None:
-            quantize_(self.vision, vision)
-        if lm is not None:
-            quantize_(self.lm, lm, filter_fn=lambda _, name: name != "lm_head")
-        if lm_head is not None:
-            quantize_(self.lm, lm_head, filter_fn=lambda _, name: name == "lm_head")
+        """Apply quantization configs (``quantize.*Config``, or None to keep float) to the vision
+        linears, the LM linears and the LM head; float linears end in the engine's dtype."""
+        keep = FloatConfig(self.dtype)
+        quantize_(self.vision, vision or keep)
+        quantize_(self.lm, lm or keep, filter_fn=lambda _, name: name != "lm_head")
+        if lm_head is not None or self.lm.lm_head.weight.dtype != self.dtype:
+            quantize_(self.lm, lm_head or keep, filter_fn=lambda _, name: name == "lm_head")
         self.vision_runner = make_vision_runner(self.vision, self.vision_mode)
 
     # -- vision -------------------------------------------------------------------------------
@@ -207,6 +221,9 @@ class FastEngine:
             return "length"
         if len(seq.encoded.input_ids) + len(seq.tokens) >= self.max_seq_len:
             return "length"
+        window = self.repetition_window
+        if window and seq.encoded.forced is None and len(seq.tokens) >= window and len(set(seq.tokens[-window:])) <= 2:
+            return "repetition"
         return None
 
     def _result(self, seq: _Sequence) -> GenerationResult:

@@ -18,6 +18,7 @@ Quantized layers take and return the activation dtype of the model around them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -115,14 +116,18 @@ class _TorchAoDynamicLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-        from torch.ao.quantization import default_dynamic_qconfig
+        from torch.ao.quantization import per_channel_dynamic_qconfig
 
         float_linear = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
         float_linear.weight = nn.Parameter(linear.weight.detach().float())
         if linear.bias is not None:
             float_linear.bias = nn.Parameter(linear.bias.detach().float())
-        float_linear.qconfig = default_dynamic_qconfig
-        self.inner = DynamicLinear.from_float(float_linear)
+        float_linear.qconfig = per_channel_dynamic_qconfig  # int8 weights, one scale per output channel
+        with warnings.catch_warnings():  # the deprecation is known and handled: see the module docstring
+            warnings.filterwarnings(
+                "ignore", message=".*quantize_per_(tensor|channel).*deprecated", category=UserWarning
+            )
+            self.inner = DynamicLinear.from_float(float_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.float()).to(x.dtype)

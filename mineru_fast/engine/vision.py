@@ -141,7 +141,7 @@ class VisionEncoder(nn.Module):
         tables = [self.rotary(g) for g in grids]
         cos = torch.cat([c for c, _ in tables]) if len(tables) > 1 else tables[0][0]
         sin = torch.cat([s for _, s in tables]) if len(tables) > 1 else tables[0][1]
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        x = self.patch_embed(pixel_values.to(self.blocks[0].norm1.weight.dtype))  # norms are never quantized
         cos, sin = cos[None], sin[None]  # broadcast over heads: [1, N, head_dim]
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
