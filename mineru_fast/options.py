@@ -9,7 +9,7 @@ from .protocol import LAYOUT_TASK, SamplingParams, sampling_for
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "bf16")
-QUANTIZATIONS = ("none", "int8-dynamic", "int8-weight-only")
+QUANTIZATIONS = ("none", "int8-dynamic", "int8-weight-only", "bf16-weights")
 VISION_MODES = ("eager", "trace", "compile")
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
 
@@ -24,9 +24,10 @@ class ParserOptions:
         engine: ``"fast"`` (this package's own model code, batched) or ``"reference"``
             (transformers ``generate`` at batch 1, as the official client runs it).
         precision: float dtype of weights and activations, ``"fp32"`` or ``"bf16"``.
-        vision_quant / lm_quant / lm_head_quant: ``"none"``, ``"int8-dynamic"`` or
-            ``"int8-weight-only"`` for the vision linears, the LM linears and the LM head (fast
-            engine only).
+        vision_quant / lm_quant / lm_head_quant: ``"none"``, ``"int8-dynamic"``,
+            ``"int8-weight-only"`` or ``"bf16-weights"`` (bfloat16 storage, upcast per call:
+            exact for bfloat16 checkpoints) for the vision linears, the LM linears and the LM
+            head (fast engine only).
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
         slots: sequences decoded together by the fast engine (its KV buffers hold this many).
@@ -108,8 +109,10 @@ _FLOAT = {"vision_quant": "none", "lm_quant": "none", "lm_head_quant": "none"}
 PRESETS: dict[str, ParserOptions] = {
     # The fast engine's measured best on CPU (see benchmarks/README.md).
     "fast": ParserOptions(),
-    # Fast engine, float32, no quantization: the same tokens as the reference engine.
-    "exact": ParserOptions(precision="fp32", repetition_window=0, **_FLOAT),
+    # Fast engine, float32 math, no quantization: the same tokens as the reference engine. Vision
+    # weights stay in the checkpoint's bfloat16 and are upcast per call (bit-identical, half the
+    # memory; the per-call cast is negligible next to a vision pass, not next to a decode step).
+    "exact": ParserOptions(precision="fp32", repetition_window=0, **{**_FLOAT, "vision_quant": "bf16-weights"}),
     # Fast engine, bfloat16 weights and activations.
     "bf16": ParserOptions(precision="bf16", **_FLOAT),
     # transformers generate at batch 1 in bf16, as MinerU's official client runs it.

@@ -216,3 +216,16 @@ def test_repetition_guard_ends_and_flags_a_looping_sequence(tiny_model):
     loop = "a" * 40  # replayed output that looks like a loop is never cut
     (replayed,) = engine.generate([GenerationRequest(request.image, request.prompt, SP(0, 0, 0, 64), forced_text=loop)])
     assert replayed.finish_reason == "stop" and replayed.text == loop
+
+
+def test_bf16_weight_storage_is_bit_exact_for_a_bf16_checkpoint(tiny_model, fast_engine):
+    from mineru_fast.engine.quantize import Bf16WeightsConfig
+
+    stored = FastEngine(tiny_model, precision="fp32", slots=1, max_seq_len=2048, vision_quant=Bf16WeightsConfig())
+    encoded = fast_engine.preprocessor.encode(page_requests(text_page())[1])
+    with torch.inference_mode():
+        expected = fast_engine.vision(encoded.pixel_values, [encoded.grid_thw])
+        got = stored.vision(encoded.pixel_values, [encoded.grid_thw])
+    assert torch.equal(got, expected)
+    weights = [m.weight_bf16 for m in stored.vision.modules() if hasattr(m, "weight_bf16")]
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights)

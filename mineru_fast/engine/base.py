@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import torch
 from PIL import Image
 
 from ..protocol import SamplingParams
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # ParserOptions.precision -> torch dtype
 
 FinishReason = Literal["stop", "length", "repetition", "error"]
 

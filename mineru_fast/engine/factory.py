@@ -10,11 +10,16 @@ import torch
 from ..cpu import physical_cores_available
 from ..options import ParserOptions
 from .base import Engine
-from .quantize import Int8DynamicConfig, Int8WeightOnlyConfig
+from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
 logger = logging.getLogger(__name__)
 
-QUANT_CONFIGS = {"int8-dynamic": Int8DynamicConfig(), "int8-weight-only": Int8WeightOnlyConfig(), "none": None}
+QUANT_CONFIGS = {
+    "int8-dynamic": Int8DynamicConfig(),
+    "int8-weight-only": Int8WeightOnlyConfig(),
+    "bf16-weights": Bf16WeightsConfig(),
+    "none": None,
+}
 
 
 def set_threads(threads: int | None) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..protocol import SamplingParams
-from .base import GenerationRequest, GenerationResult
+from .base import DTYPES, GenerationRequest, GenerationResult
 from .checkpoint import load_model
 from .preprocess import EncodedRequest, Preprocessor
 from .quantize import FloatConfig, quantize_
@@ -32,9 +32,6 @@ from .sampling import BatchLogitsProcessor
 from .vision_runner import make_vision_runner
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 @dataclass
 class _Sequence:
@@ -92,7 +89,7 @@ class FastEngine:
         self.vision, self.lm = load_model(
             model_dir,
             self.dtype,
-            vision_linear_dtype=torch.bfloat16 if vision_quant is not None else None,
+            vision_linear_dtype=torch.bfloat16 if vision_quant is not None else None,  # the checkpoint's dtype
             lm_linear_dtype=torch.bfloat16 if (lm_quant or lm_head_quant) is not None else None,
         )
         self.vision_mode = vision_mode

@@ -11,6 +11,9 @@ quantized form through a handler registered for the config's type:
   ``int_mm`` when a PyTorch release removes it, so user code does not change.
 - ``Int8WeightOnlyConfig``: int8 weights dequantized at each call; halves weight memory versus
   bf16, does not speed matmuls up.
+- ``Bf16WeightsConfig``: keep the weight in bfloat16 and upcast it to the activation dtype at each
+  call. A MinerU2.5 checkpoint is stored in bfloat16, so float32 math on upcast weights is
+  bit-identical to a float32 copy, at half the memory.
 - ``FloatConfig``: cast the layer to a float dtype (e.g. keep the LM head in float32).
 
 Quantized layers take and return the activation dtype of the model around them.
@@ -30,9 +33,11 @@ from torch import nn
 __all__ = [
     "Int8DynamicConfig",
     "Int8WeightOnlyConfig",
+    "Bf16WeightsConfig",
     "FloatConfig",
     "Int8DynamicLinear",
     "Int8WeightOnlyLinear",
+    "Bf16WeightsLinear",
     "quantize_",
     "torch_ao_available",
 ]
@@ -52,6 +57,11 @@ class Int8DynamicConfig:
 @dataclass(frozen=True)
 class Int8WeightOnlyConfig:
     """Weight-only INT8: int8 weights with per-output-channel scales, float activations."""
+
+
+@dataclass(frozen=True)
+class Bf16WeightsConfig:
+    """bfloat16 weight storage, computation in the activation dtype."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,20 @@ class Int8WeightOnlyLinear(nn.Module):
         return F.linear(x, weight, bias)
 
 
+class Bf16WeightsLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` stored in bfloat16 and cast to ``x``'s dtype per call."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight_bf16.to(x.dtype), bias)
+
+
 class _TorchAoDynamicLinear(nn.Module):
     """``torch.ao`` dynamic quantized linear (fbgemm), with float32 conversion around it."""
 
@@ -152,6 +176,7 @@ def _int8_dynamic(linear: nn.Linear, config: Int8DynamicConfig) -> nn.Module:
 _HANDLERS: dict[type, Callable[[nn.Linear, object], nn.Module]] = {
     Int8DynamicConfig: _int8_dynamic,  # type: ignore[dict-item]
     Int8WeightOnlyConfig: lambda linear, _: Int8WeightOnlyLinear(linear),
+    Bf16WeightsConfig: lambda linear, _: Bf16WeightsLinear(linear),
     FloatConfig: lambda linear, config: linear.to(config.dtype),  # type: ignore[attr-defined]
 }
 

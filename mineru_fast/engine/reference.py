@@ -16,14 +16,11 @@ from pathlib import Path
 
 import torch
 
-from .base import GenerationRequest, GenerationResult
+from .base import DTYPES, GenerationRequest, GenerationResult
 from .preprocess import Preprocessor
 from .sampling import BatchLogitsProcessor
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 class _StageTimer:
     """Forward hooks that split a ``generate`` call into vision, prefill and decode seconds.
