@@ -1,4 +1,4 @@
-"""``mineru-fast`` command line: parse, synth-model, trace.
+"""``mineru-fast`` command line: parse, synth-model, trace, serve.
 
 Exit status of ``parse``: 0 every page parsed, 1 some pages failed (the rest is saved), 2 an input
 or usage error (one line on stderr, no traceback).
@@ -14,6 +14,7 @@ from pathlib import Path
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
 from .options import PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
+from .serve.command import add_serve_command, run_serve_command
 
 EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -60,10 +61,20 @@ def _build_argparser() -> argparse.ArgumentParser:
     s.add_argument("--size", choices=("tiny", "full"), default="tiny")
     s.add_argument("--seed", type=int, default=0)
 
+    b = sub.add_parser("bench", help="latency tables on this CPU (stage table, concurrency, roofline)")
+    b.add_argument("--quick", action="store_true", help="1 page and the key rows: under 15 minutes on 2 cores")
+    b.add_argument("--model", help="model directory or hub id (default: the full synthetic model, made once)")
+    b.add_argument("--pages", type=int, help="workload pages (default 4, --quick 1), median page first")
+    b.add_argument("--workload", type=Path, help="real OmniDocBench-format pages (annotations.json + images/)")
+    b.add_argument("--threads", type=int, help="intra-op threads (default: physical cores available)")
+    b.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="where bench.json/png go")
+
     t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
     t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")
     t.add_argument("--images", type=Path, required=True, metavar="DIR")
     t.add_argument("-o", "--output", type=Path, required=True)
+
+    add_serve_command(sub, _max_new_tokens)
     return ap
 
 
@@ -135,6 +146,12 @@ def _cmd_synth_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.run import main as bench_main
+
+    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output)
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from .traces import build_omnidocbench_traces
 
@@ -149,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
-    commands = {"parse": _cmd_parse, "synth-model": _cmd_synth_model, "trace": _cmd_trace}
+    commands = {"parse": _cmd_parse, "synth-model": _cmd_synth_model, "trace": _cmd_trace, "bench": _cmd_bench, "serve": run_serve_command}
     try:
         return commands[args.command](args)
     except MineruFastError as exc:

@@ -8,6 +8,7 @@ A page that fails is reported on its own and the other pages go on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -41,7 +42,8 @@ class DocumentParser:
     """Parses PDFs and images into ``Document`` objects with a MinerU2.5 model.
 
     Build it with ``from_pretrained``; then ``parse`` one document or stream many with
-    ``parse_many``. Not thread-safe: use one parser per thread (or serialize calls).
+    ``parse_many``. Thread-safe: concurrent ``parse`` calls take turns on the engine (one lock),
+    so they are correct but not faster than calling one after another.
 
     Args:
         engine: an inference engine (see ``mineru_fast.engine``).
@@ -53,6 +55,7 @@ class DocumentParser:
         self.engine = engine
         self.options = options
         self.model_dir = model_dir
+        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -101,6 +104,10 @@ class DocumentParser:
             TraceError: the replay trace is unreadable or has fewer pages than the document.
         """
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
+        with self._lock:
+            return self._parse(source, pages, password, trace)
+
+    def _parse(self, source: Source | list[Image.Image], pages: str | None, password: str | None, trace: Trace | None) -> Document:
         start = time.perf_counter()
         if isinstance(source, list):
             return self._finish(self._parse_images(source, trace), start)

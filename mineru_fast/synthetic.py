@@ -252,3 +252,15 @@ def make_synthetic_model(out_dir: str | Path, size: str = "tiny", seed: int = 0)
         "Its outputs are meaningless; use it to measure speed and memory, never quality.\n"
     )
     return out
+
+
+def cached_synthetic_model(size: str = "full", seed: int = 0, cache: str | Path | None = None) -> Path:
+    """A synthetic model made once and reused: ``$MINERU_FAST_CACHE`` (default
+    ``~/.cache/mineru-fast``) ``/synthetic-<size>-seed<seed>``."""
+    import os
+
+    root = Path(cache or os.environ.get("MINERU_FAST_CACHE", Path.home() / ".cache" / "mineru-fast"))
+    path = root / f"synthetic-{size}-seed{seed}"
+    if not (path / "SYNTHETIC.md").is_file():  # written last: a half-written model is redone
+        make_synthetic_model(path, size, seed)
+    return path

@@ -200,13 +200,13 @@ def quantize_(model: nn.Module, config: object, filter_fn: Callable[[nn.Module, 
         raise TypeError(
             f"no quantization handler for {type(config).__name__}; known: {[t.__name__ for t in _HANDLERS]}"
         )
-    targets = [
-        (name, module)
+    names = [
+        name
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and (filter_fn is None or filter_fn(module, name))
     ]
-    for name, module in targets:
+    for name in names:  # one layer at a time: each float weight is freed as soon as it is replaced
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, handler(module, config))
+        setattr(parent, child, handler(getattr(parent, child), config))
     return model

@@ -41,6 +41,12 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin``, computed in float32 as the reference does, cast back."""
+    x32 = x.float()
+    return (x32 * cos).addcmul_(rotate_half(x32), sin).to(x.dtype)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -57,9 +63,7 @@ class VisionBlock(nn.Module):
         """``x`` ``[N, dim]`` of packed images with ``lengths`` patches each -> ``[N, dim]``."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # [H, N, d]
-        dtype = q.dtype  # rotary in float32, as the reference does
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # 4-D [1, H, n_i, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
         out = torch.cat(
             [
@@ -71,9 +75,11 @@ class VisionBlock(nn.Module):
         return self.proj(out.transpose(0, 1).reshape(n, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        # In-place elementwise steps: on CPU the temporaries of [N, 5120] tensors cost more than the math.
         x = x + self.attention(self.norm1(x), cos, sin, lengths)
         h = self.fc1(self.norm2(x))
-        return x + self.fc2(h * torch.sigmoid(1.702 * h))  # quick_gelu
+        gate = h.mul(1.702).sigmoid_()  # quick_gelu(h) = h * sigmoid(1.702 h)
+        return x.add_(self.fc2(gate.mul_(h)))
 
 
 class PatchMerger(nn.Module):

@@ -1,0 +1,1 @@
+"""The latency benchmark (``mineru-fast bench``): stage table, concurrency, roofline."""

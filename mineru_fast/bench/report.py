@@ -1,0 +1,111 @@
+"""Benchmark output: Markdown tables and an optional matplotlib plot, from measured results only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def unavailable_rows(header: dict) -> list[dict]:
+    """Stage rows this machine cannot run, with the reason (shown in the table, not measured)."""
+    rows = []
+    if header["ipex"] == "not installed":
+        rows.append({"label": "+ IPEX backend", "reason": "not installed (pip install 'mineru-fast[ipex]')"})
+    if header["numa_nodes"] < 2 and header["physical_cores_available"] < 4:
+        rows.append({"label": "+ multi-instance / NUMA pinning", "reason": "one NUMA node and under 4 cores"})
+    return rows
+
+
+def _stage_table(results: dict) -> list[str]:
+    lines = [
+        "| stage | mean s/page | P95 s/page | pages/min | speed-up | peak RSS GB | start-up s "
+        "| vision s | prefill s | decode s | same Markdown |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 9)
+            continue
+        t = r["timings"]
+        lines.append(
+            f"| {r['label']} | {r['mean_s_per_page']:.1f} | {r['p95_s_per_page']:.1f} | {r['pages_per_min']:.2f} "
+            f"| {r['speedup']:.2f}x | {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t.get('vision', 0):.1f} "
+            f"| {t.get('prefill', 0):.1f} | {t.get('decode', 0):.1f} | {'yes' if r['markdown_equal_first_row'] else 'NO'} |"
+        )
+    for r in results["extra_rows"]:
+        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 9)
+    return lines
+
+
+def markdown(results: dict) -> str:
+    """All tables as Markdown."""
+    h = results["header"]
+    isa = ", ".join(flag for flag, present in h["isa"].items() if present) or "none of the tracked flags"
+    lines = [
+        f"# mineru-fast bench{' (--quick: few pages, key rows only)' if h['quick'] else ''}",
+        "",
+        f"- CPU: {h['cpu']}; {h['physical_cores_available']} physical cores available; NUMA nodes: {h['numa_nodes']}",
+        f"- ISA: {isa}",
+        f"- Python {h['python']}, torch {h['torch']}, transformers {h['transformers']}, IPEX {h['ipex']}",
+        f"- threads: {h['threads']}; model: {h['model']} ({h['model_identity']}); pages: {h['pages']} (replayed)",
+        f"- duration: {h['duration_s'] / 60:.1f} min",
+        "",
+        "## Stage table",
+        "",
+        *_stage_table(results),
+        "",
+        "## Concurrency (one fast-preset parser, N concurrent parse calls of the median page)",
+        "",
+        "| concurrent calls | pages/min | P50 s | P95 s |",
+        "|---|---|---|---|",
+        *[
+            f"| {c['concurrency']} | {c['pages_per_min']:.2f} | {c['p50_s']:.1f} | {c['p95_s']:.1f} |"
+            for c in results["concurrency"]
+        ],
+    ]
+    rf = results["roofline"]
+    g, a, f = rf["peaks"]["gemm"], rf["achieved"], rf["fraction"]
+    lines += [
+        "",
+        "## Roofline (measured on this CPU)",
+        "",
+        f"- GEMM peaks (5476x1280 @ 1280x5120): fp32 {g['fp32']:.0f} GFLOP/s, bf16 {g['bf16']:.0f} GFLOP/s, "
+        f"int8 {g['int8']:.0f} GOP/s; memory bandwidth {rf['peaks']['memory_gbps']:.1f} GB/s",
+        "",
+        "| part (fast preset) | achieved | of peak |",
+        "|---|---|---|",
+        f"| vision linears (int8) | {a['vision_linears_gops']:.0f} GOP/s | {f['vision_linears_of_int8_peak']:.0%} of int8 |",
+        f"| vision attention (fp32 SDPA, N=5476) | {a['vision_attention_gflops']:.0f} GFLOP/s "
+        f"| {f['vision_attention_of_fp32_peak']:.0%} of fp32 |",
+        f"| decode, batch 1 ({a['decode_batch1_ms']:.1f} ms/step) | {a['decode_batch1_gbps']:.1f} GB/s of weights "
+        f"| {f['decode_batch1_of_bandwidth']:.0%} of bandwidth |",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """Speed-up by stage and the vision/prefill/decode split as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in results["rows"] if "error" not in r]
+    labels = [r["label"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    left.barh(labels, [r["speedup"] for r in rows], color="tab:blue")
+    left.set_xlabel("speed-up vs first row (pages/min)")
+    left.invert_yaxis()
+    bottom = [0.0] * len(rows)
+    for stage, color in (("vision", "tab:orange"), ("prefill", "tab:green"), ("decode", "tab:red")):
+        values = [r["timings"].get(stage, 0.0) / len(r["page_seconds"]) for r in rows]
+        right.barh(labels, values, left=bottom, color=color, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    right.set_xlabel("seconds per page")
+    right.invert_yaxis()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

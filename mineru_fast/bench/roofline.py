@@ -1,0 +1,88 @@
+"""This CPU's ceilings and how close the engine gets to them.
+
+Peaks are measured here, never assumed: GEMM throughput for float32, bfloat16 and int8
+(``torch._int_mm``) on a vision-linear shape (5476x1280 by 1280x5120: one 1036x1036 page), and
+memory bandwidth from a large copy. Achieved figures come from timing the fast engine's own
+modules on the same shapes: the vision linears of one block, the vision attention of one block,
+and one batch-1 decode step (bytes of weights read per step over its time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+N_LAYOUT, VISION_DIM, VISION_MLP = 5476, 1280, 5120  # one 1036x1036 page through MinerU2.5 vision
+
+
+def _best_seconds(fn: Callable[[], object], repeat: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_peaks() -> dict[str, float]:
+    """GFLOP/s (GOP/s for int8) of a 5476x1280 @ 1280x5120 product per dtype."""
+    m, k, n = N_LAYOUT, VISION_DIM, VISION_MLP
+    flops = 2 * m * k * n
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out[name] = flops / _best_seconds(lambda a=a, b=b: a @ b) / 1e9
+    a8 = torch.randint(-127, 127, (m, k), dtype=torch.int8)
+    b8 = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+    out["int8"] = flops / _best_seconds(lambda: torch._int_mm(a8, b8)) / 1e9
+    return out
+
+
+def memory_bandwidth() -> float:
+    """GB/s of a 512 MiB float32 copy (bytes read + written)."""
+    src = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def lm_weight_count(config) -> int:
+    """Weights a decode step reads: every LM linear plus the LM head (embedding rows are gathered)."""
+    c = config
+    attention = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    return c.num_layers * (attention + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
+
+
+def achieved(engine, bytes_per_weight: float) -> dict[str, float]:
+    """Throughput of the fast engine's vision linears, vision attention (one block, layout-page
+    shape) and batch-1 decode (weight bytes read per second, ``bytes_per_weight`` each)."""
+    block = engine.vision.blocks[0]
+    config = engine.vision.config
+    dim, heads, mlp = config.embed_dim, config.num_heads, config.embed_dim * config.mlp_ratio
+    dtype = block.norm1.weight.dtype
+    x = torch.randn(N_LAYOUT, dim, dtype=dtype)
+    q = torch.randn(1, heads, N_LAYOUT, config.head_dim, dtype=dtype)
+    linear_flops = 2 * N_LAYOUT * (4 * dim * dim + 2 * dim * mlp)
+    attention_flops = 4 * N_LAYOUT * N_LAYOUT * config.head_dim * heads
+
+    def linears() -> None:
+        block.qkv(x)
+        block.proj(x)
+        block.fc2(block.fc1(x))
+
+    with torch.inference_mode():
+        linear_s = _best_seconds(linears, repeat=2)
+        attention_s = _best_seconds(lambda: F.scaled_dot_product_attention(q, q, q), repeat=2)
+        tokens, position = torch.zeros(1, dtype=torch.long), torch.full((1,), 1500)
+        decode_s = _best_seconds(lambda: engine.lm.decode(tokens, position, position), repeat=5)
+    weight_bytes = lm_weight_count(engine.lm.config) * bytes_per_weight
+    return {
+        "vision_linears_gops": linear_flops / linear_s / 1e9,
+        "vision_attention_gflops": attention_flops / attention_s / 1e9,
+        "decode_batch1_gbps": weight_bytes / decode_s / 1e9,
+        "decode_batch1_ms": decode_s * 1000,
+    }

@@ -1,0 +1,81 @@
+"""Stage-table rows: cumulative configurations, each run in its own process.
+
+Run one row: ``python -m mineru_fast.bench.rows '<json spec>'`` prints one JSON line with the
+row's raw samples (per-page seconds, stage split, peak RSS, start-up time, Markdown).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Row:
+    """One stage of the table: a label and the ``ParserOptions`` preset + overrides it runs."""
+
+    label: str
+    preset: str
+    overrides: dict = field(default_factory=dict)
+    quick: bool = False  # part of --quick
+
+
+_SINGLE = {"slots": 1, "page_window": 1}
+ROWS: list[Row] = [
+    Row("reference fp32", "reference-fp32"),
+    Row("reference bf16", "reference", quick=True),
+    Row("fast engine fp32 (static KV)", "exact", {**_SINGLE}, quick=True),
+    Row("+ traced vision", "exact", {**_SINGLE, "vision_mode": "trace"}),
+    Row("+ dynamic INT8", "fast", {**_SINGLE, "vision_mode": "trace"}),
+    Row("+ continuous batching", "fast", {"vision_mode": "trace"}, quick=True),
+]
+
+
+def _warm_up(parser) -> float:
+    """One tiny replayed page, so first-call costs (allocations, traces) are paid before timing."""
+    from PIL import Image
+
+    from ..traces import PageTrace, Trace
+
+    trace = Trace([PageTrace("<|box_start|>100 100 900 300<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>", [" ok"])])
+    start = time.perf_counter()
+    parser.parse([Image.new("RGB", (400, 300), "white")], replay=trace)
+    return time.perf_counter() - start
+
+
+def run_row(spec: dict) -> dict:
+    """Load, warm up and parse the workload with one row's options (in this process)."""
+    from .. import DocumentParser, ParserOptions
+    from ..traces import Trace
+    from .workload import load_workload
+
+    options = ParserOptions.preset(spec["preset"], threads=spec["threads"], **spec["overrides"])
+    pages = load_workload(spec["pages"], Path(spec["workload"]) if spec["workload"] else None)
+    start = time.perf_counter()
+    parser = DocumentParser.from_pretrained(spec["model"], options)
+    load_s = time.perf_counter() - start
+    warmup_s = _warm_up(parser)
+    start = time.perf_counter()
+    document = parser.parse([p.image for p in pages], replay=Trace([p.trace for p in pages]))
+    wall_s = time.perf_counter() - start
+    failures = [p.errors for p in document.pages if p.status != "success"]
+    return {
+        "label": spec["label"],
+        "pages": [p.name for p in pages],
+        "page_seconds": [p.timings.get("total", 0.0) for p in document.pages],
+        "wall_s": wall_s,
+        "timings": document.timings,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "markdown": document.to_markdown(),
+        "failures": failures,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_row(json.loads(sys.argv[1]))))

@@ -1,0 +1,163 @@
+"""``mineru-fast bench``: the latency tables on this CPU.
+
+Stage table (cumulative rows, each in its own process, replayed workload pages), concurrency
+table (N concurrent ``parse`` calls through one parser), roofline (measured peaks and the
+engine's achieved fraction), a header describing the machine, then Markdown on stdout, a JSON file
+with every raw sample and, with matplotlib installed, a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .rows import ROWS, Row
+
+
+def system_header(threads: int, model: str, synthetic: bool) -> dict:
+    """Machine, software and model identity for the report header."""
+    import torch
+    import transformers
+
+    from ..cpu import cpu_model, isa_flags, numa_nodes, physical_cores_available
+
+    try:
+        import intel_extension_for_pytorch as ipex  # noqa: F401
+
+        ipex_version = ipex.__version__
+    except ImportError:
+        ipex_version = "not installed"
+    return {
+        "cpu": cpu_model(),
+        "physical_cores_available": physical_cores_available(),
+        "isa": isa_flags(),
+        "numa_nodes": numa_nodes(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ipex": ipex_version,
+        "threads": threads,
+        "model": model,
+        "model_identity": "synthetic (random weights, MinerU2.5-2509 shapes)" if synthetic else "checkpoint",
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def run_rows(rows: list[Row], model: str, pages: int, workload: Path | None, threads: int) -> list[dict]:
+    """Each row in a fresh process; failures are recorded, not raised."""
+    results = []
+    for row in rows:
+        spec = {"label": row.label, "preset": row.preset, "overrides": row.overrides, "model": model,
+                "pages": pages, "workload": str(workload) if workload else None, "threads": threads}  # fmt: skip
+        print(f"[bench] {row.label} ...", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, "-m", "mineru_fast.bench.rows", json.dumps(spec)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+            results.append({"label": row.label, "error": tail[0]})
+            continue
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def concurrency_table(model: str, workload: Path | None, threads: int, levels: tuple[int, ...]) -> list[dict]:
+    """N concurrent ``parse`` calls of the median page through one fast-preset parser."""
+    from .. import DocumentParser, ParserOptions
+    from ..traces import Trace
+    from .workload import load_workload
+
+    (page,) = load_workload(1, workload)
+    parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
+    out = []
+    for n in levels:
+        latencies: list[float] = []
+
+        def call() -> None:
+            start = time.perf_counter()
+            parser.parse([page.image], replay=Trace([page.trace]))
+            latencies.append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=call) for _ in range(n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - start
+        out.append({"concurrency": n, "wall_s": wall, "pages_per_min": 60 * n / wall, "latencies_s": latencies,
+                    "p50_s": statistics.median(latencies), "p95_s": _percentile(latencies, 0.95)})  # fmt: skip
+    return out
+
+
+def roofline(model: str, threads: int) -> dict:
+    from .. import ParserOptions
+    from ..engine.factory import build_engine
+    from . import roofline as rf
+
+    peaks = {"gemm": rf.gemm_peaks(), "memory_gbps": rf.memory_bandwidth()}
+    engine = build_engine(Path(model), ParserOptions.preset("fast", threads=threads))
+    got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
+    return {
+        "peaks": peaks,
+        "achieved": got,
+        "fraction": {
+            "vision_linears_of_int8_peak": got["vision_linears_gops"] / peaks["gemm"]["int8"],
+            "vision_attention_of_fp32_peak": got["vision_attention_gflops"] / peaks["gemm"]["fp32"],
+            "decode_batch1_of_bandwidth": got["decode_batch1_gbps"] / peaks["memory_gbps"],
+        },
+    }
+
+
+def summarize(rows: list[dict]) -> None:
+    """Add per-row statistics in place: mean/P95 seconds per page, pages/min, speed-up, Markdown equality."""
+    ok = [r for r in rows if "error" not in r]
+    base = ok[0] if ok else None
+    for r in ok:
+        r["mean_s_per_page"] = statistics.mean(r["page_seconds"])
+        r["p95_s_per_page"] = _percentile(r["page_seconds"], 0.95)
+        r["pages_per_min"] = 60 * len(r["page_seconds"]) / r["wall_s"]
+        r["speedup"] = r["pages_per_min"] / base["pages_per_min"]
+        r["startup_s"] = r["load_s"] + r["warmup_s"]
+        r["markdown_equal_first_row"] = r["markdown"] == base["markdown"]
+
+
+def main(model: str | None, quick: bool, pages: int | None, workload: Path | None, threads: int | None,
+         out_dir: Path, plot: bool = True) -> int:  # fmt: skip
+    """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status."""
+    from ..cpu import physical_cores_available
+    from . import report
+
+    threads = threads or physical_cores_available()
+    synthetic = model is None
+    if synthetic:
+        from ..synthetic import cached_synthetic_model
+
+        model = str(cached_synthetic_model("full"))
+    pages = pages or (1 if quick else 4)
+    rows = [r for r in ROWS if r.quick] if quick else ROWS
+    started = time.time()
+    results = {
+        "header": {**system_header(threads, model, synthetic), "quick": quick, "pages": pages},
+        "rows": run_rows(rows, model, pages, workload, threads),
+    }
+    summarize(results["rows"])
+    results["extra_rows"] = report.unavailable_rows(results["header"])
+    results["concurrency"] = concurrency_table(model, workload, threads, (1, 2) if quick else (1, 2, 4))
+    results["roofline"] = roofline(model, threads)
+    results["header"]["duration_s"] = time.time() - started
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
+    print(report.markdown(results))
+    if plot:
+        png = report.plot(results, out_dir / "bench.png")
+        print(f"\nwrote {out_dir / 'bench.json'}" + (f" and {png}" if png else " (install matplotlib for the plot)"))
+    return 0 if all("error" not in r for r in results["rows"]) else 1

@@ -1,0 +1,322 @@
+"""``create_app``: the FastAPI application of ``mineru-fast serve``.
+
+Endpoints (``/v1/*`` need an API key when keys are configured):
+
+- ``POST /v1/document/parse``: multipart ``file`` (PDF or image) plus optional ``pages``,
+  ``password``, ``formats`` (``markdown,content_list,json,layout``) and, when the server allows
+  it, ``replay`` (a trace JSON file); waits for the parse and returns the result.
+- ``POST /v1/jobs``: the same fields; returns ``202`` with ``job_id`` at once.
+- ``GET /v1/jobs/{job_id}``: status and per-page progress; ``GET /v1/jobs/{job_id}/result``.
+- ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page).
+
+Uploads are checked (format sniffed from the content, page range, password) before they are
+queued, so a broken document is answered ``422`` at once and never takes a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Annotated
+
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..parser import DocumentParser
+from .config import ServeConfig
+from .context import RequestContextMiddleware
+from .errors import ApiError, error_body, from_exception
+from .jobs import Job, QueueFull, ShuttingDown
+from .metrics import CONTENT_TYPE_LATEST
+from .parsing import ParseRequest, inspect_document, parse_formats, trace_from_json
+from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
+from .service import Service
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app"]
+
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+    "script-src 'self' 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+
+
+# The multipart fields of both parse endpoints.
+DocumentField = Annotated[UploadFile, File(description="PDF or image; the format is sniffed from the content")]
+PagesField = Annotated[str | None, Form(description="1-based page range, e.g. '1-3,5'; default every page")]
+PasswordField = Annotated[str | None, Form(description="user password of an encrypted PDF")]
+FormatsField = Annotated[str | None, Form(description="comma-separated: markdown, content_list, json, layout")]
+ReplayField = Annotated[UploadFile | None, File(description="replay trace JSON (servers started with --allow-replay)")]
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+def _error_response(request: Request, error: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(error.code, error.message, _request_id(request)), error.status, error.headers)
+
+
+def _index_html() -> str:
+    return resources.files("mineru_fast.serve").joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def create_app(
+    config: ServeConfig | None = None,
+    *,
+    parser_factory: Callable[[], DocumentParser] | None = None,
+    on_load_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """Build the service's ASGI application.
+
+    The model is loaded when the application starts (its lifespan), in a background thread:
+    ``/health`` answers at once, ``/ready`` and ``/v1/*`` answer ``503`` until the parsers are
+    built and the canary page parsed.
+
+    Args:
+        config: service settings; default ``ServeConfig()``.
+        parser_factory: builds one ``DocumentParser``; default
+            ``DocumentParser.from_pretrained(config.model, config.options)``.
+        on_load_failure: called with the exception when start-up fails.
+
+    Returns:
+        The FastAPI application (``app.state.service`` is its ``Service``).
+
+    Raises:
+        ValueError: the API key file is unreadable or malformed.
+    """
+    config = config or ServeConfig()
+    if parser_factory is None:
+
+        def parser_factory() -> DocumentParser:
+            return DocumentParser.from_pretrained(config.model, config.options)
+
+    keyring = KeyRing(load_api_keys(config.api_key_file) if config.api_key_file else [])
+    limiter = RateLimiter(config.rate_limit, config.rate_burst)
+    service = Service(config, parser_factory, on_load_failure)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=service.load, name="model-loader", daemon=True).start()
+        yield
+        await run_in_threadpool(service.shutdown)
+
+    app = FastAPI(
+        title="mineru-fast",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    app.state.service = service
+    # Added last = outermost: the request context wraps the guard, which wraps the routes.
+    app.add_middleware(GuardMiddleware, keyring=keyring, limiter=limiter, max_body=config.max_upload_bytes)
+    app.add_middleware(RequestContextMiddleware, metrics=service.metrics)
+    _add_error_handlers(app)
+    _add_routes(app, service)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        headers = dict(exc.headers or {})
+        return _error_response(request, ApiError(exc.status_code, code, str(exc.detail), headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+            problems.append(f"{where}: {err.get('msg', 'invalid')}" if where else str(err.get("msg", "invalid")))
+        return _error_response(request, ApiError(422, "invalid_request", "; ".join(problems) or "invalid request"))
+
+
+async def _read_request(
+    service: Service,
+    file: UploadFile,
+    pages: str | None,
+    password: str | None,
+    formats: str | None,
+    replay: UploadFile | None,
+) -> ParseRequest:
+    """Turn the multipart fields into a ``ParseRequest`` (everything stays in memory).
+
+    Raises:
+        ApiError: 403 ``replay_disabled``, 422 for a bad ``formats`` or replay trace.
+    """
+    trace = None
+    if replay is not None:
+        if not service.config.allow_replay:
+            raise ApiError(403, "replay_disabled", "this server does not accept replay traces (--allow-replay)")
+        try:
+            trace = trace_from_json(await replay.read())
+        except Exception as exc:
+            raise from_exception(exc) from exc
+    data = await file.read()
+    return ParseRequest(
+        data=data,
+        pages=pages.strip() if pages and pages.strip() else None,
+        password=password or None,
+        formats=parse_formats(formats),
+        trace=trace,
+    )
+
+
+async def _check_and_submit(service: Service, request: Request, parse_request: ParseRequest) -> Job:
+    """Inspect the document off the event loop, then queue it.
+
+    Raises:
+        ApiError: 422 for a broken or unsupported document, 429 ``queue_full`` with
+            ``Retry-After``, 503 when not ready or shutting down.
+    """
+    jobs = service.require_ready()
+    try:
+        info = await run_in_threadpool(
+            inspect_document, parse_request, service.config.options, service.config.max_pages
+        )
+    except Exception as exc:
+        error = from_exception(exc)
+        if error.status >= 500:
+            logger.exception("document check failed", extra={"request_id": _request_id(request)})
+        raise error from exc
+    job = Job(
+        payload=parse_request,
+        owner=request.state.api_key,
+        request_id=_request_id(request),
+        pages_total=len(info.selected),
+    )
+    try:
+        jobs.submit(job)
+    except QueueFull as exc:
+        service.metrics.observe_job("rejected", None, None, [])
+        retry = str(exc.retry_after)
+        raise ApiError(
+            429, "queue_full", f"the job queue is full; retry in {retry} s", {"Retry-After": retry}
+        ) from None
+    except ShuttingDown:
+        raise ApiError(503, "shutting_down", "the server is shutting down") from None
+    logger.info(
+        "job queued",
+        extra={
+            "job_id": job.id,
+            "request_id": job.request_id,
+            "format": info.format,
+            "page_count": len(info.selected),
+            "bytes_in": len(parse_request.data),
+            "queue_length": jobs.queue_length,
+        },
+    )
+    return job
+
+
+async def _wait(job: Job) -> None:
+    """Wait, without blocking the event loop, until a worker has finished the job."""
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: Job) -> None:
+        loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+
+    job.add_done_callback(wake)
+    await finished
+
+
+def _job_or_404(service: Service, request: Request, job_id: str) -> Job:
+    jobs = service.jobs
+    job = jobs.get(job_id, request.state.api_key) if jobs is not None else None
+    if job is None:
+        raise ApiError(404, "job_not_found", "no such job (unknown id, another key's job, or its result expired)")
+    return job
+
+
+def _add_routes(app: FastAPI, service: Service) -> None:
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(_index_html(), headers=_PAGE_HEADERS)
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Process alive (says nothing about the model)."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> dict:
+        """Model loaded and canary parsed; ``503`` otherwise."""
+        service.require_ready()
+        return {"status": "ready", **service.info, "allow_replay": service.config.allow_replay}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/document/parse")
+    async def parse_document(
+        request: Request,
+        file: DocumentField,
+        pages: PagesField = None,
+        password: PasswordField = None,
+        formats: FormatsField = None,
+        replay: ReplayField = None,
+    ) -> JSONResponse:
+        """Parse a document and wait for the result."""
+        parse_request = await _read_request(service, file, pages, password, formats, replay)
+        job = await _check_and_submit(service, request, parse_request)
+        await _wait(job)
+        if job.status != "done" or job.result is None:
+            raise job.error or ApiError(500, "internal_error", "the job ended without a result")
+        return JSONResponse({"request_id": _request_id(request), **job.result})
+
+    @app.post("/v1/jobs", status_code=202)
+    async def submit_job(
+        request: Request,
+        file: DocumentField,
+        pages: PagesField = None,
+        password: PasswordField = None,
+        formats: FormatsField = None,
+        replay: ReplayField = None,
+    ) -> JSONResponse:
+        """Queue a document; poll ``/v1/jobs/{job_id}``, then fetch ``/v1/jobs/{job_id}/result``."""
+        parse_request = await _read_request(service, file, pages, password, formats, replay)
+        job = await _check_and_submit(service, request, parse_request)
+        body = {
+            **job.describe(service.jobs.queue_position(job) if service.jobs else None),
+            "status_url": f"/v1/jobs/{job.id}",
+            "result_url": f"/v1/jobs/{job.id}/result",
+        }
+        return JSONResponse(body, 202, {"Location": f"/v1/jobs/{job.id}"})
+
+    @app.get("/v1/jobs/{job_id}")
+    async def job_status(request: Request, job_id: str) -> dict:
+        """Status and per-page progress of a job."""
+        job = _job_or_404(service, request, job_id)
+        position = service.jobs.queue_position(job) if service.jobs and job.status == "queued" else None
+        return job.describe(position)
+
+    @app.get("/v1/jobs/{job_id}/result")
+    async def job_result(request: Request, job_id: str) -> JSONResponse:
+        """The result of a finished job; ``409`` while it is queued or running."""
+        job = _job_or_404(service, request, job_id)
+        if job.status in ("queued", "running"):
+            raise ApiError(409, "job_not_finished", f"the job is {job.status}", {"Retry-After": "1"})
+        if job.status != "done" or job.result is None:
+            raise job.error or ApiError(500, "internal_error", "the job ended without a result")
+        return JSONResponse({"job_id": job.id, **job.result})

@@ -1,0 +1,115 @@
+"""The ``mineru-fast serve`` subcommand: its arguments and how they become a ``ServeConfig``.
+
+Importing this module needs none of the ``serve`` extra's packages, so ``mineru-fast --help``
+works without them; running the command checks for them first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import MineruFastError
+from ..hub import DEFAULT_MODEL_ID
+from ..options import PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
+from .config import ServeConfig
+
+__all__ = ["add_serve_command", "config_from_args", "run_serve_command"]
+
+
+def add_serve_command(sub: argparse._SubParsersAction, max_new_tokens_type: Callable[[str], dict[str, int]]) -> None:
+    """Add the ``serve`` subparser.
+
+    Args:
+        sub: the CLI's subparsers.
+        max_new_tokens_type: the CLI's parser of ``TASK=N,...`` (shared with ``parse``).
+    """
+    v = sub.add_parser("serve", help="HTTP service (needs the serve extra: pip install 'mineru-fast[serve]')")
+    v.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    v.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
+    v.add_argument("--model", default=DEFAULT_MODEL_ID, help="model directory or hub id (default: %(default)s)")
+    v.add_argument("--workers", type=int, default=1, help="parse worker threads, one model each (default: 1)")
+    v.add_argument(
+        "--workers-queue", type=int, default=8, metavar="N", help="jobs that may wait; beyond it 429 (default: 8)"
+    )
+    v.add_argument("--api-key-file", type=Path, help="lines NAME:SECRET[:RATE_PER_MIN]; /v1/* then needs a key")
+    v.add_argument("--rate-limit", type=float, default=0.0, help="requests per minute per key (default: 0 = off)")
+    v.add_argument("--rate-burst", type=int, default=10, help="requests a key may send at once (default: 10)")
+    v.add_argument("--max-upload-mb", type=float, default=50.0, help="largest request body in MiB (default: 50)")
+    v.add_argument("--result-ttl", type=float, default=600.0, help="seconds job results are kept (default: 600)")
+    v.add_argument("--drain-timeout", type=float, default=60.0, help="seconds shutdown waits for jobs (default: 60)")
+    v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
+    v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
+    v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    v.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
+    v.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
+    v.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
+    v.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
+    v.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
+    v.add_argument(
+        "--max-new-tokens",
+        type=max_new_tokens_type,
+        default={},
+        metavar="TASK=N,...",
+        help=f"per-task generation bounds, tasks {', '.join(TASKS)}",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ``ServeConfig`` the parsed arguments describe.
+
+    Raises:
+        MineruFastError: an invalid value, or an unreadable or malformed API key file (checked
+            here, before the model is loaded).
+    """
+    from .security import load_api_keys
+
+    overrides: dict = {"max_new_tokens": args.max_new_tokens, "progress": False}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    if args.precision is not None:
+        overrides["precision"] = args.precision
+    if args.quantization is not None:
+        overrides.update(vision_quant=args.quantization, lm_quant=args.quantization, lm_head_quant=args.quantization)
+    if args.vision_mode is not None:
+        overrides["vision_mode"] = args.vision_mode
+    try:
+        config = ServeConfig(
+            model=args.model,
+            options=ParserOptions.preset(args.preset, **overrides),
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            queue_size=args.workers_queue,
+            api_key_file=args.api_key_file,
+            rate_limit=args.rate_limit,
+            rate_burst=args.rate_burst,
+            max_upload_mb=args.max_upload_mb,
+            result_ttl=args.result_ttl,
+            drain_timeout=args.drain_timeout,
+            allow_replay=args.allow_replay,
+            max_pages=args.max_pages,
+            log_level=args.log_level,
+        )
+        if config.api_key_file is not None:
+            load_api_keys(config.api_key_file)
+    except ValueError as exc:
+        raise MineruFastError(str(exc)) from exc
+    return config
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """Run ``mineru-fast serve``; returns the exit status (see ``server.serve``).
+
+    Raises:
+        MineruFastError: the ``serve`` extra is missing (``ServeDependencyError``), or a bad
+            setting or key file.
+    """
+    from . import require_serve_dependencies
+
+    require_serve_dependencies()
+    config = config_from_args(args)
+    from .server import serve
+
+    return serve(config)

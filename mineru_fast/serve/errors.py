@@ -1,0 +1,79 @@
+"""The service's one error format and the mapping of exceptions to HTTP statuses.
+
+Every error response has the body ``{"error": {"code", "message", "request_id"}}``: ``code`` is a
+stable machine-readable string, ``message`` a sentence for people, ``request_id`` the value of the
+response's ``X-Request-ID`` header.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..errors import (
+    CorruptDocument,
+    ImageTooLarge,
+    InputError,
+    PageRangeError,
+    PasswordRequired,
+    TraceError,
+    UnsupportedFormat,
+)
+
+__all__ = ["ApiError", "error_body", "error_bytes", "from_exception"]
+
+# Most specific first: the first matching class wins.
+_INPUT_ERRORS: tuple[tuple[type[Exception], str], ...] = (
+    (UnsupportedFormat, "unsupported_format"),
+    (CorruptDocument, "corrupt_document"),
+    (PasswordRequired, "password_required"),
+    (ImageTooLarge, "image_too_large"),
+    (PageRangeError, "bad_page_range"),
+    (InputError, "invalid_document"),
+    (TraceError, "bad_replay_trace"),
+)
+
+
+@dataclass(eq=False)
+class ApiError(Exception):
+    """An error answered to the client in the service's JSON format.
+
+    Attributes:
+        status: HTTP status code.
+        code: stable error code, e.g. ``"queue_full"``.
+        message: human-readable explanation (never document contents or secrets).
+        headers: extra response headers, e.g. ``Retry-After``.
+    """
+
+    status: int
+    code: str
+    message: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+
+def error_body(code: str, message: str, request_id: str | None) -> dict:
+    """The JSON error object."""
+    return {"error": {"code": code, "message": message, "request_id": request_id}}
+
+
+def error_bytes(code: str, message: str, request_id: str | None) -> bytes:
+    """The JSON error object, encoded."""
+    return json.dumps(error_body(code, message, request_id), ensure_ascii=False).encode("utf-8")
+
+
+def from_exception(exc: BaseException) -> ApiError:
+    """Map an exception raised while checking or parsing a document to an ``ApiError``.
+
+    mineru-fast input and trace errors become ``422`` with their message (which names the
+    problem, not the contents); an ``ApiError`` is returned as is; anything else is a ``500``
+    whose message reveals nothing internal.
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    for cls, code in _INPUT_ERRORS:
+        if isinstance(exc, cls):
+            return ApiError(422, code, str(exc))
+    return ApiError(500, "internal_error", "the server failed to process the document; see its logs")

@@ -1,0 +1,297 @@
+"""What the service does with one document: check it, parse it with progress, render the result.
+
+Documents stay in memory from upload to result: nothing a client sends is written to disk under a
+name it chose. The format is sniffed from the content by ``mineru_fast.inputs.open_document``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from PIL import Image, ImageDraw, ImageFont
+
+from ..document import Document, layout_overlay
+from ..errors import TraceError
+from ..inputs import open_document
+from ..parser import DocumentParser
+from ..traces import PageTrace, Trace
+from .errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMATS",
+    "DEFAULT_FORMATS",
+    "ParseRequest",
+    "DocumentInfo",
+    "parse_formats",
+    "trace_from_json",
+    "inspect_document",
+    "run_parse",
+    "render_result",
+    "canary_image",
+    "run_canary",
+]
+
+FORMATS = ("markdown", "content_list", "json", "layout")
+"""Result parts a client may ask for: Markdown, content list, the full ``Document.to_dict()``,
+and layout overlays (one JPEG per page, base64)."""
+DEFAULT_FORMATS = frozenset({"markdown", "content_list"})
+OVERLAY_MAX_SIDE = 1400  # long side of the overlay images returned, in pixels
+
+
+@dataclass(frozen=True)
+class ParseRequest:
+    """One document to parse, as received.
+
+    Attributes:
+        data: the document's bytes (PDF or image).
+        pages: 1-based page range such as ``"1-3,5"``; None = every page.
+        password: user password of an encrypted PDF (never logged).
+        formats: result parts to return (subset of ``FORMATS``).
+        trace: replay trace (tests and benchmarks), or None.
+    """
+
+    data: bytes = field(repr=False)
+    pages: str | None = None
+    password: str | None = field(default=None, repr=False)
+    formats: frozenset[str] = DEFAULT_FORMATS
+    trace: Trace | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class DocumentInfo:
+    """What a quick look at a document found.
+
+    Attributes:
+        format: ``"pdf"`` or the Pillow format name.
+        page_count: pages in the whole document.
+        selected: 0-based indices of the pages that will be parsed.
+    """
+
+    format: str
+    page_count: int
+    selected: list[int]
+
+
+def parse_formats(text: str | None) -> frozenset[str]:
+    """``"markdown,layout"`` -> the set of result parts; empty or None -> ``DEFAULT_FORMATS``.
+
+    Raises:
+        ApiError: 422 ``invalid_request`` for an unknown part.
+    """
+    if text is None or not text.strip():
+        return DEFAULT_FORMATS
+    parts = frozenset(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(parts - set(FORMATS))
+    if unknown:
+        raise ApiError(
+            422, "invalid_request", f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}"
+        )
+    return parts or DEFAULT_FORMATS
+
+
+def trace_from_json(data: bytes) -> Trace:
+    """A replay trace from uploaded JSON (schema in ``mineru_fast.traces``).
+
+    Raises:
+        TraceError: not UTF-8 JSON, or not ``{"pages": [{"layout": str, "contents": [str|null]}]}``.
+    """
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise TraceError(f"the replay trace is not valid JSON: {exc}") from None
+    pages = raw.get("pages") if isinstance(raw, dict) else None
+    if not isinstance(pages, list):
+        raise TraceError("the replay trace must be an object with a 'pages' list")
+    out = []
+    for i, page in enumerate(pages):
+        layout = page.get("layout") if isinstance(page, dict) else None
+        contents = page.get("contents", []) if isinstance(page, dict) else None
+        if not isinstance(layout, str) or not isinstance(contents, list):
+            raise TraceError(f"replay trace page {i} needs a 'layout' string and a 'contents' list")
+        if not all(c is None or isinstance(c, str) for c in contents):
+            raise TraceError(f"replay trace page {i}: 'contents' must hold strings or nulls")
+        out.append(PageTrace(layout, contents))
+    return Trace(out)
+
+
+def _limits(parser_options: object) -> dict[str, int]:
+    return {
+        "dpi": parser_options.dpi,  # type: ignore[attr-defined]
+        "max_side": parser_options.max_side,  # type: ignore[attr-defined]
+        "max_pixels": parser_options.max_image_pixels,  # type: ignore[attr-defined]
+    }
+
+
+def inspect_document(request: ParseRequest, parser_options: object, max_pages: int) -> DocumentInfo:
+    """Open the document without rendering it: format, page count, selected pages.
+
+    Args:
+        request: the upload and its options.
+        parser_options: the service's ``ParserOptions`` (input limits).
+        max_pages: most pages one request may select.
+
+    Raises:
+        InputError: unsupported format, corrupt, encrypted without the right password, too large,
+            or a bad page range (the ``mineru_fast.errors`` subclasses).
+        TraceError: the replay trace has fewer pages than the document.
+        ApiError: 422 ``too_many_pages`` when more than ``max_pages`` pages are selected.
+    """
+    with open_document(
+        request.data, pages=request.pages, password=request.password, **_limits(parser_options)
+    ) as opened:
+        info = DocumentInfo(opened.format, opened.page_count, list(opened.page_indices))
+    if len(info.selected) > max_pages:
+        raise ApiError(
+            422, "too_many_pages", f"{len(info.selected)} pages selected; this server parses at most {max_pages}"
+        )
+    if request.trace is not None and len(request.trace.pages) < info.page_count:
+        raise TraceError(f"the replay trace has {len(request.trace.pages)} pages, the document {info.page_count}")
+    return info
+
+
+def _ranges(indices: list[int]) -> str:
+    """0-based indices -> a 1-based page range text, e.g. ``[0, 1, 2, 5]`` -> ``"1-3,6"``."""
+    parts, start = [], None
+    for n, index in enumerate(indices):
+        if start is None:
+            start = index
+        if n + 1 == len(indices) or indices[n + 1] != index + 1:
+            parts.append(f"{start + 1}" if start == index else f"{start + 1}-{index + 1}")
+            start = None
+    return ",".join(parts)
+
+
+def run_parse(
+    parser: DocumentParser, request: ParseRequest, progress: Callable[[int, int], None] | None = None
+) -> Document:
+    """Parse a document window by window, reporting progress after each window.
+
+    Pages are parsed in groups of ``parser.options.page_window`` (the parser batches a window's
+    pages together), so progress costs no throughput.
+
+    Args:
+        parser: the worker's parser.
+        request: the document and its options.
+        progress: called as ``progress(pages_done, pages_total)``.
+
+    Returns:
+        The whole ``Document``.
+
+    Raises:
+        InputError: the document cannot be opened. TraceError: the trace does not fit it.
+    """
+    start = time.perf_counter()
+    limits = _limits(parser.options)
+    with open_document(request.data, pages=request.pages, password=request.password, **limits) as opened:
+        selected = list(opened.page_indices)
+    document = Document("document")
+    window = parser.options.page_window
+    if progress is not None:
+        progress(0, len(selected))
+    for first in range(0, len(selected), window):
+        chunk = selected[first : first + window]
+        part = parser.parse(request.data, pages=_ranges(chunk), password=request.password, replay=request.trace)
+        document.pages.extend(part.pages)
+        document.errors.extend(part.errors)
+        for key, value in part.timings.items():
+            if key != "wall":
+                document.timings[key] = document.timings.get(key, 0.0) + value
+        if progress is not None:
+            progress(first + len(chunk), len(selected))
+    document.timings["wall"] = time.perf_counter() - start
+    return document
+
+
+def _overlay_jpeg(document: Document) -> list[dict]:
+    out = []
+    for page in document.pages:
+        if page.image is None:
+            continue
+        image = layout_overlay(page)
+        image.thumbnail((OVERLAY_MAX_SIDE, OVERLAY_MAX_SIDE))
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=85)
+        data = base64.b64encode(buffer.getvalue()).decode("ascii")
+        out.append(
+            {
+                "page_idx": page.index,
+                "media_type": "image/jpeg",
+                "width": image.width,
+                "height": image.height,
+                "data": data,
+            }
+        )
+    return out
+
+
+def render_result(document: Document, formats: frozenset[str]) -> dict:
+    """The JSON-ready result of a parse: status, per-page summary, timings, asked-for parts.
+
+    Page images are not kept: after this call the ``Document`` can be dropped.
+    """
+    result: dict = {
+        "status": document.status,
+        "errors": document.errors,
+        "page_count": len(document.pages),
+        "pages": [
+            {"page_idx": p.index, "status": p.status, "size": list(p.size), "errors": p.errors, "warnings": p.warnings}
+            for p in document.pages
+        ],
+        "timings": document.timings,
+    }
+    if "markdown" in formats:
+        result["markdown"] = document.to_markdown()
+    if "content_list" in formats:
+        result["content_list"] = document.to_content_list()
+    if "json" in formats:
+        result["document"] = document.to_dict()
+    if "layout" in formats:
+        result["layout"] = _overlay_jpeg(document)
+    return result
+
+
+def canary_image() -> Image.Image:
+    """A small page drawn with Pillow (a title, lines of text, a ruled table) for the start-up check."""
+    page = Image.new("RGB", (640, 480), "white")
+    draw = ImageDraw.Draw(page)
+    draw.text((40, 30), "mineru-fast canary page", fill="black", font=ImageFont.load_default(size=28))
+    font = ImageFont.load_default(size=16)
+    for i in range(6):
+        draw.text(
+            (40, 90 + 26 * i), f"Line {i + 1}: the quick brown fox jumps over the lazy dog.", fill="black", font=font
+        )
+    for r in range(4):
+        draw.line((40, 280 + 36 * r, 600, 280 + 36 * r), fill="black", width=2)
+    for c in range(4):
+        draw.line((40 + 186 * c, 280, 40 + 186 * c, 388), fill="black", width=2)
+    return page
+
+
+def run_canary(parser: DocumentParser) -> dict:
+    """Parse ``canary_image()`` once: warms the model up and proves it works end to end.
+
+    Returns:
+        ``{"status", "seconds", "blocks"}`` of the canary parse.
+
+    Raises:
+        RuntimeError: the canary page failed to parse.
+    """
+    start = time.perf_counter()
+    document = parser.parse(canary_image())
+    seconds = time.perf_counter() - start
+    if document.status == "failure":
+        problems = "; ".join(e for p in document.pages for e in p.errors) or "; ".join(document.errors)
+        raise RuntimeError(f"the canary page failed to parse: {problems}")
+    return {
+        "status": document.status,
+        "seconds": round(seconds, 3),
+        "blocks": sum(len(p.blocks) for p in document.pages),
+    }

@@ -1,0 +1,337 @@
+"""API keys, per-key token-bucket rate limits and the streaming upload-size limit.
+
+Key file format, one key per line (blank lines and ``#`` comments ignored)::
+
+    NAME:SECRET            # uses the server-wide --rate-limit
+    NAME:SECRET:RATE       # RATE requests per minute for this key (0 = unlimited)
+
+Clients send the secret as ``Authorization: Bearer SECRET`` or ``X-API-Key: SECRET``. Secrets are
+compared in constant time and never logged; logs and metrics name the key by ``NAME``.
+
+``GuardMiddleware`` is a plain ASGI middleware placed in front of the application, so a request
+is refused before its body is read: wrong or missing key -> ``401``, over the rate -> ``429`` with
+``Retry-After``, a declared ``Content-Length`` over the limit -> ``413`` at once, and a streamed
+body that passes the limit -> ``413`` as soon as it does (the connection is then closed, so the
+rest of the body is never read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import error_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ApiKey", "load_api_keys", "KeyRing", "TokenBucket", "RateLimiter", "GuardMiddleware", "PROTECTED_PREFIX"]
+
+PROTECTED_PREFIX = "/v1/"
+"""Paths under this prefix need a key (when keys are configured) and count against rate limits."""
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One API key: its public ``name``, the ``secret``'s SHA-256 digest and an optional own rate.
+
+    Attributes:
+        name: identifies the key in logs and metrics.
+        digest: SHA-256 of the secret (the secret itself is not kept).
+        rate: requests per minute for this key; None = the server-wide rate.
+    """
+
+    name: str
+    digest: bytes
+    rate: float | None = None
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+def load_api_keys(path: str | Path) -> list[ApiKey]:
+    """Read an API key file (format in the module docstring).
+
+    Raises:
+        ValueError: unreadable file, a malformed line (reported by line number, never by content),
+            a duplicate name or secret, or no key at all.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read API key file {path}: {exc}") from exc
+    keys: list[ApiKey] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = [p.strip() for p in line.split(":")]
+        if len(parts) not in (2, 3) or not parts[0] or len(parts[1]) < 8:
+            raise ValueError(f"{path}, line {number}: expected NAME:SECRET[:RATE] with a secret of 8+ characters")
+        rate = None
+        if len(parts) == 3:
+            try:
+                rate = float(parts[2])
+            except ValueError:
+                raise ValueError(f"{path}, line {number}: RATE must be a number of requests per minute") from None
+            if rate < 0:
+                raise ValueError(f"{path}, line {number}: RATE must be >= 0")
+        keys.append(ApiKey(parts[0], _digest(parts[1]), rate))
+    if not keys:
+        raise ValueError(f"API key file {path} holds no key")
+    if len({k.name for k in keys}) != len(keys) or len({k.digest for k in keys}) != len(keys):
+        raise ValueError(f"API key file {path} repeats a key name or secret")
+    return keys
+
+
+class KeyRing:
+    """Looks up the key a request presents, in constant time per key.
+
+    Args:
+        keys: the accepted keys; empty means no key is required.
+    """
+
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self.keys = list(keys)
+
+    @property
+    def required(self) -> bool:
+        """True when requests to protected paths must present a key."""
+        return bool(self.keys)
+
+    def identify(self, secret: str) -> ApiKey | None:
+        """The key whose secret this is, or None."""
+        digest = _digest(secret)
+        found = None
+        for key in self.keys:  # compare with every key so timing does not depend on which matched
+            if hmac.compare_digest(key.digest, digest):
+                found = key
+        return found
+
+
+class TokenBucket:
+    """Token bucket: ``burst`` requests at once, refilled at ``rate_per_minute``.
+
+    Args:
+        rate_per_minute: refill rate; must be > 0.
+        burst: bucket capacity (requests that may arrive together).
+        clock: monotonic time source in seconds (injectable for tests).
+    """
+
+    def __init__(self, rate_per_minute: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate_per_minute <= 0 or burst < 1:
+            raise ValueError("rate_per_minute must be > 0 and burst >= 1")
+        self.rate = rate_per_minute / 60.0
+        self.capacity = float(burst)
+        self.tokens = float(burst)
+        self.clock = clock
+        self.updated = clock()
+
+    def take(self) -> float:
+        """Take one token.
+
+        Returns:
+            0.0 when the request may go ahead, else the seconds until a token is available.
+        """
+        now = self.clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+class RateLimiter:
+    """One ``TokenBucket`` per client identity, thread-safe, at most ``max_clients`` remembered.
+
+    Args:
+        rate_per_minute: default rate; 0 disables limiting for identities without their own rate.
+        burst: bucket capacity.
+        max_clients: least recently seen identities beyond this are forgotten (bounded memory).
+        clock: monotonic time source.
+    """
+
+    def __init__(
+        self,
+        rate_per_minute: float,
+        burst: int,
+        max_clients: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rate, self.burst, self.max_clients, self.clock = rate_per_minute, burst, max_clients, clock
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, identity: str, rate: float | None = None) -> float:
+        """Count one request of ``identity``.
+
+        Args:
+            identity: key name, or client address when no keys are used.
+            rate: this identity's own requests per minute; None = the default.
+
+        Returns:
+            0.0 if allowed, else the seconds the client should wait.
+        """
+        rate = self.rate if rate is None else rate
+        if rate <= 0:
+            return 0.0
+        with self._lock:
+            bucket = self._buckets.get(identity)
+            if bucket is None:
+                bucket = self._buckets[identity] = TokenBucket(rate, self.burst, self.clock)
+                while len(self._buckets) > self.max_clients:
+                    self._buckets.popitem(last=False)
+            self._buckets.move_to_end(identity)
+            return bucket.take()
+
+
+class UploadTooLarge(Exception):
+    """Raised into the application when a streamed body passes the limit."""
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _presented_secret(scope: Scope) -> str | None:
+    auth = _header(scope, b"authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    api_key = _header(scope, b"x-api-key")
+    return api_key.strip() if api_key else None
+
+
+async def send_error(
+    send: Send, scope: Scope, status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> None:
+    """Send a complete JSON error response (the service's error format) through raw ASGI.
+
+    The request id is taken from ``scope["state"]["request_id"]`` (set by the request-context
+    middleware, which also adds the ``X-Request-ID`` header).
+    """
+    request_id = scope.get("state", {}).get("request_id")
+    body = error_bytes(code, message, request_id)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    """ASGI middleware: API keys, rate limits and the upload-size limit, before the body is read.
+
+    Sets ``scope["state"]["api_key"]`` to the key's name (or None) for the application.
+
+    Args:
+        app: the wrapped ASGI application.
+        keyring: accepted keys (empty = open service).
+        limiter: per-identity rate limiter.
+        max_body: largest request body in bytes.
+    """
+
+    def __init__(self, app: ASGIApp, keyring: KeyRing, limiter: RateLimiter, max_body: int) -> None:
+        self.app, self.keyring, self.limiter, self.max_body = app, keyring, limiter, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["api_key"] = None
+        if scope["path"].startswith(PROTECTED_PREFIX) and not await self._admit(scope, send):
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            await self._too_large(send, scope)
+            return
+        await self._call_limited(scope, receive, send)
+
+    async def _admit(self, scope: Scope, send: Send) -> bool:
+        """Key and rate checks; sends the refusal and returns False when the request is refused."""
+        state = scope["state"]
+        rate = None
+        if self.keyring.required:
+            secret = _presented_secret(scope)
+            key = self.keyring.identify(secret) if secret else None
+            if key is None:
+                code, message = (
+                    ("invalid_api_key", "the API key is not valid")
+                    if secret
+                    else ("missing_api_key", "send an API key as 'Authorization: Bearer KEY' or 'X-API-Key: KEY'")
+                )
+                await send_error(send, scope, 401, code, message, {"WWW-Authenticate": "Bearer"})
+                return False
+            identity, rate = key.name, key.rate
+            state["api_key"] = key.name
+        else:
+            client = scope.get("client")
+            identity = f"address:{client[0] if client else 'unknown'}"
+        wait = self.limiter.check(identity, rate)
+        if wait > 0:
+            retry = str(max(1, math.ceil(wait)))
+            message = f"rate limit exceeded; retry in {retry} s"
+            await send_error(send, scope, 429, "rate_limited", message, {"Retry-After": retry})
+            return False
+        return True
+
+    async def _too_large(self, send: Send, scope: Scope) -> None:
+        limit_mb = self.max_body / (1024 * 1024)
+        message = f"the request body exceeds the limit of {limit_mb:g} MiB"
+        await send_error(send, scope, 413, "payload_too_large", message, {"Connection": "close"})
+
+    async def _call_limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = 0
+        exceeded = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    exceeded = True
+                    raise UploadTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded:  # the application's answer to the interrupted body is replaced by the 413
+                return
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except UploadTooLarge:
+            pass
+        except Exception:
+            if not exceeded:
+                raise
+        if exceeded:
+            logger.info(
+                "upload refused: over the size limit",
+                extra={"request_id": scope["state"].get("request_id"), "bytes_in": received},
+            )
+            if not started:
+                await self._too_large(send, scope)

@@ -1,0 +1,167 @@
+"""``Service``: the model, its workers and the service's readiness, shared by the routes.
+
+Start-up (``load``, run in a background thread so ``/health`` answers meanwhile): build one parser
+per worker (the model is loaded once per worker, at start-up only), parse the canary page with
+each (warm-up and end-to-end check), then start the job workers and become ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Literal
+
+from ..parser import DocumentParser
+from .config import ServeConfig
+from .errors import ApiError
+from .jobs import Job, JobManager
+from .metrics import ServiceMetrics
+from .parsing import ParseRequest, render_result, run_canary, run_parse
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Service", "ServiceState"]
+
+ServiceState = Literal["loading", "ready", "failed", "stopping"]
+
+
+class Service:
+    """Model, job manager, metrics and readiness of one running service.
+
+    Args:
+        config: the service settings.
+        parser_factory: builds one parser (called once per worker at start-up).
+        on_load_failure: called with the exception if loading or the canary fails (the CLI uses it
+            to stop the server with an error).
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        parser_factory: Callable[[], DocumentParser],
+        on_load_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.parser_factory = parser_factory
+        self.on_load_failure = on_load_failure
+        self.state: ServiceState = "loading"
+        self.load_error: str | None = None
+        self.info: dict = {}
+        self.jobs: JobManager | None = None
+        self.metrics = ServiceMetrics(
+            queue_length=lambda: self.jobs.queue_length if self.jobs else 0,
+            in_flight=lambda: self.jobs.in_flight if self.jobs else 0,
+        )
+        self._lock = threading.Lock()
+
+    # -- start-up and shutdown -------------------------------------------------------------------
+    def load(self) -> None:
+        """Build the parsers, run the canary, start the workers; never raises (see ``state``)."""
+        try:
+            start = time.perf_counter()
+            parsers = [self.parser_factory() for _ in range(self.config.workers)]
+            load_seconds = time.perf_counter() - start
+            self.metrics.model_load_seconds.set(load_seconds)
+            logger.info("model loaded", extra={"seconds": round(load_seconds, 3), "worker": len(parsers)})
+            canaries = [run_canary(parser) for parser in parsers]
+            canary_seconds = max(c["seconds"] for c in canaries)
+            self.metrics.canary_seconds.set(canary_seconds)
+            logger.info("canary page parsed", extra={"seconds": canary_seconds, "status": canaries[0]["status"]})
+            jobs = JobManager(
+                [self._runner(parser) for parser in parsers],
+                max_queued=self.config.queue_size,
+                result_ttl=self.config.result_ttl,
+                on_finish=self._job_finished,
+            )
+            with self._lock:
+                if self.state != "loading":  # shut down while loading
+                    return
+                self.info = {
+                    "model": str(parsers[0].model_dir),
+                    "engine": parsers[0].options.engine,
+                    "workers": len(parsers),
+                    "model_load_seconds": round(load_seconds, 3),
+                    "canary": canaries[0],
+                }
+                self.jobs = jobs
+                jobs.start()
+                self.state = "ready"
+            self.metrics.ready.set(1)
+            logger.info("ready", extra={"worker": len(parsers), "queue_length": 0})
+        except Exception as exc:
+            with self._lock:
+                self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("start-up failed: %s", self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure(exc)
+
+    def shutdown(self) -> None:
+        """Stop accepting jobs, let queued and running ones finish (``drain_timeout``), stop workers."""
+        with self._lock:
+            self.state = "stopping"
+            jobs = self.jobs
+        self.metrics.ready.set(0)
+        if jobs is None:
+            return
+        logger.info("draining", extra={"queue_length": jobs.queue_length, "in_flight": jobs.in_flight})
+        cancelled = jobs.shutdown(self.config.drain_timeout)
+        logger.info("stopped", extra={"queue_length": len(cancelled)})
+
+    # -- readiness -------------------------------------------------------------------------------
+    def require_ready(self) -> JobManager:
+        """The job manager, if the service takes work now.
+
+        Raises:
+            ApiError: 503 ``not_ready`` (loading, with ``Retry-After``), ``model_load_failed`` or
+                ``shutting_down``.
+        """
+        with self._lock:
+            state, jobs = self.state, self.jobs
+        if state == "ready" and jobs is not None:
+            return jobs
+        if state == "loading":
+            raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
+        if state == "failed":
+            raise ApiError(503, "model_load_failed", f"the model failed to load: {self.load_error}")
+        raise ApiError(503, "shutting_down", "the server is shutting down")
+
+    # -- jobs ------------------------------------------------------------------------------------
+    @staticmethod
+    def _runner(parser: DocumentParser) -> Callable[[Job], dict]:
+        """The job runner of one worker.
+
+        Replayed documents go through a second parser on the same engine without the
+        ``max_new_tokens`` bounds: a trace fixes the outputs (and so their length), and a bound
+        meant for free decoding would cut them.
+        """
+        replay_parser = DocumentParser(parser.engine, replace(parser.options, max_new_tokens={}), parser.model_dir)
+
+        def run(job: Job) -> dict:
+            request: ParseRequest = job.payload
+            chosen = replay_parser if request.trace is not None else parser
+            document = run_parse(chosen, request, job.report_progress)
+            return render_result(document, request.formats)
+
+        return run
+
+    def _job_finished(self, job: Job, run_seconds: float) -> None:
+        if job.status == "cancelled":
+            self.metrics.observe_job("cancelled", None, None, [])
+            return
+        wait = job.started_mono - job.queued_mono if job.started_mono is not None else None
+        pages = [p["status"] for p in job.result["pages"]] if job.result else []
+        self.metrics.observe_job(job.status, run_seconds, wait, pages)
+        logger.info(
+            "job finished",
+            extra={
+                "job_id": job.id,
+                "request_id": job.request_id,
+                "status": job.status,
+                "pages": len(pages),
+                "seconds": round(run_seconds, 3),
+                "code": job.error.code if job.error else None,
+            },
+        )

@@ -1,0 +1,141 @@
+"""Start the real ``mineru-fast serve`` in a subprocess on 127.0.0.1 for tests (and benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD = Path(os.environ.get("MINERU_FAST_SHARED", REPO.parent / "shared")) / "workloads" / "omnidocbench_demo"
+# Random weights never emit a valid layout, so bounded steps keep each free-decoded page short.
+BOUNDS = "layout=24,text=8,table=8,equation=8"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running server: its URL, process and JSON-lines log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_lines(self) -> list[str]:
+        return [line for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines() if line]
+
+    def log_records(self) -> list[dict]:
+        records = []
+        for line in self.log_lines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # not JSON, or a line still being written
+                continue
+        return records
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful shutdown), then SIGKILL after ``timeout`` s; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        return self.process.returncode
+
+
+def wait_ready(server: Server, timeout: float) -> dict:
+    """Poll ``/ready`` until it answers 200 (bounded); returns its JSON.
+
+    Raises:
+        RuntimeError: the process exited or ``timeout`` passed (the log tail is in the message).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {server.process.returncode}:\n" + "\n".join(server.log_lines()[-20:])
+            )
+        try:
+            response = httpx.get(f"{server.url}/ready", timeout=2.0)
+            if response.status_code == 200:
+                return response.json()
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready after {timeout} s:\n" + "\n".join(server.log_lines()[-20:]))
+
+
+@contextmanager
+def running_server(model: Path, log_dir: Path, *args: str, ready_timeout: float = 180.0) -> Iterator[Server]:
+    """Run ``mineru-fast serve`` on a free loopback port until the block exits.
+
+    Args:
+        model: model directory.
+        log_dir: where ``server.log`` (the server's stderr) goes.
+        args: extra ``serve`` arguments.
+        ready_timeout: seconds to wait for ``/ready``.
+    """
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "mineru_fast.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        str(model),
+        "--preset",
+        "exact",
+        *args,
+    ]
+    log_path = log_dir / f"server-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        wait_ready(server, ready_timeout)
+        yield server
+    finally:
+        server.stop()
+
+
+def workload_page_with_text(traces_dir: Path, max_bytes: int):
+    """The smallest workload image under ``max_bytes`` whose trace has text blocks.
+
+    Returns:
+        ``(image_path, trace_path, blocks, page_trace)``, or None if there is none.
+    """
+    from mineru_fast.protocol import parse_layout
+    from mineru_fast.traces import load_trace
+
+    for image in sorted((WORKLOAD / "images").iterdir(), key=lambda p: p.stat().st_size):
+        if image.stat().st_size > max_bytes:
+            continue
+        trace_path = traces_dir / f"{image.name.rsplit('.', 1)[0]}.json"
+        trace = load_trace(trace_path).pages[0]
+        blocks, _ = parse_layout(trace.layout)
+        if any(b.type in ("text", "title") and c and c.strip() for b, c in zip(blocks, trace.contents, strict=True)):
+            return image, trace_path, blocks, trace
+    return None

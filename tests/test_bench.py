@@ -1,0 +1,53 @@
+"""The benchmark harness: synthetic workload shape, and a --quick run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoTokenizer
+
+from mineru_fast.bench.workload import load_profile, load_workload, median_first, synthesize
+from mineru_fast.protocol import parse_layout
+
+
+def test_synthetic_pages_have_the_profiled_shape(tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    for profile in load_profile():
+        page = synthesize(profile)
+        assert page.image.size == (profile["width"], profile["height"])
+        blocks, warnings = parse_layout(page.trace.layout)
+        assert warnings == []
+        assert [b.type for b in blocks] == [b["type"] for b in profile["blocks"]]
+        assert [[round(v * 1000) for v in b.bbox] for b in blocks] == [b["bbox"] for b in profile["blocks"]]
+        assert abs(len(tokenizer.encode(page.trace.layout)) - profile["layout_tokens"]) <= 2
+        for block, content in zip(profile["blocks"], page.trace.contents, strict=True):
+            if block["tokens"] is None:
+                assert content is None
+            else:  # filler outputs reproduce the token count (tables round to whole cells)
+                assert abs(len(tokenizer.encode(content)) - block["tokens"]) <= 2, (block, content)
+
+
+def test_median_page_comes_first():
+    profiles = load_profile()
+    totals = sorted(p["layout_tokens"] + sum(b["tokens"] or 0 for b in p["blocks"]) for p in profiles)
+    first = median_first(profiles)[0]
+    total = first["layout_tokens"] + sum(b["tokens"] or 0 for b in first["blocks"])
+    assert totals[len(totals) // 2 - 1] <= total <= totals[len(totals) // 2]
+    assert [p.name for p in load_workload(2)] == [p["name"] for p in median_first(profiles)[:2]]
+
+
+def test_quick_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    from mineru_fast.bench.run import main
+
+    assert main(str(tiny_model), quick=True, pages=1, workload=None, threads=2, out_dir=tmp_path, plot=False) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    rows = results["rows"]
+    assert [r["label"] for r in rows] == ["reference bf16", "fast engine fp32 (static KV)", "+ continuous batching"]
+    assert all(r["markdown_equal_first_row"] and r["pages_per_min"] > 0 and r["peak_rss_gb"] > 0 for r in rows)
+    assert rows[0]["speedup"] == 1.0 and len(rows[0]["page_seconds"]) == 1
+    assert [c["concurrency"] for c in results["concurrency"]] == [1, 2]
+    assert all(len(c["latencies_s"]) == c["concurrency"] for c in results["concurrency"])
+    assert all(v > 0 for v in results["roofline"]["peaks"]["gemm"].values())
+    assert 0 < results["roofline"]["fraction"]["decode_batch1_of_bandwidth"]
+    out = capsys.readouterr().out
+    assert "## Stage table" in out and "| reference bf16 |" in out and "+ IPEX backend" in out

@@ -1,0 +1,516 @@
+"""The HTTP service: its parts in process, then the real server (uvicorn in a subprocess, 127.0.0.1).
+
+Every request loop here is bounded in count and time; all traffic stays on the loopback address.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import WORKLOAD, need
+from samples import pdf_bytes
+from serve_helpers import BOUNDS, running_server, workload_page_with_text
+
+from mineru_fast.errors import CorruptDocument, PageRangeError
+from mineru_fast.serve.errors import ApiError, from_exception
+from mineru_fast.serve.jobs import Job, JobManager, QueueFull, ShuttingDown
+from mineru_fast.serve.parsing import _ranges, parse_formats, trace_from_json
+from mineru_fast.serve.security import RateLimiter, TokenBucket, load_api_keys
+
+ALPHA = "alpha-secret-0123"
+BETA = "beta-secret-4567"
+PASSWORD = "pw-never-logged-918"
+UPLOAD_NAME = "confidential-name-5521.pdf"
+MAX_UPLOAD_MB = 3
+
+
+def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition()`` until true or ``timeout`` s passed (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+# -- parts, in process -----------------------------------------------------------------------------
+
+
+def test_token_bucket_allows_burst_then_refills():
+    now = [0.0]
+    bucket = TokenBucket(rate_per_minute=60, burst=2, clock=lambda: now[0])
+    assert bucket.take() == 0.0 and bucket.take() == 0.0
+    assert bucket.take() == pytest.approx(1.0)  # one token per second
+    now[0] = 0.5
+    assert bucket.take() == pytest.approx(0.5)
+    now[0] = 1.0
+    assert bucket.take() == 0.0
+
+    limiter = RateLimiter(rate_per_minute=0, burst=1, max_clients=2, clock=lambda: now[0])
+    assert all(limiter.check("anyone") == 0.0 for _ in range(50))  # 0 = unlimited
+    assert limiter.check("slow", rate=60) == 0.0 and limiter.check("slow", rate=60) > 0
+    limiter.check("a", rate=60), limiter.check("b", rate=60)
+    assert "slow" not in limiter._buckets and len(limiter._buckets) == 2  # bounded memory
+
+
+def test_api_key_file(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("# service keys\nalpha:alpha-secret-0123\n\nbeta : beta-secret-4567 : 30  # slow key\n")
+    alpha, beta = load_api_keys(path)
+    assert (alpha.name, alpha.rate, beta.name, beta.rate) == ("alpha", None, "beta", 30.0)
+    assert b"alpha-secret" not in alpha.digest
+    for bad in ["alpha", "alpha:short", "a:longenough-secret:fast", "a:longenough-secret\na:other-secret-1"]:
+        path.write_text(bad)
+        with pytest.raises(ValueError) as info:
+            load_api_keys(path)
+        assert "secret-1" not in str(info.value) and "longenough" not in str(info.value)  # never echoes secrets
+    path.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no key"):
+        load_api_keys(path)
+
+
+def test_error_mapping_and_request_fields():
+    assert from_exception(CorruptDocument("document: not a readable PDF")).status == 422
+    assert from_exception(PageRangeError("x")).code == "bad_page_range"
+    crash = from_exception(RuntimeError("secret internals"))
+    assert crash.status == 500 and "secret internals" not in crash.message
+    assert parse_formats(None) == {"markdown", "content_list"}
+    assert parse_formats("layout, json") == {"layout", "json"}
+    with pytest.raises(ApiError) as info:
+        parse_formats("markdown,pdf")
+    assert info.value.status == 422 and "pdf" in info.value.message
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "1-3,6,8-9"
+    trace = trace_from_json(b'{"pages": [{"layout": "L", "contents": ["a", null]}]}')
+    assert trace.pages[0].contents == ["a", None]
+    for bad in [
+        b"not json",
+        b'{"pages": 3}',
+        b'{"pages": [{"layout": 1}]}',
+        b'{"pages": [{"layout": "", "contents": [1]}]}',
+    ]:
+        with pytest.raises(Exception) as info:
+            trace_from_json(bad)
+        assert from_exception(info.value).code == "bad_replay_trace"
+
+
+def test_job_manager_bounds_queue_and_expires_results():
+    gate = threading.Event()
+
+    def runner(job: Job) -> dict:
+        assert gate.wait(10)
+        job.report_progress(1, 1)
+        return {"n": job.payload}
+
+    now = [0.0]
+    manager = JobManager([runner], max_queued=2, result_ttl=5, clock=lambda: now[0])
+    manager.start()
+    try:
+        first = manager.submit(Job(1, owner="alpha"))
+        assert wait_for(lambda: first.status == "running", 5)
+        second, third = manager.submit(Job(2, owner="alpha")), manager.submit(Job(3, owner="alpha"))
+        with pytest.raises(QueueFull) as info:
+            manager.submit(Job(4))
+        assert info.value.retry_after >= 1
+        assert (manager.queue_length, manager.in_flight, manager.queue_position(third)) == (2, 1, 2)
+        assert manager.get(first.id, owner="beta") is None and manager.get(first.id, owner="alpha") is first
+        finished = threading.Event()
+        third.add_done_callback(lambda job: finished.set())
+        gate.set()
+        assert finished.wait(10)
+        assert [j.status for j in (first, second, third)] == ["done"] * 3
+        assert (
+            third.result == {"n": 3} and third.payload is None and third.describe()["pages"] == {"total": 1, "done": 1}
+        )
+        late = []
+        third.add_done_callback(late.append)  # already finished: called at once
+        assert late == [third]
+        now[0] = 4.9
+        assert manager.sweep() == 0
+        now[0] = 100.0
+        assert manager.sweep() == 3 and manager.get(first.id, owner="alpha") is None
+    finally:
+        gate.set()
+        manager.shutdown(5)
+
+
+def test_job_manager_failures_and_shutdown():
+    gate = threading.Event()
+
+    def runner(job: Job) -> dict:
+        if job.payload == "corrupt":
+            raise CorruptDocument("document: not a readable PDF")
+        if job.payload == "crash":
+            raise RuntimeError("boom")
+        assert gate.wait(10)
+        return {}
+
+    manager = JobManager([runner], max_queued=4, result_ttl=60)
+    manager.start()
+    corrupt, crash = manager.submit(Job("corrupt")), manager.submit(Job("crash"))
+    assert wait_for(lambda: crash.status == "failed", 5)
+    assert (corrupt.error.status, corrupt.error.code) == (422, "corrupt_document")
+    assert (crash.error.status, crash.error.code) == (500, "internal_error")
+
+    running, waiting = manager.submit(Job("slow")), manager.submit(Job("slow"))
+    assert wait_for(lambda: running.status == "running", 5)
+    start = time.monotonic()
+    cancelled = manager.shutdown(drain_timeout=0.3)  # the running job outlives the drain time
+    assert time.monotonic() - start < 5
+    assert cancelled == [waiting] and waiting.status == "cancelled" and waiting.error.code == "shutting_down"
+    with pytest.raises(ShuttingDown):
+        manager.submit(Job("late"))
+    gate.set()
+    assert wait_for(lambda: running.status == "done", 5)  # a started job is never abandoned
+
+
+# -- the real server -------------------------------------------------------------------------------
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need the serve extra: pip install 'mineru-fast[serve]'")
+for _module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
+    pytest.importorskip(_module, reason="the serve tests need the serve extra: pip install 'mineru-fast[serve]'")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    keys = work / "keys.txt"
+    keys.write_text(f"alpha:{ALPHA}\nbeta:{BETA}:6\n")
+    args = [
+        "--api-key-file",
+        str(keys),
+        "--workers-queue",
+        "2",
+        "--rate-burst",
+        "2",
+        "--max-upload-mb",
+        str(MAX_UPLOAD_MB),
+        "--allow-replay",
+        "--max-new-tokens",
+        BOUNDS,
+        "--result-ttl",
+        "120",
+        "--drain-timeout",
+        "60",
+    ]
+    with running_server(tiny_model, work, *args) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=60) as c:
+        yield c
+
+
+def metrics(client) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` as ``{(sample name, sorted labels): value}``."""
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(values: dict, name: str, **labels: str) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def assert_error(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "request_id"}
+    assert body["error"]["code"] == code and body["error"]["message"]
+    assert body["error"]["request_id"] == response.headers["x-request-id"]
+    return body["error"]
+
+
+def upload(data: bytes, name: str = UPLOAD_NAME, **fields: str) -> dict:
+    return {"files": {"file": (name, data, "application/octet-stream")}, "data": fields}
+
+
+def test_health_ready_page_metrics_and_request_ids(server, client):
+    health = httpx.get(f"{server.url}/health")  # no key needed
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert len(health.headers["x-request-id"]) == 32
+    ready = client.get("/ready").json()
+    assert ready["status"] == "ready" and ready["workers"] == 1 and ready["engine"] == "fast"
+    assert ready["canary"]["status"] == "success" and ready["canary"]["seconds"] > 0
+
+    page = httpx.get(f"{server.url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'id="upload"' in page.text and 'id="markdown"' in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+
+    assert client.get("/health", headers={"X-Request-ID": "client-id-42"}).headers["x-request-id"] == "client-id-42"
+    assert len(client.get("/health", headers={"X-Request-ID": "bad id!"}).headers["x-request-id"]) == 32
+    assert_error(client.get("/no/such/route"), 404, "not_found")
+    assert_error(client.delete("/health"), 405, "method_not_allowed")
+
+    values = metrics(client)
+    assert metric(values, "mineru_fast_ready") == 1.0
+    assert metric(values, "mineru_fast_model_load_seconds") > 0 and metric(values, "mineru_fast_canary_seconds") > 0
+    assert metric(values, "mineru_fast_requests_total", route="/health", method="GET", status="200") >= 3
+
+
+def test_wrong_api_key_is_401_and_rate_limits_per_key(server, client):
+    wrong = httpx.post(f"{server.url}/v1/jobs", headers={"X-API-Key": "not-a-valid-key"}, **upload(pdf_bytes(1)))
+    assert_error(wrong, 401, "invalid_api_key")
+    assert "not-a-valid-key" not in wrong.text
+    missing = httpx.get(f"{server.url}/v1/jobs/whatever")
+    assert_error(missing, 401, "missing_api_key")
+    assert missing.headers["www-authenticate"] == "Bearer"
+    bearer = httpx.get(f"{server.url}/v1/jobs/whatever", headers={"Authorization": f"Bearer {ALPHA}"})
+    assert_error(bearer, 404, "job_not_found")
+
+    job = client.post("/v1/jobs", **upload(pdf_bytes(1))).json()
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": BETA}, timeout=30) as beta:
+        assert_error(beta.get(f"/v1/jobs/{job['job_id']}"), 404, "job_not_found")  # alpha's job is not beta's
+        assert_error(beta.get("/v1/jobs/unknown"), 404, "job_not_found")
+        limited = beta.get("/v1/jobs/unknown")  # beta: burst 2, then 6 per minute
+        assert_error(limited, 429, "rate_limited")
+        assert 1 <= int(limited.headers["retry-after"]) <= 10
+    assert client.get(f"/v1/jobs/{job['job_id']}").status_code == 200  # alpha is not limited
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/document/parse", "/v1/jobs"])
+def test_broken_or_unsupported_documents_are_422(client, endpoint):
+    start = time.monotonic()
+    truncated = assert_error(client.post(endpoint, **upload(pdf_bytes(2)[:600])), 422, "corrupt_document")
+    assert "not a readable PDF" in truncated["message"]
+    assert UPLOAD_NAME not in truncated["message"]
+    unsupported = assert_error(client.post(endpoint, **upload(bytes(range(256)) * 16)), 422, "unsupported_format")
+    assert "not a PDF or a supported image format" in unsupported["message"]
+    empty = assert_error(client.post(endpoint, **upload(b"")), 422, "corrupt_document")
+    assert "empty" in empty["message"]
+    pages = assert_error(client.post(endpoint, **upload(pdf_bytes(1), pages="9")), 422, "bad_page_range")
+    assert "outside 1-1" in pages["message"]
+    assert_error(client.post(endpoint, **upload(pdf_bytes(1), formats="docx")), 422, "invalid_request")
+    assert_error(client.post(endpoint, data={"pages": "1"}), 422, "invalid_request")  # no file
+    trace = {"replay": ("t.json", b"{not json", "application/json")}
+    bad_trace = client.post(endpoint, files={"file": ("a.pdf", pdf_bytes(1)), **trace})
+    assert_error(bad_trace, 422, "bad_replay_trace")
+    assert time.monotonic() - start < 30  # refused up front, without a parse
+
+
+def test_sync_parse_returns_markdown_content_list_and_layout(client):
+    response = client.post("/v1/document/parse", **upload(pdf_bytes(1), formats="markdown,content_list,json,layout"))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["request_id"] == response.headers["x-request-id"]
+    assert result["status"] == "success" and result["page_count"] == 1
+    assert result["pages"][0]["size"][0] > 0 and result["pages"][0]["status"] == "success"
+    assert isinstance(result["markdown"], str) and isinstance(result["content_list"], list)
+    assert result["document"]["pages"][0]["page_idx"] == 0 and result["timings"]["wall"] > 0
+    (overlay,) = result["layout"]
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(overlay["data"])))
+    assert image.format == "JPEG" and image.size == (overlay["width"], overlay["height"])
+
+
+def test_replayed_workload_page_returns_expected_markdown(client, workload_traces):
+    from test_end_to_end import ground_truth_tables, markdown_tables
+
+    from mineru_fast.protocol import PARATEXT_TYPES
+    from mineru_fast.traces import html_table_cells
+
+    need(WORKLOAD)
+    found = workload_page_with_text(workload_traces, MAX_UPLOAD_MB * 1024 * 1024 - 100_000)
+    if found is None:
+        pytest.skip("no workload page with text fits the upload limit")
+    image, trace_path, blocks, trace = found
+    files = {
+        "file": (image.name, image.read_bytes(), "image/jpeg"),
+        "replay": (trace_path.name, trace_path.read_bytes(), "application/json"),
+    }
+    response = client.post("/v1/document/parse", files=files, data={"formats": "markdown,content_list,json"})
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["status"] == "success", result["pages"]
+    (page,) = result["document"]["pages"]
+    assert page["layout_raw"] == trace.layout and len(page["blocks"]) == len(blocks)
+
+    markdown = result["markdown"]
+    position = 0
+    for block, content in zip(blocks, trace.contents, strict=True):
+        if block.type in ("text", "title") and content and content.strip():
+            found = markdown.find(content.strip(), position)
+            assert found >= 0, f"missing or out of order: {content[:60]!r}"
+            position = found + len(content.strip())
+        if block.type in PARATEXT_TYPES and content and content.strip():
+            assert content.strip() not in [p.strip() for p in markdown.split("\n\n")], f"paratext: {content!r}"
+    got = [html_table_cells(t) for t in markdown_tables(markdown)]
+    assert got == [html_table_cells(t) for t in ground_truth_tables(image.name)]
+    assert result["content_list"] and all(0 <= v <= 1000 for item in result["content_list"] for v in item["bbox"])
+
+
+def test_job_progress_and_result(client):
+    submitted = client.post("/v1/jobs", **upload(pdf_bytes(3), formats="markdown"))
+    assert submitted.status_code == 202, submitted.text
+    job = submitted.json()
+    assert submitted.headers["location"] == f"/v1/jobs/{job['job_id']}" == job["status_url"]
+    assert job["status"] in ("queued", "running") and job["pages"]["total"] == 3
+    seen_done, statuses = [], set()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        state = client.get(job["status_url"]).json()
+        statuses.add(state["status"])
+        seen_done.append(state["pages"]["done"])
+        if state["status"] not in ("queued", "running"):
+            break
+        if state["status"] == "running":
+            early = client.get(job["result_url"])
+            if early.status_code == 409:
+                assert_error(early, 409, "job_not_finished")
+        time.sleep(0.05)
+    assert state["status"] == "done" and state["pages"] == {"total": 3, "done": 3}, state
+    assert seen_done == sorted(seen_done)  # progress only moves forward
+    result = client.get(job["result_url"])
+    assert result.status_code == 200
+    body = result.json()
+    assert body["job_id"] == job["job_id"] and body["page_count"] == 3
+    assert [p["page_idx"] for p in body["pages"]] == [0, 1, 2] and "markdown" in body and "content_list" not in body
+
+
+def test_oversize_upload_is_413_before_it_is_read(server):
+    limit = MAX_UPLOAD_MB * 1024 * 1024
+    total = 256 * 1024 * 1024
+    sent = 0
+
+    def body():
+        nonlocal sent
+        head = b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="big.pdf"\r\n\r\n%PDF-1.4\n'
+        sent += len(head)
+        yield head
+        chunk = b"\0" * 65536
+        while sent < total:
+            sent += len(chunk)
+            yield chunk
+
+    start = time.monotonic()
+    headers = {"X-API-Key": ALPHA, "Content-Type": "multipart/form-data; boundary=xyz"}
+    response = httpx.post(f"{server.url}/v1/document/parse", content=body(), headers=headers, timeout=60)
+    elapsed = time.monotonic() - start
+    error = assert_error(response, 413, "payload_too_large")
+    assert f"{MAX_UPLOAD_MB} MiB" in error["message"]
+    assert limit < sent < total // 4, f"sent {sent} bytes of {total}"  # answered early, the rest never sent
+    assert elapsed < 30
+
+    # A declared Content-Length over the limit is refused from the headers alone.
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        request = (
+            f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: {ALPHA}\r\n"
+            f"Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: {50 * limit}\r\n\r\n"
+        )
+        sock.sendall(request.encode() + b"--xyz\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply and len(reply) < 65536:
+            data = sock.recv(4096)
+            if not data:
+                break
+            reply += data
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert httpx.get(f"{server.url}/health").status_code == 200  # the server is fine
+
+
+def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client):
+    before = metrics(client)
+    burst = 10
+    document = pdf_bytes(3)
+    barrier = threading.Barrier(burst)
+
+    def submit(_: int):
+        with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=60) as c:
+            barrier.wait(timeout=30)
+            return c.post("/v1/jobs", files={"file": ("doc.pdf", document)})
+
+    with ThreadPoolExecutor(burst) as pool:
+        responses = list(pool.map(submit, range(burst)))
+    during = metrics(client)
+    accepted = [r.json()["job_id"] for r in responses if r.status_code == 202]
+    rejected = [r for r in responses if r.status_code != 202]
+    assert accepted and rejected, [r.status_code for r in responses]
+    for r in rejected:
+        assert_error(r, 429, "queue_full")
+        assert 1 <= int(r.headers["retry-after"]) <= 120
+    assert 1 <= metric(during, "mineru_fast_queue_length") <= 2  # the queue holds at most --workers-queue 2
+    assert metric(during, "mineru_fast_jobs_in_flight") <= 1  # one worker
+
+    pending, deadline = set(accepted), time.monotonic() + 120
+    while pending and time.monotonic() < deadline:
+        for job_id in list(pending):
+            state = client.get(f"/v1/jobs/{job_id}").json()
+            if state["status"] not in ("queued", "running"):
+                assert state["status"] == "done" and state["pages"]["done"] == 3, state
+                assert client.get(f"/v1/jobs/{job_id}/result").json()["status"] == "success"
+                pending.discard(job_id)
+        time.sleep(0.1)
+    assert not pending, f"jobs not finished: {pending}"
+
+    after = metrics(client)
+
+    def moved(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert moved("mineru_fast_jobs_total", status="done") == len(accepted)
+    assert moved("mineru_fast_jobs_total", status="rejected") == len(rejected)
+    assert moved("mineru_fast_pages_total", status="success") == 3 * len(accepted)
+    assert moved("mineru_fast_requests_total", route="/v1/jobs", method="POST", status="429") == len(rejected)
+    assert moved("mineru_fast_requests_total", route="/v1/jobs", method="POST", status="202") == len(accepted)
+    assert metric(after, "mineru_fast_queue_length") == 0 and metric(after, "mineru_fast_jobs_in_flight") == 0
+    assert metric(after, "mineru_fast_parse_duration_seconds_count") >= len(accepted)
+
+
+def test_graceful_shutdown_finishes_in_flight_jobs_and_logs_json_lines(server, client):
+    """Runs last: it stops the module's server."""
+    queued = client.post("/v1/jobs", **upload(pdf_bytes(3))).json()
+    sync_result = {}
+
+    def parse_during_shutdown():
+        response = httpx.post(
+            f"{server.url}/v1/document/parse",
+            headers={"X-API-Key": ALPHA, "X-Request-ID": "shutdown-sync-1"},
+            timeout=120,
+            **upload(pdf_bytes(1), password=PASSWORD),
+        )
+        sync_result["status"] = response.status_code
+        sync_result["body"] = response.json()
+
+    thread = threading.Thread(target=parse_during_shutdown)
+    thread.start()
+
+    def sync_job_queued() -> bool:
+        return any(
+            r.get("request_id") == "shutdown-sync-1" and r["message"] == "job queued" for r in server.log_records()
+        )
+
+    assert wait_for(sync_job_queued, 30, interval=0.05)
+    code = server.stop(timeout=120)  # SIGTERM while both jobs are queued or running
+    thread.join(timeout=120)
+    assert code == 0
+    assert sync_result.get("status") == 200 and sync_result["body"]["status"] == "success"
+
+    records = server.log_records()
+    lines = server.log_lines()
+    assert len(records) == len(lines), [line for line in lines if not line.startswith("{")][:5]
+    finished = {r["job_id"]: r["status"] for r in records if r["message"] == "job finished"}
+    assert finished[queued["job_id"]] == "done"
+    messages = [r["message"] for r in records]
+    assert {"model loaded", "canary page parsed", "ready", "draining", "stopped"} <= set(messages)
+    requests = [r for r in records if r["message"] == "request"]
+    assert all(r.get("request_id") and r.get("status") for r in requests)
+    assert any(r["request_id"] == "shutdown-sync-1" and r["status"] == 200 for r in requests)
+    text = "\n".join(lines)
+    for secret in (PASSWORD, UPLOAD_NAME, ALPHA, BETA, "Synthetic page 0"):
+        assert secret not in text
