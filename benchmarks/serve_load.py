@@ -5,7 +5,7 @@ Starts the server on 127.0.0.1 (a tiny synthetic model unless ``--model`` is giv
 stops after all of them or after ``--max-seconds``, prints throughput and latency percentiles, and
 stops the server. ``--url`` targets a server already running, on a loopback address only.
 
-    python benchmarks/serve_load.py [--model DIR] [--requests 40] [--concurrency 4] [--pages 1]
+    python benchmarks/serve_load.py [--model DIR] [--requests 40] [--concurrency 4] [--pages 1] [--threads 1]
                                     [--max-seconds 120] [--url http://127.0.0.1:8000 --api-key KEY]
 """
 
@@ -59,7 +59,7 @@ def document(pages: int) -> bytes:
     return buffer.getvalue()
 
 
-def start_server(model: Path, queue: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, queue: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     """Start ``mineru-fast serve`` on a free loopback port and wait (bounded) until it is ready."""
     import httpx
 
@@ -68,6 +68,7 @@ def start_server(model: Path, queue: int, log: Path) -> tuple[subprocess.Popen, 
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "mineru_fast.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--model", str(model), "--preset", "exact", "--max-new-tokens", BOUNDS, "--workers-queue", str(queue)]
+    command += ["--threads", str(threads)]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -142,6 +143,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--pages", type=int, default=1, help="pages per document (default: 1)")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="stop sending after this long")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="server intra-op threads (default 1: the load client needs a core)"
+    )
     args = ap.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.pages < 1 or args.max_seconds <= 0:
         sys.exit("serve_load: --requests, --concurrency, --pages and --max-seconds must be positive")
@@ -157,7 +161,7 @@ def main() -> None:
                 from mineru_fast.synthetic import make_synthetic_model
 
                 model = make_synthetic_model(Path(tmp) / "tiny", size="tiny", seed=0)
-            process, url = start_server(model, max(8, 2 * args.concurrency), Path(tmp) / "server.log")
+            process, url = start_server(model, max(8, 2 * args.concurrency), args.threads, Path(tmp) / "server.log")
         try:
             stats = run(url, args.api_key, document(args.pages), args.requests, args.concurrency, args.max_seconds)
         finally:

@@ -166,7 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
-    commands = {"parse": _cmd_parse, "synth-model": _cmd_synth_model, "trace": _cmd_trace, "bench": _cmd_bench, "serve": run_serve_command}
+    commands = {
+        "parse": _cmd_parse,
+        "synth-model": _cmd_synth_model,
+        "trace": _cmd_trace,
+        "bench": _cmd_bench,
+        "serve": run_serve_command,
+    }
     try:
         return commands[args.command](args)
     except MineruFastError as exc:

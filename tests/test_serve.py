@@ -195,6 +195,8 @@ def server(tiny_model, tmp_path_factory):
         "--allow-replay",
         "--max-new-tokens",
         BOUNDS,
+        "--page-window",
+        "1",
         "--result-ttl",
         "120",
         "--drain-timeout",
@@ -374,7 +376,8 @@ def test_job_progress_and_result(client):
                 assert_error(early, 409, "job_not_finished")
         time.sleep(0.05)
     assert state["status"] == "done" and state["pages"] == {"total": 3, "done": 3}, state
-    assert seen_done == sorted(seen_done)  # progress only moves forward
+    assert seen_done == sorted(seen_done) and set(seen_done) <= {0, 1, 2, 3}  # forward, page by page
+    assert {1, 2} & set(seen_done), seen_done  # --page-window 1: progress seen between pages
     result = client.get(job["result_url"])
     assert result.status_code == 200
     body = result.json()
@@ -425,9 +428,11 @@ def test_oversize_upload_is_413_before_it_is_read(server):
 
 
 def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client):
+    blocker = client.post("/v1/jobs", **upload(pdf_bytes(4))).json()  # keeps the one worker busy
+    assert wait_for(lambda: client.get(blocker["status_url"]).json()["status"] == "running", 30)
     before = metrics(client)
     burst = 10
-    document = pdf_bytes(3)
+    document = pdf_bytes(1)
     barrier = threading.Barrier(burst)
 
     def submit(_: int):
@@ -447,12 +452,12 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
     assert 1 <= metric(during, "mineru_fast_queue_length") <= 2  # the queue holds at most --workers-queue 2
     assert metric(during, "mineru_fast_jobs_in_flight") <= 1  # one worker
 
-    pending, deadline = set(accepted), time.monotonic() + 120
+    pending, deadline = {*accepted, blocker["job_id"]}, time.monotonic() + 120
     while pending and time.monotonic() < deadline:
         for job_id in list(pending):
             state = client.get(f"/v1/jobs/{job_id}").json()
             if state["status"] not in ("queued", "running"):
-                assert state["status"] == "done" and state["pages"]["done"] == 3, state
+                assert state["status"] == "done" and state["pages"]["done"] == state["pages"]["total"], state
                 assert client.get(f"/v1/jobs/{job_id}/result").json()["status"] == "success"
                 pending.discard(job_id)
         time.sleep(0.1)
@@ -463,9 +468,9 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
     def moved(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
-    assert moved("mineru_fast_jobs_total", status="done") == len(accepted)
+    assert moved("mineru_fast_jobs_total", status="done") == len(accepted) + 1  # + the blocker
     assert moved("mineru_fast_jobs_total", status="rejected") == len(rejected)
-    assert moved("mineru_fast_pages_total", status="success") == 3 * len(accepted)
+    assert moved("mineru_fast_pages_total", status="success") == len(accepted) + 4
     assert moved("mineru_fast_requests_total", route="/v1/jobs", method="POST", status="429") == len(rejected)
     assert moved("mineru_fast_requests_total", route="/v1/jobs", method="POST", status="202") == len(accepted)
     assert metric(after, "mineru_fast_queue_length") == 0 and metric(after, "mineru_fast_jobs_in_flight") == 0
@@ -474,7 +479,7 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
 
 def test_graceful_shutdown_finishes_in_flight_jobs_and_logs_json_lines(server, client):
     """Runs last: it stops the module's server."""
-    queued = client.post("/v1/jobs", **upload(pdf_bytes(3))).json()
+    queued = client.post("/v1/jobs", **upload(pdf_bytes(2))).json()
     sync_result = {}
 
     def parse_during_shutdown():

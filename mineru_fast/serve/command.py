@@ -43,6 +43,7 @@ def add_serve_command(sub: argparse._SubParsersAction, max_new_tokens_type: Call
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     v.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
+    v.add_argument("--page-window", type=int, help="pages batched together; job progress moves by this many")
     v.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
     v.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
     v.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
@@ -74,6 +75,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         overrides.update(vision_quant=args.quantization, lm_quant=args.quantization, lm_head_quant=args.quantization)
     if args.vision_mode is not None:
         overrides["vision_mode"] = args.vision_mode
+    if args.page_window is not None:
+        overrides["page_window"] = args.page_window
     try:
         config = ServeConfig(
             model=args.model,

@@ -35,6 +35,7 @@ CONTEXT_FIELDS = (
     "seconds",
     "host",
     "port",
+    "cancelled",
 )
 
 

@@ -8,7 +8,11 @@ application's lifespan drains the job queue (queued and running jobs finish, wit
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 
 from .config import ServeConfig
 from .logs import configure_logging, uvicorn_log_config
@@ -25,7 +29,7 @@ def serve(config: ServeConfig) -> int:
         config: the service settings.
 
     Returns:
-        Exit status: 0 after a clean shutdown, 2 when the model failed to load or the canary
+        Exit status: 0 after a clean shutdown (SIGINT or SIGTERM), 2 when the model failed to load or the canary
         failed, 1 when uvicorn could not start (e.g. the port is taken).
 
     Raises:
@@ -62,7 +66,24 @@ def serve(config: ServeConfig) -> int:
     )
     server = uvicorn.Server(uv_config)
     logger.info("starting", extra={"host": config.host, "port": config.port})
-    server.run()
+    with _signals_end_gracefully():
+        server.run()
     if failure:
         return 2
     return 0 if server.started else 1
+
+
+@contextlib.contextmanager
+def _signals_end_gracefully() -> Iterator[None]:
+    """While uvicorn runs, SIGINT/SIGTERM are its own (graceful shutdown). Afterwards it raises the
+    caught signal again for the handler that was there before; a no-op handler placed here takes
+    it, so a clean shutdown ends with exit status 0 rather than death by the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -108,7 +108,7 @@ class Service:
             return
         logger.info("draining", extra={"queue_length": jobs.queue_length, "in_flight": jobs.in_flight})
         cancelled = jobs.shutdown(self.config.drain_timeout)
-        logger.info("stopped", extra={"queue_length": len(cancelled)})
+        logger.info("stopped", extra={"cancelled": len(cancelled)})
 
     # -- readiness -------------------------------------------------------------------------------
     def require_ready(self) -> JobManager:
