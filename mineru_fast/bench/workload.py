@@ -43,10 +43,16 @@ def _layout_line(block: dict) -> str:
 
 
 def _filler(kind: str, tokens: int) -> str:
-    """An output of about ``tokens`` Qwen2 tokens in the block's format (one token per unit)."""
-    if kind == "table":
-        cells = max(1, (tokens - 1) // 2)  # "<fcel> 7" is two tokens; rows of 4 cells end with <nl>
-        return "".join("<fcel> 7" + ("<nl>" if i % 4 == 3 else "") for i in range(cells)) + "<nl>"
+    """An output of ``tokens`` Qwen2 tokens (within 2) in the block's format."""
+    if kind == "table":  # "<fcel>7" is two tokens, "<nl>" one, rows of 4 cells
+        parts, used, cells = [], 0, 0
+        while tokens - used >= 2:
+            parts.append("<fcel>7")
+            used, cells = used + 2, cells + 1
+            if cells % 4 == 0 and tokens - used >= 1:
+                parts.append("<nl>")
+                used += 1
+        return "".join(parts) + ("<nl>" if not parts or parts[-1] != "<nl>" else "")
     if kind == "equation":
         return "\\[" + " x" * max(1, tokens - 2) + "\\]"
     return " data" * max(1, tokens)
