@@ -1,6 +1,6 @@
 """The stage / concurrency / roofline tables (same code as ``mineru-fast bench``).
 
-    python benchmarks/latency_table.py [--quick] [--model DIR] [--pages N] [--workload DIR] [--threads N] [-o DIR]
+python benchmarks/latency_table.py [--quick] [--model DIR] [--pages N] [--workload DIR] [--threads N] [-o DIR]
 """
 
 from __future__ import annotations

@@ -22,7 +22,17 @@ def physical_cores_available(sysfs: Path = Path("/sys/devices/system/cpu")) -> i
     return max(1, len(cores))
 
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+ISA_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 def _cpuinfo(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:

@@ -107,7 +107,9 @@ class DocumentParser:
         with self._lock:
             return self._parse(source, pages, password, trace)
 
-    def _parse(self, source: Source | list[Image.Image], pages: str | None, password: str | None, trace: Trace | None) -> Document:
+    def _parse(
+        self, source: Source | list[Image.Image], pages: str | None, password: str | None, trace: Trace | None
+    ) -> Document:
         start = time.perf_counter()
         if isinstance(source, list):
             return self._finish(self._parse_images(source, trace), start)

@@ -29,7 +29,8 @@ def _stage_table(results: dict) -> list[str]:
         lines.append(
             f"| {r['label']} | {r['mean_s_per_page']:.1f} | {r['p95_s_per_page']:.1f} | {r['pages_per_min']:.2f} "
             f"| {r['speedup']:.2f}x | {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t.get('vision', 0):.1f} "
-            f"| {t.get('prefill', 0):.1f} | {t.get('decode', 0):.1f} | {'yes' if r['markdown_equal_first_row'] else 'NO'} |"
+            f"| {t.get('prefill', 0):.1f} | {t.get('decode', 0):.1f} "
+            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} |"
         )
     for r in results["extra_rows"]:
         lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 9)
@@ -73,7 +74,8 @@ def markdown(results: dict) -> str:
         "",
         "| part (fast preset) | achieved | of peak |",
         "|---|---|---|",
-        f"| vision linears (int8) | {a['vision_linears_gops']:.0f} GOP/s | {f['vision_linears_of_int8_peak']:.0%} of int8 |",
+        f"| vision linears (int8) | {a['vision_linears_gops']:.0f} GOP/s "
+        f"| {f['vision_linears_of_int8_peak']:.0%} of int8 |",
         f"| vision attention (fp32 SDPA, N=5476) | {a['vision_attention_gflops']:.0f} GFLOP/s "
         f"| {f['vision_attention_of_fp32_peak']:.0%} of fp32 |",
         f"| decode, batch 1 ({a['decode_batch1_ms']:.1f} ms/step) | {a['decode_batch1_gbps']:.1f} GB/s of weights "

@@ -53,7 +53,9 @@ def memory_bandwidth() -> float:
 def lm_weight_count(config) -> int:
     """Weights a decode step reads: every LM linear plus the LM head (embedding rows are gathered)."""
     c = config
-    attention = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    attention = (
+        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    )
     return c.num_layers * (attention + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
 
 

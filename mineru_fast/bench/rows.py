@@ -41,7 +41,9 @@ def _warm_up(parser) -> float:
 
     from ..traces import PageTrace, Trace
 
-    trace = Trace([PageTrace("<|box_start|>100 100 900 300<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>", [" ok"])])
+    trace = Trace(
+        [PageTrace("<|box_start|>100 100 900 300<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>", [" ok"])]
+    )
     start = time.perf_counter()
     parser.parse([Image.new("RGB", (400, 300), "white")], replay=trace)
     return time.perf_counter() - start

@@ -60,7 +60,9 @@ def run_rows(rows: list[Row], model: str, pages: int, workload: Path | None, thr
         spec = {"label": row.label, "preset": row.preset, "overrides": row.overrides, "model": model,
                 "pages": pages, "workload": str(workload) if workload else None, "threads": threads}  # fmt: skip
         print(f"[bench] {row.label} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, "-m", "mineru_fast.bench.rows", json.dumps(spec)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "mineru_fast.bench.rows", json.dumps(spec)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
             results.append({"label": row.label, "error": tail[0]})
@@ -81,7 +83,7 @@ def concurrency_table(model: str, workload: Path | None, threads: int, levels: t
     for n in levels:
         latencies: list[float] = []
 
-        def call() -> None:
+        def call(latencies: list[float] = latencies) -> None:
             start = time.perf_counter()
             parser.parse([page.image], replay=Trace([page.trace]))
             latencies.append(time.perf_counter() - start)

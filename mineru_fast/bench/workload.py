@@ -77,7 +77,9 @@ def median_first(profiles: list[dict]) -> list[dict]:
     return [p for _, p in sorted(zip(totals, profiles, strict=True), key=lambda tp: abs(tp[0] - median))]
 
 
-def load_workload(pages: int | None = None, workload_dir: Path | None = None, cache: Path | None = None) -> list[WorkloadPage]:
+def load_workload(
+    pages: int | None = None, workload_dir: Path | None = None, cache: Path | None = None
+) -> list[WorkloadPage]:
     """The benchmark pages, median page first.
 
     Args:

@@ -33,6 +33,7 @@ from .vision_runner import make_vision_runner
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Sequence:
     """A request in flight."""

@@ -22,6 +22,7 @@ from .sampling import BatchLogitsProcessor
 
 logger = logging.getLogger(__name__)
 
+
 class _StageTimer:
     """Forward hooks that split a ``generate`` call into vision, prefill and decode seconds.
 
