@@ -11,23 +11,11 @@ import logging
 import sys
 from pathlib import Path
 
+from .cli_options import add_options_arguments, options_from_args
 from .errors import MineruFastError
-from .hub import DEFAULT_MODEL_ID
-from .options import PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
 from .serve.command import add_serve_command, run_serve_command
 
 EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def _max_new_tokens(text: str) -> dict[str, int]:
-    """``"layout=64,text=32"`` -> ``{"layout": 64, "text": 32}``."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in TASKS or not value.isdigit():
-            raise argparse.ArgumentTypeError(f"expected TASK=N with TASK in {TASKS}, got {item!r}")
-        out[key] = int(value)
-    return out
 
 
 def _build_argparser() -> argparse.ArgumentParser:
@@ -38,22 +26,10 @@ def _build_argparser() -> argparse.ArgumentParser:
     p = sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON")
     p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
     p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
-    p.add_argument("--model", default=DEFAULT_MODEL_ID, help="model directory or hub id (default: %(default)s)")
     p.add_argument("--pages", help="1-based page range, e.g. '1-3,5'")
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
-    p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
-    p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
-    p.add_argument(
-        "--max-new-tokens",
-        type=_max_new_tokens,
-        default={},
-        metavar="TASK=N,...",
-        help=f"per-task generation bounds, tasks {', '.join(TASKS)}",
-    )
+    add_options_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
@@ -74,7 +50,7 @@ def _build_argparser() -> argparse.ArgumentParser:
     t.add_argument("--images", type=Path, required=True, metavar="DIR")
     t.add_argument("-o", "--output", type=Path, required=True)
 
-    add_serve_command(sub, _max_new_tokens)
+    add_serve_command(sub)
     return ap
 
 
@@ -95,19 +71,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     from .inputs import open_document
     from .parser import DocumentParser
 
-    overrides: dict = {"max_new_tokens": args.max_new_tokens, "progress": not args.quiet and sys.stderr.isatty()}
-    if args.threads is not None:
-        overrides["threads"] = args.threads
-    if args.precision is not None:
-        overrides["precision"] = args.precision
-    if args.quantization is not None:
-        overrides.update(vision_quant=args.quantization, lm_quant=args.quantization, lm_head_quant=args.quantization)
-    if args.vision_mode is not None:
-        overrides["vision_mode"] = args.vision_mode
-    try:
-        options = ParserOptions.preset(args.preset, **overrides)
-    except ValueError as exc:
-        raise MineruFastError(str(exc)) from exc
+    options = options_from_args(args, progress=not args.quiet and sys.stderr.isatty())
     status = EXIT_OK
     readable = []
     for source in args.inputs:  # refuse unreadable inputs before paying for the model load

@@ -7,28 +7,20 @@ works without them; running the command checks for them first.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
+from ..cli_options import add_options_arguments, options_from_args
 from ..errors import MineruFastError
-from ..hub import DEFAULT_MODEL_ID
-from ..options import PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
 from .config import ServeConfig
 
 __all__ = ["add_serve_command", "config_from_args", "run_serve_command"]
 
 
-def add_serve_command(sub: argparse._SubParsersAction, max_new_tokens_type: Callable[[str], dict[str, int]]) -> None:
-    """Add the ``serve`` subparser.
-
-    Args:
-        sub: the CLI's subparsers.
-        max_new_tokens_type: the CLI's parser of ``TASK=N,...`` (shared with ``parse``).
-    """
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subparser (the options flags are ``parse``'s, see ``cli_options``)."""
     v = sub.add_parser("serve", help="HTTP service (needs the serve extra: pip install 'mineru-fast[serve]')")
     v.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     v.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
-    v.add_argument("--model", default=DEFAULT_MODEL_ID, help="model directory or hub id (default: %(default)s)")
     v.add_argument("--workers", type=int, default=1, help="parse worker threads, one model each (default: 1)")
     v.add_argument(
         "--workers-queue", type=int, default=8, metavar="N", help="jobs that may wait; beyond it 429 (default: 8)"
@@ -42,19 +34,7 @@ def add_serve_command(sub: argparse._SubParsersAction, max_new_tokens_type: Call
     v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    v.add_argument("--threads", type=int, help="intra-op threads (default: torch's choice)")
-    v.add_argument("--page-window", type=int, help="pages batched together; job progress moves by this many")
-    v.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
-    v.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
-    v.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
-    v.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
-    v.add_argument(
-        "--max-new-tokens",
-        type=max_new_tokens_type,
-        default={},
-        metavar="TASK=N,...",
-        help=f"per-task generation bounds, tasks {', '.join(TASKS)}",
-    )
+    add_options_arguments(v)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -66,21 +46,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """
     from .security import load_api_keys
 
-    overrides: dict = {"max_new_tokens": args.max_new_tokens, "progress": False}
-    if args.threads is not None:
-        overrides["threads"] = args.threads
-    if args.precision is not None:
-        overrides["precision"] = args.precision
-    if args.quantization is not None:
-        overrides.update(vision_quant=args.quantization, lm_quant=args.quantization, lm_head_quant=args.quantization)
-    if args.vision_mode is not None:
-        overrides["vision_mode"] = args.vision_mode
-    if args.page_window is not None:
-        overrides["page_window"] = args.page_window
+    options = options_from_args(args, progress=False)
     try:
         config = ServeConfig(
             model=args.model,
-            options=ParserOptions.preset(args.preset, **overrides),
+            options=options,
             host=args.host,
             port=args.port,
             workers=args.workers,
