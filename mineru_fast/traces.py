@@ -27,7 +27,15 @@ from .protocol import NOT_READ_TYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PageTrace", "Trace", "load_trace", "html_to_otsl", "build_omnidocbench_traces", "OMNIDOCBENCH_TYPES"]
+__all__ = [
+    "PageTrace",
+    "Trace",
+    "load_trace",
+    "trace_from_dict",
+    "html_to_otsl",
+    "build_omnidocbench_traces",
+    "OMNIDOCBENCH_TYPES",
+]
 
 
 @dataclass
@@ -51,6 +59,30 @@ class Trace:
         Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=1), encoding="utf-8")
 
 
+def trace_from_dict(data: object, source: str = "trace") -> Trace:
+    """Validate decoded trace JSON and build a ``Trace``.
+
+    Args:
+        data: the decoded JSON value.
+        source: how error messages name it (a path, "the replay trace", ...).
+
+    Raises:
+        TraceError: a structure other than the schema above.
+    """
+    pages = data.get("pages") if isinstance(data, dict) else None
+    if not isinstance(pages, list):
+        raise TraceError(f"{source}: expected an object with a 'pages' list")
+    out = []
+    for i, page in enumerate(pages):
+        layout, contents = (page.get("layout"), page.get("contents", [])) if isinstance(page, dict) else (None, None)
+        if not isinstance(layout, str) or not isinstance(contents, list):
+            raise TraceError(f"{source}: page {i} needs a 'layout' string and a 'contents' list")
+        if not all(c is None or isinstance(c, str) for c in contents):
+            raise TraceError(f"{source}: page {i} 'contents' must hold strings or nulls")
+        out.append(PageTrace(layout, contents))
+    return Trace(out)
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read and validate a trace file.
 
@@ -61,18 +93,7 @@ def load_trace(path: str | Path) -> Trace:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise TraceError(f"cannot read trace {path}: {exc}") from exc
-    pages = data.get("pages") if isinstance(data, dict) else None
-    if not isinstance(pages, list):
-        raise TraceError(f"{path}: expected an object with a 'pages' list")
-    out = []
-    for i, page in enumerate(pages):
-        layout, contents = (page.get("layout"), page.get("contents", [])) if isinstance(page, dict) else (None, None)
-        if not isinstance(layout, str) or not isinstance(contents, list):
-            raise TraceError(f"{path}: page {i} needs a 'layout' string and a 'contents' list")
-        if not all(c is None or isinstance(c, str) for c in contents):
-            raise TraceError(f"{path}: page {i} 'contents' must hold strings or nulls")
-        out.append(PageTrace(layout, contents))
-    return Trace(out)
+    return trace_from_dict(data, str(path))
 
 
 class _TableGrid(HTMLParser):

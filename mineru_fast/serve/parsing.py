@@ -20,7 +20,7 @@ from ..document import Document, layout_overlay
 from ..errors import TraceError
 from ..inputs import open_document
 from ..parser import DocumentParser
-from ..traces import PageTrace, Trace
+from ..traces import Trace, trace_from_dict
 from .errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -107,19 +107,7 @@ def trace_from_json(data: bytes) -> Trace:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise TraceError(f"the replay trace is not valid JSON: {exc}") from None
-    pages = raw.get("pages") if isinstance(raw, dict) else None
-    if not isinstance(pages, list):
-        raise TraceError("the replay trace must be an object with a 'pages' list")
-    out = []
-    for i, page in enumerate(pages):
-        layout = page.get("layout") if isinstance(page, dict) else None
-        contents = page.get("contents", []) if isinstance(page, dict) else None
-        if not isinstance(layout, str) or not isinstance(contents, list):
-            raise TraceError(f"replay trace page {i} needs a 'layout' string and a 'contents' list")
-        if not all(c is None or isinstance(c, str) for c in contents):
-            raise TraceError(f"replay trace page {i}: 'contents' must hold strings or nulls")
-        out.append(PageTrace(layout, contents))
-    return Trace(out)
+    return trace_from_dict(raw, "the replay trace")
 
 
 def _limits(parser_options: object) -> dict[str, int]:
