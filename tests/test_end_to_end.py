@@ -142,6 +142,23 @@ def ground_truth_tables(image_name: str) -> list[str]:
     return [d["html"] for d in tables]
 
 
+def assert_replayed_markdown(markdown: str, trace, image_name: str) -> None:
+    """Every text/title content of the trace appears in reading order, no paratext paragraph
+    appears, and the tables have the ground truth's cells (spans and text)."""
+    blocks, _ = parse_layout(trace.layout)
+    paragraphs = [p.strip() for p in markdown.split("\n\n")]
+    position = 0
+    for block, content in zip(blocks, trace.contents, strict=True):
+        if block.type in ("text", "title") and content and content.strip():
+            found = markdown.find(content.strip(), position)
+            assert found >= 0, f"missing or out of order: {content[:60]!r}"
+            position = found + len(content.strip())
+        if block.type in PARATEXT_TYPES and content and content.strip():
+            assert content.strip() not in paragraphs, f"paratext in markdown: {content!r}"
+    got = [html_table_cells(t) for t in markdown_tables(markdown)]
+    assert got == [html_table_cells(t) for t in ground_truth_tables(image_name)]
+
+
 def workload_images() -> list[str]:
     if not WORKLOAD.exists():
         return []
@@ -161,18 +178,7 @@ def test_replayed_workload_page_gives_expected_markdown(parser, workload_traces,
     blocks, _ = parse_layout(trace.layout)
     assert len(page.blocks) == len(blocks) == len(trace.contents)
 
-    markdown = doc.to_markdown()
-    paragraphs = markdown.split("\n\n")
-    position = 0
-    for block, content in zip(blocks, trace.contents, strict=True):
-        if block.type in ("text", "title") and content and content.strip():
-            found = markdown.find(content.strip(), position)
-            assert found >= 0, f"missing or out of order: {content[:60]!r}"
-            position = found + len(content.strip())
-        if block.type in PARATEXT_TYPES and content and content.strip():
-            assert content.strip() not in [p.strip() for p in paragraphs], f"paratext in markdown: {content!r}"
-    got = [html_table_cells(t) for t in markdown_tables(markdown)]
-    assert got == [html_table_cells(t) for t in ground_truth_tables(image_name)]
+    assert_replayed_markdown(doc.to_markdown(), trace, image_name)
 
 
 def test_cli_replay_directory_and_stream_many(tiny_model, workload_traces, tmp_path, capsys):

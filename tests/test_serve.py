@@ -321,10 +321,7 @@ def test_sync_parse_returns_markdown_content_list_and_layout(client):
 
 
 def test_replayed_workload_page_returns_expected_markdown(client, workload_traces):
-    from test_end_to_end import ground_truth_tables, markdown_tables
-
-    from mineru_fast.protocol import PARATEXT_TYPES
-    from mineru_fast.traces import html_table_cells
+    from test_end_to_end import assert_replayed_markdown
 
     need(WORKLOAD)
     found = workload_page_with_text(workload_traces, MAX_UPLOAD_MB * 1024 * 1024 - 100_000)
@@ -342,17 +339,7 @@ def test_replayed_workload_page_returns_expected_markdown(client, workload_trace
     (page,) = result["document"]["pages"]
     assert page["layout_raw"] == trace.layout and len(page["blocks"]) == len(blocks)
 
-    markdown = result["markdown"]
-    position = 0
-    for block, content in zip(blocks, trace.contents, strict=True):
-        if block.type in ("text", "title") and content and content.strip():
-            found = markdown.find(content.strip(), position)
-            assert found >= 0, f"missing or out of order: {content[:60]!r}"
-            position = found + len(content.strip())
-        if block.type in PARATEXT_TYPES and content and content.strip():
-            assert content.strip() not in [p.strip() for p in markdown.split("\n\n")], f"paratext: {content!r}"
-    got = [html_table_cells(t) for t in markdown_tables(markdown)]
-    assert got == [html_table_cells(t) for t in ground_truth_tables(image.name)]
+    assert_replayed_markdown(result["markdown"], trace, image.name)
     assert result["content_list"] and all(0 <= v <= 1000 for item in result["content_list"] for v in item["bbox"])
 
 
