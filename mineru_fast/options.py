@@ -9,6 +9,7 @@ from .protocol import LAYOUT_TASK, SamplingParams, sampling_for
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "bf16")
+KV_DTYPES = ("auto", "fp32", "bf16")
 QUANTIZATIONS = ("none", "int8-dynamic", "int8-weight-only", "bf16-weights")
 VISION_MODES = ("eager", "trace", "compile")
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
@@ -30,6 +31,9 @@ class ParserOptions:
             head (fast engine only).
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
+        kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
+            dtype), ``"fp32"`` or ``"bf16"`` (half the memory; decode attention then runs in
+            bfloat16).
         slots: sequences decoded together by the fast engine (its KV buffers hold this many).
         max_seq_len: prompt + generated tokens per slot (fast engine KV buffer length).
         page_window: pages whose layout passes, then whose crops, are batched together.
@@ -48,6 +52,7 @@ class ParserOptions:
     lm_quant: str = "int8-dynamic"
     lm_head_quant: str = "int8-dynamic"
     vision_mode: str = "eager"
+    kv_dtype: str = "bf16"
     slots: int = 16
     max_seq_len: int = 6144
     page_window: int = 4
@@ -67,6 +72,7 @@ class ParserOptions:
             "lm_quant": QUANTIZATIONS,
             "lm_head_quant": QUANTIZATIONS,
             "vision_mode": VISION_MODES,
+            "kv_dtype": KV_DTYPES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -109,10 +115,18 @@ _FLOAT = {"vision_quant": "none", "lm_quant": "none", "lm_head_quant": "none"}
 PRESETS: dict[str, ParserOptions] = {
     # The fast engine's measured best on CPU (see benchmarks/README.md).
     "fast": ParserOptions(),
-    # Fast engine, float32 math, no quantization: the same tokens as the reference engine. Vision
-    # weights stay in the checkpoint's bfloat16 and are upcast per call (bit-identical, half the
-    # memory; the per-call cast is negligible next to a vision pass, not next to a decode step).
-    "exact": ParserOptions(precision="fp32", repetition_window=0, **{**_FLOAT, "vision_quant": "bf16-weights"}),
+    # Fast engine, float32 math, no quantization: the same tokens as the reference engine. Weights
+    # stay in the checkpoint's bfloat16 and are upcast per call (bit-identical, half the memory;
+    # the cast is negligible next to a vision pass, while decode steps take about twice as long
+    # as with float32 weights: pass lm_quant="none", lm_head_quant="none" to trade memory back).
+    "exact": ParserOptions(
+        precision="fp32",
+        kv_dtype="auto",
+        repetition_window=0,
+        vision_quant="bf16-weights",
+        lm_quant="bf16-weights",
+        lm_head_quant="bf16-weights",
+    ),
     # Fast engine, bfloat16 weights and activations.
     "bf16": ParserOptions(precision="bf16", **_FLOAT),
     # transformers generate at batch 1 in bf16, as MinerU's official client runs it.

@@ -2,6 +2,8 @@
 
 Per page: render -> layout request (1036x1036, "Layout Detection:") -> blocks -> one content
 request per readable block (crop of the full-resolution page) -> post-processing -> ``Page``.
+The pages of a window share one engine call: each page's crops join the batch as soon as its
+layout is read.
 A page that fails is reported on its own and the other pages go on.
 """
 
@@ -207,6 +209,8 @@ class DocumentParser:
             page.timings["total"] = sum(page.timings.get(k, 0.0) for k in stages)
 
     def _layout_and_content(self, batch: list[tuple[Page, PageTrace | None]]) -> None:
+        """One engine call for the window: the layout requests, and each page's crops submitted
+        as soon as its layout is read, so they decode alongside the other pages' layouts."""
         layout_requests = [
             GenerationRequest(
                 layout_image(page.image),  # type: ignore[arg-type]
@@ -216,32 +220,21 @@ class DocumentParser:
             )
             for page, trace in batch
         ]
-        layouts = self.engine.generate(layout_requests)
-        requests, targets = [], []
-        for (page, trace), layout in zip(batch, layouts, strict=True):
-            _add_timings(page.timings, [layout])
-            if layout.finish_reason == "error":
-                raise RuntimeError(f"layout step failed on page {page.index + 1}: {layout.error}")
-            page.layout_raw = layout.text
-            blocks, page.warnings = parse_layout(layout.text)
-            if layout.finish_reason in ("length", "repetition"):
-                page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
-            if trace is not None and len(trace.contents) != len(blocks):
-                page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
-            page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
-            for i, block in enumerate(blocks):
-                if block.type in NOT_READ_TYPES:
-                    continue
-                crop = crop_block(page.image, block)  # type: ignore[arg-type]
-                if crop is None:
-                    page.blocks[i].error = "block is smaller than one pixel"
-                    continue
-                task = task_of(block.type)
-                forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
-                requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
-                targets.append((page, i))
-        results = self.engine.generate(requests)
-        for (page, i), result in zip(targets, results, strict=True):
+        targets: dict[int, tuple[Page, int]] = {}  # engine index of a content request -> block
+        next_index = len(layout_requests)
+
+        def on_result(index: int, result: GenerationResult) -> list[GenerationRequest]:
+            nonlocal next_index
+            if index >= len(batch):
+                return []
+            page, trace = batch[index]
+            requests = self._content_requests(page, trace, result, targets, next_index)
+            next_index += len(requests)
+            return requests
+
+        results = self.engine.generate(layout_requests, on_result=on_result)
+        for index, (page, i) in targets.items():
+            result = results[index]
             _add_timings(page.timings, [result])
             block = page.blocks[i]
             block.raw, block.finish_reason = result.text, result.finish_reason
@@ -254,6 +247,44 @@ class DocumentParser:
         for page, _ in batch:
             if any(b.error for b in page.blocks):
                 page.status = "partial"
+
+    def _content_requests(
+        self,
+        page: Page,
+        trace: PageTrace | None,
+        layout: GenerationResult,
+        targets: dict[int, tuple[Page, int]],
+        first_index: int,
+    ) -> list[GenerationRequest]:
+        """Read a page's layout result into its blocks; the crop requests of its readable blocks,
+        recorded in ``targets`` from ``first_index`` on.
+
+        Raises:
+            RuntimeError: the layout request failed (the window is then retried page by page).
+        """
+        _add_timings(page.timings, [layout])
+        if layout.finish_reason == "error":
+            raise RuntimeError(f"layout step failed on page {page.index + 1}: {layout.error}")
+        page.layout_raw = layout.text
+        blocks, page.warnings = parse_layout(layout.text)
+        if layout.finish_reason in ("length", "repetition"):
+            page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
+        if trace is not None and len(trace.contents) != len(blocks):
+            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
+        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
+        requests = []
+        for i, block in enumerate(blocks):
+            if block.type in NOT_READ_TYPES:
+                continue
+            crop = crop_block(page.image, block)  # type: ignore[arg-type]
+            if crop is None:
+                page.blocks[i].error = "block is smaller than one pixel"
+                continue
+            task = task_of(block.type)
+            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
+            targets[first_index + len(requests)] = (page, i)
+            requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
+        return requests
 
     @staticmethod
     def _finish(document: Document, start: float) -> Document:

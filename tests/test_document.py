@@ -82,12 +82,20 @@ def test_document_renders_as_markdown_in_notebooks():
 
 def test_options_validate_and_presets_apply():
     assert ParserOptions.preset("exact").precision == "fp32"
-    assert ParserOptions.preset("exact").lm_quant == "none" and ParserOptions.preset("exact").engine == "fast"
+    exact = ParserOptions.preset("exact")
+    assert exact.engine == "fast" and exact.kv_dtype == "auto"
+    assert {exact.vision_quant, exact.lm_quant, exact.lm_head_quant} == {"bf16-weights"}  # exact upcasts
     assert ParserOptions.preset("reference").engine == "reference"
     assert ParserOptions(max_new_tokens={"layout": 8}).sampling("layout").max_new_tokens == 8
     assert ParserOptions(max_new_tokens={"text": 9}).sampling("title").max_new_tokens == 9
     assert ParserOptions().sampling("table").max_new_tokens == 8192
-    for bad in ({"precision": "fp8"}, {"threads": 0}, {"max_new_tokens": {"chart": 3}}, {"engine": "vllm"}):
+    for bad in (
+        {"precision": "fp8"},
+        {"threads": 0},
+        {"max_new_tokens": {"chart": 3}},
+        {"engine": "vllm"},
+        {"kv_dtype": "int4"},
+    ):
         with pytest.raises(ValueError):
             ParserOptions(**bad)
     with pytest.raises(ValueError, match="unknown preset"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -60,10 +60,18 @@ class GenerationResult:
     error: str | None = None
 
 
+FollowUp = Callable[[int, GenerationResult], Sequence[GenerationRequest]]
+"""``on_result(index, result) -> follow-up requests``: called as each request finishes (errors
+included); the requests it returns are run in the same ``generate`` call and take the next free
+indices, in the order returned."""
+
+
 class Engine(Protocol):
     """An inference engine. ``generate`` never raises for one bad request: that request's result
     has ``finish_reason == "error"`` and the others are unaffected."""
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Decode every request; results are in request order."""
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: FollowUp | None = None
+    ) -> list[GenerationResult]:
+        """Decode every request and every follow-up ``on_result`` returns; results in index order."""
         ...

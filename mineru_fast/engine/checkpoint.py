@@ -9,10 +9,10 @@ Both the published layout (``visual.*``, ``model.layers.*``) and transformers 5'
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import ModelLoadError
 from .model import Qwen2LM, TextConfig
@@ -60,20 +60,49 @@ def _canonical(name: str) -> str:
     return name
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
 class _Tensors:
-    """Lazy access to the tensors of all ``*.safetensors`` files of a directory, in their stored
-    dtype; each is read only when asked for, so loading never holds checkpoint and model at once."""
+    """The tensors of all ``*.safetensors`` files of a directory, each read into its own memory
+    only when asked for, in its stored dtype.
+
+    The safetensors layout (8-byte little-endian header length, JSON header of dtype / shape /
+    byte offsets, then the data) is read with plain file reads rather than a memory map: a map
+    keeps every page it has touched resident, and counted in the process's RSS, for as long as any
+    tensor of the file is alive, so a loaded model would carry the whole checkpoint as well.
+    """
 
     def __init__(self, model_dir: Path) -> None:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"no *.safetensors in {model_dir}")
-        self._handles = [safe_open(str(f), "pt") for f in files]
-        self._where = {_canonical(name): (h, name) for h in self._handles for name in h.keys()}
+        self._where: dict[str, tuple[Path, int, dict]] = {}
+        for path in files:
+            with path.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                self._where[_canonical(name)] = (path, 8 + length, entry)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        handle, stored = self._where[name]
-        return handle.get_tensor(stored)
+        path, data_start, entry = self._where[name]
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: unsupported safetensors dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+        if tensor.numel() * tensor.element_size() != end - begin:
+            raise ValueError(f"{name}: {end - begin} bytes stored for shape {entry['shape']} {entry['dtype']}")
+        with path.open("rb") as f:
+            f.seek(data_start + begin)
+            if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
+                raise ValueError(f"{name}: {path.name} is truncated")
+        return tensor
 
     def get(self, name: str) -> torch.Tensor | None:
         return self[name] if name in self._where else None
@@ -130,7 +159,8 @@ def load_model(
 
     Args:
         model_dir: checkpoint directory.
-        dtype: dtype of every parameter, and of activations.
+        dtype: dtype of every parameter (the embedding table keeps a narrower checkpoint dtype),
+            and of activations.
         vision_linear_dtype / lm_linear_dtype: dtype of the linear layers' weights where it
             differs, e.g. the checkpoint's bfloat16 for layers about to be quantized, so a float32
             copy never exists. The tied LM head is untied when its dtype differs from the
@@ -151,7 +181,14 @@ def load_model(
         vision_state = _cast(vision, _vision_state(tensors, vision_config), dtype, vision_linear_dtype or dtype)
         vision.load_state_dict(vision_state, strict=True, assign=True)
         del vision_state
-        lm_state = _cast(lm, _text_state(tensors, text_config), dtype, lm_linear_dtype or dtype)
+        raw_lm_state = _text_state(tensors, text_config)
+        lm_state = _cast(lm, raw_lm_state, dtype, lm_linear_dtype or dtype)
+        # The embedding table stays in the checkpoint's dtype when that is narrower: a lookup is
+        # then upcast row by row (exact), and a float32 run does not hold a 0.5 GB float32 table.
+        stored = raw_lm_state["embed.weight"]
+        if stored.element_size() < lm_state["embed.weight"].element_size():
+            lm_state["embed.weight"] = stored
+        del raw_lm_state
         lm.load_state_dict(lm_state, strict=True, assign=True)
     except (KeyError, RuntimeError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model_dir} into the fast engine: {exc}") from exc

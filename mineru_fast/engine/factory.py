@@ -9,7 +9,7 @@ import torch
 
 from ..cpu import physical_cores_available
 from ..options import ParserOptions
-from .base import Engine
+from .base import DTYPES, Engine
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
         precision=options.precision,
         slots=options.slots,
         max_seq_len=options.max_seq_len,
+        kv_dtype=None if options.kv_dtype == "auto" else DTYPES[options.kv_dtype],
         vision_mode=options.vision_mode,
         vision_quant=QUANT_CONFIGS[options.vision_quant],
         lm_quant=QUANT_CONFIGS[options.lm_quant],

@@ -6,6 +6,8 @@
    packed into sequences of at most ``vision_pack_patches`` patches;
 2. keeps up to ``slots`` sequences decoding together; whenever a slot is free it prefills the next
    pending request into it (continuous batching), then all live slots decode one token per step;
+   requests that follow from a finished one (a page's crops after its layout) join the running
+   batch at once, so they decode alongside the other pages' layout passes;
 3. applies the batched decoding rules (``sampling.BatchLogitsProcessor``) per row, so requests of
    different block types share a batch; replay forces tokens exactly as the reference engine does.
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..protocol import SamplingParams
-from .base import DTYPES, GenerationRequest, GenerationResult
+from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult
 from .checkpoint import load_model
 from .preprocess import EncodedRequest, Preprocessor
 from .quantize import FloatConfig, quantize_
@@ -58,6 +60,7 @@ class FastEngine:
         slots: sequences decoded together (KV buffers are allocated for this many).
         max_seq_len: prompt + generated tokens one slot can hold; longer sequences stop with
             ``finish_reason="length"``.
+        kv_dtype: KV buffer storage dtype; None = the activation dtype.
         vision_pack_patches: most patches packed into one vision forward (bounds activation memory).
         vision_mode: ``"eager"``, ``"trace"`` or ``"compile"`` (see ``vision_runner``).
         vision_quant / lm_quant / lm_head_quant: ``quantize`` configs, or None for float.
@@ -75,6 +78,7 @@ class FastEngine:
         precision: str = "fp32",
         slots: int = 16,
         max_seq_len: int = 6144,
+        kv_dtype: torch.dtype | None = None,
         vision_pack_patches: int = 16384,
         vision_mode: str = "eager",
         vision_quant: object | None = None,
@@ -97,7 +101,7 @@ class FastEngine:
         self.repetition_window = repetition_window
         self.quantize(vision_quant, lm_quant, lm_head_quant)
         self.slots, self.max_seq_len, self.vision_pack_patches = slots, max_seq_len, vision_pack_patches
-        self.lm.setup_cache(slots, max_seq_len, self.dtype)
+        self.lm.setup_cache(slots, max_seq_len, kv_dtype or self.dtype)
         self.vocab_size = self.lm.config.vocab_size
 
     def quantize(self, vision: object | None, lm: object | None, lm_head: object | None) -> None:
@@ -147,7 +151,7 @@ class FastEngine:
     def prefill(self, seq: _Sequence, slot: int) -> torch.Tensor:
         """Prefill ``seq`` into ``slot``; returns the logits ``[vocab]`` of its first new token."""
         ids = seq.encoded.input_ids
-        embeds = self.lm.embed(ids)
+        embeds = self.lm.embed_tokens(ids)
         image_rows = ids == self.preprocessor.image_token_id
         embeds[image_rows] = seq.image_embeds.to(embeds.dtype)
         positions = self.preprocessor.mrope_positions(seq.encoded)
@@ -155,24 +159,50 @@ class FastEngine:
         return self.lm.prefill(embeds[None], positions[:, None], slot)[0]
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Decode all requests with continuous batching; results in request order. A request that
-        cannot be encoded gets an error result; the others are unaffected."""
-        results: list[GenerationResult | None] = [None] * len(requests)
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: FollowUp | None = None
+    ) -> list[GenerationResult]:
+        """Decode all requests with continuous batching; results in request order.
+
+        ``on_result(index, result)`` (optional) is called as each request finishes and may return
+        follow-up requests (a page's crops once its layout is known); they are admitted at once,
+        share the running batch, and take the next indices in the order returned. A request that
+        cannot be encoded gets an error result; the others are unaffected.
+        """
+        results: list[GenerationResult | None] = []
         pending: deque[_Sequence] = deque()
-        for i, request in enumerate(requests):
-            try:
-                encoded = self.preprocessor.encode(request)
-                if len(encoded.input_ids) >= self.max_seq_len:
-                    raise ValueError(f"prompt of {len(encoded.input_ids)} tokens exceeds max_seq_len")
-            except (ValueError, RuntimeError) as exc:
-                results[i] = GenerationResult("", [], "error", error=f"{type(exc).__name__}: {exc}")
-                continue
-            pending.append(_Sequence(i, request, encoded))
-        self.encode_images(list(pending))
+        finished: deque[int] = deque()  # indices whose result awaits on_result
+
+        def admit(batch: Sequence[GenerationRequest]) -> None:
+            admitted = []
+            for request in batch:
+                index = len(results)
+                results.append(None)
+                try:
+                    encoded = self.preprocessor.encode(request)
+                    if len(encoded.input_ids) >= self.max_seq_len:
+                        raise ValueError(f"prompt of {len(encoded.input_ids)} tokens exceeds max_seq_len")
+                except (ValueError, RuntimeError) as exc:
+                    results[index] = GenerationResult("", [], "error", error=f"{type(exc).__name__}: {exc}")
+                    finished.append(index)
+                    continue
+                admitted.append(_Sequence(index, request, encoded))
+            self.encode_images(admitted)
+            pending.extend(admitted)
+
+        def finish(slot: int) -> None:
+            seq = live.pop(slot)
+            results[seq.index] = self._result(seq)
+            finished.append(seq.index)
+
+        admit(requests)
         rules = BatchLogitsProcessor([SamplingParams()] * self.slots, [None] * self.slots, self.vocab_size)
         live: dict[int, _Sequence] = {}
-        while pending or live:
+        while pending or live or finished:
+            while finished:
+                index = finished.popleft()
+                if on_result is not None:
+                    admit(on_result(index, results[index]) or ())  # type: ignore[arg-type]
             for slot in range(self.slots):  # refill free slots (lowest first keeps the batch dense)
                 if slot not in live and pending:
                     seq = pending.popleft()
@@ -184,7 +214,7 @@ class FastEngine:
                     seq.prefill_s = time.perf_counter() - start
                     live[slot] = seq
                     if self._finished(seq) is not None:
-                        results[seq.index] = self._result(live.pop(slot))
+                        finish(slot)
             if not live:
                 continue
             start = time.perf_counter()
@@ -204,7 +234,7 @@ class FastEngine:
                 self._append(rules, slot, seq, chosen[slot])
                 seq.decode_s += elapsed
                 if self._finished(seq) is not None:
-                    results[seq.index] = self._result(live.pop(slot))
+                    finish(slot)
         return results  # type: ignore[return-value]
 
     def _append(self, rules: BatchLogitsProcessor, slot: int, seq: _Sequence, token: int) -> None:

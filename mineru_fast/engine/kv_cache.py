@@ -1,37 +1,65 @@
-"""Static KV buffers: one preallocated ``[slots, kv_heads, max_len, head_dim]`` pair per layer."""
+"""Static KV buffers: one preallocated ``[slots, kv_heads, max_len, head_dim]`` pair per layer.
+
+The buffers live in anonymous memory maps: the whole size is reserved at construction, and the
+operating system commits (and zero-fills) a page only when a sequence first writes into it. A
+layout pass therefore costs the memory of the positions it uses, not of ``slots x max_len``; the
+resident size grows towards the reservation only as long sequences occupy more slots.
+"""
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 from torch import nn
+
+
+def _reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A zero tensor backed by an anonymous memory map (pages committed on first write).
+
+    Returns the tensor and the map, which must outlive it.
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS, committed lazily
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape), region
 
 
 class KVCache(nn.Module):
     """Keys and values of one decoder layer for ``slots`` concurrent sequences.
 
     Each sequence owns a slot and writes its keys/values in place at its own positions; nothing
-    is ever reallocated or concatenated.
+    is ever reallocated or concatenated. Unwritten positions read as zeros.
 
     Args:
         slots: concurrent sequences (the decode batch width).
         kv_heads: key/value heads (2 for MinerU2.5).
         max_len: longest sequence (prompt + generated tokens) a slot can hold.
         head_dim: per-head width (64 for MinerU2.5).
-        dtype: storage dtype (the activation dtype).
+        dtype: storage dtype (the activation dtype, or bfloat16 to halve the buffers).
     """
 
     def __init__(self, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         shape = (slots, kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+        k, self._k_region = _reserved_zeros(shape, dtype)
+        v, self._v_region = _reserved_zeros(shape, dtype)
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
     def write_prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt's keys/values ``[1, kv_heads, T, head_dim]`` at positions ``0..T-1``."""
+        """Store a prompt's keys/values ``[1, kv_heads, T, head_dim]`` at positions ``0..T-1``
+        (cast to the storage dtype)."""
         length = k.shape[2]
         self.k[slot, :, :length] = k[0]
         self.v[slot, :, :length] = v[0]
@@ -43,13 +71,14 @@ class KVCache(nn.Module):
 
         Args:
             positions: ``[B]`` int64, where row ``b`` (slot ``b``) writes.
-            k, v: ``[B, kv_heads, 1, head_dim]``.
+            k, v: ``[B, kv_heads, 1, head_dim]`` (cast to the storage dtype).
 
         Returns:
-            ``(keys, values)``, views ``[B, kv_heads, L, head_dim]`` with ``L = max(positions) + 1``.
+            ``(keys, values)``, views ``[B, kv_heads, L, head_dim]`` in the storage dtype with
+            ``L = max(positions) + 1``.
         """
         rows = torch.arange(k.shape[0])
-        self.k[rows, :, positions] = k[:, :, 0]
-        self.v[rows, :, positions] = v[:, :, 0]
+        self.k[rows, :, positions] = k[:, :, 0].to(self.dtype)
+        self.v[rows, :, positions] = v[:, :, 0].to(self.dtype)
         length = int(positions.max()) + 1
         return self.k[: k.shape[0], :, :length], self.v[: k.shape[0], :, :length]

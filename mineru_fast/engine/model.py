@@ -113,8 +113,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         assert self.kv_cache is not None
         keys, values = self.kv_cache.write_decode(positions, k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(x.shape[0], 1, -1))
+        # with a narrower KV store (bfloat16 keys/values under float32 activations) attention runs
+        # in the store's dtype: a transient float32 copy of the keys would cost more than it saves
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.to(x.dtype).transpose(1, 2).reshape(x.shape[0], 1, -1))
 
 
 class FeedForward(nn.Module):
@@ -151,14 +153,20 @@ class Qwen2LM(nn.Module):
         self.rope = MRoPE(config)
 
     def setup_cache(self, slots: int, max_len: int, dtype: torch.dtype) -> None:
-        """Allocate the static KV buffers: ``slots`` sequences of at most ``max_len`` tokens."""
+        """Allocate the static KV buffers: ``slots`` sequences of at most ``max_len`` tokens,
+        stored in ``dtype`` (see ``KVCache``)."""
         c = self.config
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(slots, c.num_kv_heads, max_len, c.head_dim, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
+        """The activation dtype."""
         return self.norm.weight.dtype
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (int64, any shape) -> embeddings ``[..., hidden]`` in the activation dtype."""
+        return self.embed(ids).to(self.dtype)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
@@ -183,7 +191,7 @@ class Qwen2LM(nn.Module):
         Returns:
             Logits ``[B, vocab]`` float32.
         """
-        h = self.embed(tokens)[:, None]  # [B, 1, hidden]
+        h = self.embed_tokens(tokens)[:, None]  # [B, 1, hidden]
         cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
         length = int(cache_positions.max()) + 1
         mask = (torch.arange(length) <= cache_positions[:, None])[:, None, None]  # [B, 1, 1, L]

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .memory import trim_heap
+
 __all__ = [
     "Int8DynamicConfig",
     "Int8WeightOnlyConfig",
@@ -209,4 +211,5 @@ def quantize_(model: nn.Module, config: object, filter_fn: Callable[[nn.Module, 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, handler(getattr(parent, child), config))
+        trim_heap()  # and its memory handed back, so peak RSS stays near the live weights
     return model

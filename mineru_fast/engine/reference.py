@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .base import DTYPES, GenerationRequest, GenerationResult
+from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult
 from .preprocess import Preprocessor
 from .sampling import BatchLogitsProcessor
 
@@ -129,15 +129,21 @@ class ReferenceEngine:
             "image_grid_thw": torch.tensor([encoded.grid_thw]),
         }
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Decode each request in turn (batch 1); a failing request returns an error result."""
-        results = []
-        for request in requests:
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: FollowUp | None = None
+    ) -> list[GenerationResult]:
+        """Decode each request in turn (batch 1), follow-ups from ``on_result`` after the requests
+        already queued; a failing request returns an error result."""
+        queue, results = list(requests), []
+        for index, request in enumerate(queue):  # grows while iterating: follow-ups are appended
             try:
-                results.append(self._generate_one(request))
+                result = self._generate_one(request)
             except Exception as exc:  # one bad request must not sink the others
                 logger.exception("generation failed")
-                results.append(GenerationResult("", [], "error", error=f"{type(exc).__name__}: {exc}"))
+                result = GenerationResult("", [], "error", error=f"{type(exc).__name__}: {exc}")
+            results.append(result)
+            if on_result is not None:
+                queue.extend(on_result(index, result) or ())
         return results
 
     @torch.inference_mode()
