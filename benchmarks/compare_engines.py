@@ -3,10 +3,12 @@
 Each configuration runs in its own process (clean peak RSS), parses the same workload pages with
 their traces replayed (forced decoding: the cost of the real model producing that output), and
 reports pages/min, the vision / prefill / decode split and peak RSS; the Markdown of every
-configuration must equal the first one's. Then it measures decode steps at batch 1 and 16 and the
-vision encoder in eager, TorchScript and torch.compile modes on the layout image.
+configuration must equal the first one's. Then it measures decode steps at batch 1 and 16 and
+(unless ``--skip-vision-modes``) the vision encoder in eager, TorchScript and torch.compile modes
+on the layout image.
 
     python benchmarks/compare_engines.py [--model DIR] [--workload DIR] [--threads 2] [--out results.json]
+                                         [--skip-vision-modes]
 
 Without ``--model`` the ``full`` synthetic model is made (once) in ``~/.cache/mineru-fast``.
 """
@@ -129,6 +131,7 @@ def main() -> None:
     ap.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("compare_engines.json"))
+    ap.add_argument("--skip-vision-modes", action="store_true", help="do not time eager / trace / compile vision")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # internal: run one config/measure in-process
     args = ap.parse_args()
     model = args.model or synthetic_full_model()
@@ -149,7 +152,8 @@ def main() -> None:
         return
     results: dict = {"model": str(model), "threads": args.threads, "pages": PAGES, "configs": []}
     results["vision"] = []
-    for job in [*(f"config:{c}" for c in CONFIGS), "decode:", "vision:eager", "vision:trace", "vision:compile"]:
+    modes = [] if args.skip_vision_modes else ["vision:eager", "vision:trace", "vision:compile"]
+    for job in [*(f"config:{c}" for c in CONFIGS), "decode:", *modes]:
         cmd = [sys.executable, __file__, "--model", str(model), "--workload", str(args.workload),
                "--threads", str(args.threads), "--only", job]  # fmt: skip
         try:
