@@ -6,7 +6,7 @@ import argparse
 
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
-from .options import PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
+from .options import BACKENDS, PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
 
 
 def parse_max_new_tokens(text: str) -> dict[str, int]:
@@ -29,6 +29,7 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
     p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
+    p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")
     p.add_argument(
         "--max-new-tokens",
         type=parse_max_new_tokens,
@@ -46,7 +47,7 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     """
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
-                        ("vision_mode", "vision_mode")):  # fmt: skip
+                        ("vision_mode", "vision_mode"), ("backend", "backend")):  # fmt: skip
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     if args.quantization is not None:
