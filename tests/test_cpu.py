@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from fake_machine import SPR_FLAGS, build_machine
 
 from mineru_fast.cpu import cgroup_quota_cpus, format_cpulist, parse_cpulist, read_topology
-from fake_machine import SPR_FLAGS, build_machine
 
 
 def test_cpulist_round_trip():
