@@ -135,7 +135,10 @@ def choose_backend(
         if status.usable:
             return BackendChoice("ipex", int8, f"auto: measured faster on {entry['cpu']}")
         return BackendChoice("stock", "stock", f"auto: IPEX measured faster on {entry['cpu']} but {status.reason}")
-    return BackendChoice("stock", "stock", f"auto: stock measured faster (or IPEX unmeasured) on {entry['cpu']}")
+    page_s = entry.get("page_s") or {}
+    if page_s.get("stock") is None or page_s.get("ipex") is None:
+        return BackendChoice("stock", "stock", f"auto: stock vs IPEX pages not yet measured on {entry['cpu']}")
+    return BackendChoice("stock", "stock", f"auto: stock measured faster on {entry['cpu']}")
 
 
 def _transformers_shim() -> None:
