@@ -65,6 +65,9 @@ def render(info: dict) -> str:
     isa = ", ".join(flag for flag, present in info["isa"].items() if present) or "none of the tracked flags"
     amx = "yes" if any(info["isa"][f] for f in ("amx_tile", "amx_bf16", "amx_int8")) else "no"
     ipex = b["ipex"]
+    ipex_line = (
+        f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})" if ipex["version"] else ipex["reason"]
+    )
     lines = [
         f"CPU:        {info['cpu']['model']} ({info['cpu']['vendor']}), ISA tier {info['cpu']['isa_tier']}",
         f"ISA:        {isa}; AMX: {amx}",
@@ -76,12 +79,7 @@ def render(info: dict) -> str:
         f"Threads:    intra-op {th['intra_op']}, inter-op {th['inter_op']}, OpenMP {th['openmp']}",
         f"  parse would set: {' '.join(f'{k}={v}' for k, v in th['sets'].items()) or 'nothing'}",
         f"  kept (user-set): {' '.join(f'{k}={v}' for k, v in th['kept_user_set'].items()) or 'nothing'}",
-        f"Backends:   stock (torch {b['torch']}, transformers {b['transformers']}); IPEX "
-        + (
-            f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})"
-            if ipex["version"]
-            else ipex["reason"]
-        ),
+        f"Backends:   stock (torch {b['torch']}, transformers {b['transformers']}); IPEX " + ipex_line,
         f"  auto chooses: {b['auto_chooses']['backend']} (INT8 by {b['auto_chooses']['int8']}): "
         f"{b['auto_chooses']['reason']}",
     ]
