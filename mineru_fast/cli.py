@@ -55,6 +55,7 @@ def build_argparser() -> argparse.ArgumentParser:
     b.add_argument("--workload", type=Path, help="real OmniDocBench-format pages (annotations.json + images/)")
     b.add_argument("--threads", type=int, help="intra-op threads (default: physical cores available)")
     b.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="where bench.json/png go")
+    b.add_argument("--only", action="append", metavar="TEXT", help="stage rows whose label contains TEXT (repeatable)")
 
     t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
     t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")
@@ -134,7 +135,7 @@ def _cmd_synth_model(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.run import main as bench_main
 
-    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output)
+    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output, only=args.only)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

@@ -22,6 +22,22 @@ class Row:
     preset: str
     overrides: dict = field(default_factory=dict)
     quick: bool = False  # part of --quick
+    instances: int = 1  # > 1: that many pinned processes splitting the cores (see bench.instances)
+
+    def unavailable(self) -> str | None:
+        """Why this machine cannot run the row (shown in the table instead), or None."""
+        if self.overrides.get("backend") == "ipex":
+            from ..engine.backends import ipex_status
+
+            status = ipex_status()
+            return None if status.usable else status.reason
+        if self.instances > 1:
+            from ..cpu import read_topology
+
+            topology = read_topology()
+            if topology.usable_cores < self.instances:
+                return f"{topology.usable_cores} usable core(s): fewer than {self.instances} instances"
+        return None
 
 
 _SINGLE = {"slots": 1, "page_window": 1}
@@ -32,6 +48,9 @@ ROWS: list[Row] = [
     Row("+ traced vision", "exact", {**_SINGLE, "vision_mode": "trace"}),
     Row("+ dynamic INT8", "fast", {**_SINGLE, "vision_mode": "trace"}),
     Row("+ continuous batching", "fast", {"vision_mode": "trace"}, quick=True),
+    # The same options as the row above, on IPEX (torch 2.8 + the ipex extra) / in 2 pinned processes.
+    Row("+ IPEX backend", "fast", {"vision_mode": "trace", "backend": "ipex"}, quick=True),
+    Row("+ 2 pinned instances", "fast", {"vision_mode": "trace"}, instances=2),
 ]
 
 
@@ -61,6 +80,9 @@ def run_row(spec: dict) -> dict:
     parser = DocumentParser.from_pretrained(spec["model"], options)
     load_s = time.perf_counter() - start
     warmup_s = _warm_up(parser)
+    if spec.get("barrier"):  # several instances start parsing together (see bench.instances)
+        print("ready", flush=True)
+        sys.stdin.readline()
     start = time.perf_counter()
     document = parser.parse([p.image for p in pages], replay=Trace([p.trace for p in pages]))
     wall_s = time.perf_counter() - start
