@@ -47,6 +47,7 @@ class Worker:
     inputs: list[str]
     process: subprocess.Popen
     done: set[str] = field(default_factory=set)
+    streams: list[threading.Thread] = field(default_factory=list)
 
 
 def plan_groups(
@@ -138,7 +139,10 @@ def split_parse_args(parse_args: Sequence[str]) -> tuple[list[str], list[str]]:
     except SystemExit as exc:
         raise LaunchError(f"invalid parse arguments: {' '.join(parse_args[1:])}") from exc
     inputs = [str(p) for p in args.inputs]
-    return inputs, [a for a in parse_args[1:] if a not in set(inputs)]
+    rest = list(parse_args[1:])
+    # argparse took the inputs as one run of consecutive arguments: remove exactly that run.
+    start = next(i for i in range(len(rest)) if rest[i : i + len(inputs)] == inputs)
+    return inputs, rest[:start] + rest[start + len(inputs) :]
 
 
 def launch(
@@ -168,7 +172,7 @@ def launch(
     inputs, options = split_parse_args(parse_args)
     groups = plan_groups(topology, instances, cores_per_instance)[: len(inputs)]
     lock = threading.Lock()
-    workers, streams = [], []
+    workers = []
     for i, (group, share) in enumerate(zip(groups, deal(inputs, len(groups)), strict=True)):
         log(f"worker {i}: cpus {format_cpulist(group.cpus)}, node {group.node}, {len(share)} input(s)")
         proc = spawn([*worker, "parse", *options, *share], group, len(topology.nodes),
@@ -176,8 +180,8 @@ def launch(
         w = Worker(i, group, share, proc)
         workers.append(w)
         for pipe, prefix in ((proc.stdout, ""), (proc.stderr, "!")):
-            streams.append(threading.Thread(target=_stream, args=(w, pipe, out, lock, prefix), daemon=True))
-            streams[-1].start()
+            w.streams.append(threading.Thread(target=_stream, args=(w, pipe, out, lock, prefix), daemon=True))
+            w.streams[-1].start()
     status = 0
     for w in workers:
         code = w.process.wait()
@@ -185,11 +189,12 @@ def launch(
             status = max(status, code)
             continue
         status = EXIT_CRASHED
-        for t in streams:
-            t.join(timeout=5)
+        for t in w.streams:  # its last lines tell which inputs it finished
+            t.join()
         lost = [s for s in w.inputs if s not in w.done]
         reason = f"signal {-code}" if code < 0 else f"status {code}"
         log(f"worker {w.index} crashed ({reason}); not parsed: {' '.join(lost) or 'none'}")
-    for t in streams:
-        t.join()
+    for w in workers:
+        for t in w.streams:
+            t.join()
     return status

@@ -48,9 +48,12 @@ ROWS: list[Row] = [
     Row("+ traced vision", "exact", {**_SINGLE, "vision_mode": "trace"}),
     Row("+ dynamic INT8", "fast", {**_SINGLE, "vision_mode": "trace"}),
     Row("+ continuous batching", "fast", {"vision_mode": "trace"}, quick=True),
-    # The same options as the row above, on IPEX (torch 2.8 + the ipex extra) / in 2 pinned processes.
+    # The row above's options on IPEX (torch 2.8 + the ipex extra).
     Row("+ IPEX backend", "fast", {"vision_mode": "trace", "backend": "ipex"}, quick=True),
-    Row("+ 2 pinned instances", "fast", {"vision_mode": "trace"}, instances=2),
+    # One process on all cores vs 2 pinned processes on half each; eager vision, whose memory two
+    # processes can afford (tracing peaks at 22.6 GB per process). `bench --only instance` runs both.
+    Row("fast preset, 1 instance", "fast"),
+    Row("+ 2 pinned instances", "fast", instances=2),
 ]
 
 

@@ -215,7 +215,10 @@ def apply_ipex(engine, int8_parts: dict[str, bool], use_ipex_int8: bool) -> None
         _swap_int8(engine.lm, lambda n: int8_parts["lm_head"] if n == "lm_head" else int8_parts["lm"], ipex)
     for name in ("vision", "lm"):
         module = getattr(engine, name).eval()
-        setattr(engine, name, ipex.optimize(module, dtype=engine.dtype, inplace=True, weights_prepack=True))
+        # No batch norms to fold: skip the fx passes that would try (and fail) to trace these modules.
+        optimized = ipex.optimize(module, dtype=engine.dtype, inplace=True, weights_prepack=True,
+                                  conv_bn_folding=False, linear_bn_folding=False)  # fmt: skip
+        setattr(engine, name, optimized)
     engine.vision_mode = "trace"
     engine.vision_runner = make_vision_runner(engine.vision, "trace")
     logger.info("IPEX %s applied (INT8 by %s)", ipex.__version__, "IPEX" if use_ipex_int8 else "torch.ao")
