@@ -40,12 +40,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ipex = load_ipex()
+    load_ipex()
     torch.manual_seed(0)
     linear = nn.Linear(1280, 5120).eval()  # the vision MLP's first linear (MinerU2.5-2509)
     x = torch.randn(args.rows, 1280)
     stock = quantize_(nn.Sequential(copy.deepcopy(linear)), Int8DynamicConfig())
-    theirs = ipex_int8_linear(copy.deepcopy(linear), ipex)
+    theirs = ipex_int8_linear(copy.deepcopy(linear))
     topo = read_topology()
     figures = {"stock": milliseconds(stock, x, args.repeat), "ipex": milliseconds(theirs, x, args.repeat)}
     print(json.dumps({"cpu": topo.model, "vendor": topo.vendor, "isa_tier": isa_tier(topo),

@@ -169,8 +169,9 @@ def load_ipex() -> types.ModuleType:
     return ipex
 
 
-def ipex_int8_linear(linear, ipex: types.ModuleType):
-    """IPEX's INT8 linear for ``linear``: int8 weights, activations quantized to int8 at run time."""
+def ipex_int8_linear(linear):
+    """IPEX's INT8 linear for ``linear``: int8 weights, activations quantized to int8 at run time
+    (call after ``load_ipex``)."""
     from intel_extension_for_pytorch.nn.modules import WeightOnlyQuantizedLinear
     from intel_extension_for_pytorch.quantization import (
         WoqLowpMode,
@@ -183,14 +184,14 @@ def ipex_int8_linear(linear, ipex: types.ModuleType):
     return WeightOnlyQuantizedLinear.from_float(linear)
 
 
-def _swap_int8(module, select, ipex: types.ModuleType) -> None:
+def _swap_int8(module, select) -> None:
     from torch import nn
 
     names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and select(n)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child, ipex_int8_linear(getattr(parent, child).float(), ipex))
+        setattr(parent, child, ipex_int8_linear(getattr(parent, child).float()))
 
 
 def apply_ipex(engine, int8_parts: dict[str, bool], use_ipex_int8: bool) -> None:
@@ -211,8 +212,8 @@ def apply_ipex(engine, int8_parts: dict[str, bool], use_ipex_int8: bool) -> None
     ipex = load_ipex()
     if use_ipex_int8:
         if int8_parts["vision"]:
-            _swap_int8(engine.vision, lambda _: True, ipex)
-        _swap_int8(engine.lm, lambda n: int8_parts["lm_head"] if n == "lm_head" else int8_parts["lm"], ipex)
+            _swap_int8(engine.vision, lambda _: True)
+        _swap_int8(engine.lm, lambda n: int8_parts["lm_head"] if n == "lm_head" else int8_parts["lm"])
     for name in ("vision", "lm"):
         module = getattr(engine, name).eval()
         # No batch norms to fold: skip the fx passes that would try (and fail) to trace these modules.
