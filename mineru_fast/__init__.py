@@ -19,7 +19,6 @@ from .errors import (
     UnsupportedFormat,
 )
 from .options import PRESETS, ParserOptions
-from .parser import DocumentParser
 
 __version__ = "0.1.0"
 
@@ -40,3 +39,12 @@ __all__ = [
     "ModelLoadError",
     "TraceError",
 ]
+
+
+def __getattr__(name: str):
+    # DocumentParser imports torch; loading it lazily lets the CLI set OpenMP variables first.
+    if name == "DocumentParser":
+        from .parser import DocumentParser
+
+        return DocumentParser
+    raise AttributeError(f"module 'mineru_fast' has no attribute {name!r}")

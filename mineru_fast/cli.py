@@ -1,7 +1,9 @@
-"""``mineru-fast`` command line: parse, synth-model, trace, serve.
+"""``mineru-fast`` command line: parse, synth-model, bench, trace, serve, launch, info.
 
 Exit status of ``parse``: 0 every page parsed, 1 some pages failed (the rest is saved), 2 an input
-or usage error (one line on stderr, no traceback).
+or usage error (one line on stderr, no traceback). ``launch`` merges its workers' statuses (3: a worker
+crashed). Commands that run the model set OpenMP variables (``threads.configure_process``) before torch
+loads.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from .serve.command import add_serve_command, run_serve_command
 EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def _build_argparser() -> argparse.ArgumentParser:
+def _instances(text: str) -> str | int:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 1, got {text!r}")
+    return int(text)
+
+
+def build_argparser() -> argparse.ArgumentParser:
+    """The ``mineru-fast`` argument parser with every subcommand."""
     ap = argparse.ArgumentParser(prog="mineru-fast", description="Fast CPU document parsing with MinerU2.5.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log warnings (e.g. dropped layout lines)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -44,6 +55,7 @@ def _build_argparser() -> argparse.ArgumentParser:
     b.add_argument("--workload", type=Path, help="real OmniDocBench-format pages (annotations.json + images/)")
     b.add_argument("--threads", type=int, help="intra-op threads (default: physical cores available)")
     b.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="where bench.json/png go")
+    b.add_argument("--only", action="append", metavar="TEXT", help="stage rows whose label contains TEXT (repeatable)")
 
     t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
     t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")
@@ -51,6 +63,16 @@ def _build_argparser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", type=Path, required=True)
 
     add_serve_command(sub)
+
+    la = sub.add_parser("launch", help="run parse in pinned workers, one per NUMA node or core group")
+    la.add_argument(
+        "--instances", type=_instances, default="auto", help="'auto' (one per NUMA node) or a count (default: auto)"
+    )
+    la.add_argument("--cores-per-instance", type=int, help="physical cores per worker")
+    la.add_argument("parse_command", nargs=argparse.REMAINDER, metavar="-- parse INPUT... -o OUT [options]")
+
+    i = sub.add_parser("info", help="CPU topology, ISA, threads, backends and what auto would choose")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
     return ap
 
 
@@ -113,7 +135,7 @@ def _cmd_synth_model(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.run import main as bench_main
 
-    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output)
+    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output, only=args.only)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -124,13 +146,41 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from .launch import launch
+
+    command = args.parse_command[1:] if args.parse_command[:1] == ["--"] else args.parse_command
+    return launch(command, args.instances, args.cores_per_instance)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import json
+
+    from .info import collect, render
+
+    info = collect()
+    print(json.dumps(info, indent=1) if args.json else render(info))
+    return EXIT_OK
+
+
+# Commands that run the model in this process bind OpenMP threads; bench starts row processes after
+# running torch, so it only sizes the pool (binding would pin its main thread and thus its children).
+_THREAD_BINDING = {"parse": True, "serve": True, "bench": False}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mineru-fast`` console script; returns the exit status."""
-    args = _build_argparser().parse_args(argv)
+    args = build_argparser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
+    if args.command in _THREAD_BINDING:
+        from .threads import configure_process
+
+        configure_process(getattr(args, "threads", None), bind=_THREAD_BINDING[args.command])
     commands = {
+        "launch": _cmd_launch,
+        "info": _cmd_info,
         "parse": _cmd_parse,
         "synth-model": _cmd_synth_model,
         "trace": _cmd_trace,

@@ -6,7 +6,7 @@ import argparse
 
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
-from .options import KV_DTYPES, PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
+from .options import BACKENDS, KV_DTYPES, PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
 
 
 def parse_max_new_tokens(text: str) -> dict[str, int]:
@@ -31,6 +31,7 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
     p.add_argument("--slots", type=int, help="sequences the fast engine decodes together")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
+    p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")
     p.add_argument(
         "--max-new-tokens",
         type=parse_max_new_tokens,
@@ -48,7 +49,8 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     """
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
-                        ("vision_mode", "vision_mode"), ("slots", "slots"), ("kv_dtype", "kv_dtype")):  # fmt: skip
+                        ("vision_mode", "vision_mode"), ("slots", "slots"), ("kv_dtype", "kv_dtype"),
+                        ("backend", "backend")):  # fmt: skip
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     if args.quantization is not None:

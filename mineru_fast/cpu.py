@@ -1,26 +1,24 @@
-"""CPU facts the runtime needs: how many physical cores this process may use."""
+"""CPU topology the runtime needs: physical cores, SMT siblings, NUMA nodes, allowed CPUs, ISA.
+
+Everything is read from sysfs and procfs under injectable roots, so tests build fake trees:
+
+- ``<sysfs>/devices/system/cpu/online`` and ``cpuN/topology/{physical_package_id,thread_siblings_list}``;
+- ``<sysfs>/devices/system/node/nodeN/{cpulist,meminfo}``;
+- ``<proc>/cpuinfo`` (model name, ISA flags) and ``<proc>/self/cgroup``;
+- the cgroup CPU quota: v2 ``<sysfs>/fs/cgroup/<path>/cpu.max``, v1
+  ``<sysfs>/fs/cgroup/cpu,cpuacct/<path>/cpu.cfs_{quota,period}_us`` (every ancestor, the smallest wins).
+
+The process's allowed CPUs are its affinity mask (which a cpuset already narrows); a CPU quota then
+caps how many of them can run at once.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
-
-
-def physical_cores_available(sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
-    """Physical cores among the CPUs this process may run on (SMT siblings counted once).
-
-    Falls back to the number of allowed logical CPUs when sysfs topology is unavailable.
-    """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    cores = set()
-    for cpu in allowed:
-        siblings = sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list"
-        try:
-            cores.add(siblings.read_text().strip())
-        except OSError:
-            return len(allowed)
-    return max(1, len(cores))
-
 
 ISA_FLAGS = (
     "avx2",
@@ -35,32 +33,207 @@ ISA_FLAGS = (
 )
 
 
-def _cpuinfo(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+@dataclass(frozen=True)
+class NumaNode:
+    """One NUMA node: its id, online CPUs and total memory in kB (None where unreadable)."""
+
+    id: int
+    cpus: tuple[int, ...]
+    memory_kb: int | None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The machine as this process sees it.
+
+    Attributes:
+        model: CPU marketing name, e.g. ``"AMD EPYC 9B14"`` (``"unknown"`` where unreadable).
+        vendor: ``vendor_id`` of /proc/cpuinfo, e.g. ``"GenuineIntel"``, ``"AuthenticAMD"``.
+        isa: which of ``ISA_FLAGS`` the CPU reports.
+        cores: physical cores as tuples of their online logical CPUs (SMT siblings), sorted.
+        sockets: physical package id of each online CPU.
+        nodes: NUMA nodes with CPUs (one node holding every CPU where sysfs has none).
+        allowed: online CPUs in the process's affinity mask.
+        quota_cpus: cgroup CPU quota in CPUs (e.g. 3.0), None when unlimited.
+    """
+
+    model: str
+    vendor: str
+    isa: dict[str, bool]
+    cores: tuple[tuple[int, ...], ...]
+    sockets: dict[int, int]
+    nodes: tuple[NumaNode, ...]
+    allowed: tuple[int, ...]
+    quota_cpus: float | None
+
+    def allowed_cores(self, cpus: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
+        """Physical cores with at least one CPU in ``cpus`` (default: the allowed CPUs), each as
+        its allowed sibling CPUs."""
+        pool = set(self.allowed if cpus is None else cpus)
+        out = []
+        for core in self.cores:
+            mine = tuple(c for c in core if c in pool)
+            if mine:
+                out.append(mine)
+        return out
+
+    @property
+    def usable_cores(self) -> int:
+        """Physical cores this process can keep busy: allowed cores, capped by the CPU quota (>= 1)."""
+        count = len(self.allowed_cores())
+        if self.quota_cpus is not None:
+            count = min(count, math.floor(self.quota_cpus))
+        return max(1, count)
+
+    @property
+    def socket_count(self) -> int:
+        """Distinct physical packages among the online CPUs."""
+        return max(1, len(set(self.sockets.values())))
+
+    def node_of(self, cpu: int) -> int:
+        """NUMA node id holding ``cpu`` (0 when no node lists it)."""
+        return next((n.id for n in self.nodes if cpu in n.cpus), 0)
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """``"0-3,8,10-11"`` -> ``(0, 1, 2, 3, 8, 10, 11)``; empty text gives ``()``.
+
+    Raises:
+        ValueError: malformed list.
+    """
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return tuple(sorted(set(cpus)))
+
+
+def format_cpulist(cpus: tuple[int, ...] | list[int]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"`` (the kernel's cpulist format)."""
+    ranges: list[str] = []
+    ordered = sorted(set(cpus))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        ranges.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(ranges)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _cpuinfo(proc: Path) -> dict[str, str]:
     """The first processor's ``key: value`` fields of /proc/cpuinfo (empty where unreadable)."""
     fields: dict[str, str] = {}
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    for line in (_read(proc / "cpuinfo") or "").splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
     return fields
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's marketing name, e.g. ``"AMD EPYC 9B14"`` (``"unknown"`` where unreadable)."""
-    return _cpuinfo(cpuinfo).get("model name", "unknown")
+def _online(cpu_dir: Path) -> tuple[int, ...]:
+    text = _read(cpu_dir / "online")
+    if text is not None:
+        return parse_cpulist(text)
+    return tuple(range(os.cpu_count() or 1))
 
 
-def isa_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, bool]:
-    """Which of ``ISA_FLAGS`` (AVX2 / AVX-512 / VNNI / BF16 / AMX) the CPU reports."""
-    flags = set(_cpuinfo(cpuinfo).get("flags", "").split())
-    return {flag: flag in flags for flag in ISA_FLAGS}
+def _cores(cpu_dir: Path, online: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], ...], dict[int, int]]:
+    cores: set[tuple[int, ...]] = set()
+    sockets: dict[int, int] = {}
+    for cpu in online:
+        topo = cpu_dir / f"cpu{cpu}" / "topology"
+        siblings = _read(topo / "thread_siblings_list")
+        members = parse_cpulist(siblings) if siblings else (cpu,)
+        cores.add(tuple(c for c in members if c in online) or (cpu,))
+        package = _read(topo / "physical_package_id")
+        sockets[cpu] = int(package) if package and package.strip().lstrip("-").isdigit() else 0
+    return tuple(sorted(cores)), sockets
 
 
-def numa_nodes(sysfs: Path = Path("/sys/devices/system/node")) -> int:
-    """NUMA nodes with CPUs (1 where sysfs has no node directory)."""
-    nodes = [d for d in sysfs.glob("node[0-9]*") if (d / "cpulist").is_file() and (d / "cpulist").read_text().strip()]
-    return max(1, len(nodes))
+def _nodes(node_dir: Path, online: tuple[int, ...]) -> tuple[NumaNode, ...]:
+    nodes = []
+    for path in sorted(node_dir.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        cpus = tuple(c for c in parse_cpulist(_read(path / "cpulist") or "") if c in online)
+        if not cpus:
+            continue
+        match = re.search(r"MemTotal:\s+(\d+)\s*kB", _read(path / "meminfo") or "")
+        nodes.append(NumaNode(int(path.name[4:]), cpus, int(match.group(1)) if match else None))
+    return tuple(nodes) or (NumaNode(0, online, None),)
+
+
+def _ancestors(root: Path, relative: str) -> list[Path]:
+    """``root/relative`` and each parent up to ``root``; a container often sees only ``root``."""
+    parts = [p for p in relative.split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def cgroup_quota_cpus(sysfs: Path = Path("/sys"), proc: Path = Path("/proc")) -> float | None:
+    """The cgroup CPU quota of this process in CPUs (``quota / period``), None when unlimited.
+
+    Reads cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` of the process's
+    cgroup and its ancestors; the smallest limit wins.
+    """
+    limits: list[float] = []
+    for line in (_read(proc / "self" / "cgroup") or "").splitlines():
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2 unified hierarchy
+            for d in _ancestors(sysfs / "fs" / "cgroup", path):
+                fields = (_read(d / "cpu.max") or "max").split()
+                if len(fields) == 2 and fields[0] != "max":
+                    limits.append(int(fields[0]) / int(fields[1]))
+        elif "cpu" in controllers.split(","):
+            root = sysfs / "fs" / "cgroup" / controllers
+            for d in _ancestors(root, path):
+                quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+                if quota and period and int(quota) > 0:
+                    limits.append(int(quota) / int(period))
+    return min(limits) if limits else None
+
+
+def read_topology(sysfs: Path = Path("/sys"), proc: Path = Path("/proc"), affinity: set[int] | None = None) -> Topology:
+    """The topology under ``sysfs`` / ``proc`` (the live system by default).
+
+    Args:
+        sysfs: root of sysfs (``/sys``).
+        proc: root of procfs (``/proc``).
+        affinity: the CPUs the process may run on; default ``os.sched_getaffinity(0)`` (every
+            online CPU where the platform has no affinity call).
+
+    Returns:
+        The ``Topology``; missing files degrade to one node, one socket, one CPU per core.
+    """
+    cpu_dir = sysfs / "devices" / "system" / "cpu"
+    online = _online(cpu_dir)
+    if affinity is None:
+        affinity = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(online)
+    info = _cpuinfo(proc)
+    flags = set(info.get("flags", "").split())
+    cores, sockets = _cores(cpu_dir, online)
+    return Topology(
+        model=info.get("model name", "unknown"),
+        vendor=info.get("vendor_id", "unknown"),
+        isa={flag: flag in flags for flag in ISA_FLAGS},
+        cores=cores,
+        sockets=sockets,
+        nodes=_nodes(sysfs / "devices" / "system" / "node", online),
+        allowed=tuple(c for c in online if c in affinity) or online,
+        quota_cpus=cgroup_quota_cpus(sysfs, proc),
+    )
+
+
+def physical_cores_available() -> int:
+    """Physical cores this process may keep busy (SMT siblings counted once, affinity mask and
+    cgroup CPU quota honoured); at least 1."""
+    return read_topology().usable_cores

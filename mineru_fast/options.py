@@ -12,6 +12,7 @@ PRECISIONS = ("fp32", "bf16")
 KV_DTYPES = ("auto", "fp32", "bf16")
 QUANTIZATIONS = ("none", "int8-dynamic", "int8-weight-only", "bf16-weights")
 VISION_MODES = ("eager", "trace", "compile")
+BACKENDS = ("stock", "ipex", "auto")
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
 
 __all__ = ["ParserOptions", "PRESETS"]
@@ -39,6 +40,10 @@ class ParserOptions:
         page_window: pages whose layout passes, then whose crops, are batched together.
         repetition_window: fast engine repetition guard: a sequence whose last N tokens hold at
             most 2 distinct ids is ended and flagged (0 disables).
+        backend: ``"stock"`` (PyTorch), ``"ipex"`` (Intel Extension for PyTorch when installed and
+            matching torch; the stock backend with a warning otherwise) or ``"auto"`` (what the
+            recorded measurement says is faster on this CPU); fast engine only (see
+            ``engine.backends``).
         threads: intra-op threads; None = the physical cores available to the process.
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
@@ -57,6 +62,7 @@ class ParserOptions:
     max_seq_len: int = 6144
     page_window: int = 4
     repetition_window: int = 512
+    backend: str = "stock"
     threads: int | None = None
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
@@ -73,10 +79,13 @@ class ParserOptions:
             "lm_head_quant": QUANTIZATIONS,
             "vision_mode": VISION_MODES,
             "kv_dtype": KV_DTYPES,
+            "backend": BACKENDS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.engine == "reference" and self.backend == "ipex":
+            raise ValueError("backend 'ipex' applies to the fast engine only")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.repetition_window < 0:

@@ -51,3 +51,33 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert 0 < results["roofline"]["fraction"]["decode_batch1_of_bandwidth"]
     out = capsys.readouterr().out
     assert "## Stage table" in out and "| reference bf16 |" in out and "+ IPEX backend" in out
+
+
+def test_row_selection_and_unavailable_rows():
+    from mineru_fast.bench.run import select_rows
+    from mineru_fast.engine.backends import ipex_status
+
+    rows, unavailable = select_rows(quick=False, only=["IPEX", "pinned"])
+    labels = [r.label for r in rows] + [u["label"] for u in unavailable]
+    assert sorted(labels) == ["+ 2 pinned instances", "+ IPEX backend"]
+    assert [r.label for r in select_rows(quick=False, only=["instance"])[0]][0] == "fast preset, 1 instance"
+    status = ipex_status()
+    assert ({"label": "+ IPEX backend", "reason": status.reason} in unavailable) == (not status.usable)
+
+
+def test_two_pinned_instances_row_on_the_tiny_model(tiny_model):
+    import pytest
+
+    from mineru_fast.bench.rows import ROWS
+    from mineru_fast.bench.run import run_rows, summarize
+    from mineru_fast.cpu import read_topology
+
+    if read_topology().usable_cores < 2:
+        pytest.skip("needs 2 usable cores")
+    rows = [r for r in ROWS if "instance" in r.label]
+    results = run_rows(rows, str(tiny_model), pages=1, workload=None, threads=2)
+    summarize(results)
+    single, multi = results
+    assert multi["label"] == "+ 2 pinned instances x 1 core(s)"
+    assert len(multi["page_seconds"]) == 2 * len(single["page_seconds"]) == 2  # each instance parses the workload
+    assert multi["markdown_equal_first_row"] and multi["pages_per_min"] > 0

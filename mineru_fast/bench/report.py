@@ -5,16 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def unavailable_rows(header: dict) -> list[dict]:
-    """Stage rows this machine cannot run, with the reason (shown in the table, not measured)."""
-    rows = []
-    if header["ipex"] == "not installed":
-        rows.append({"label": "+ IPEX backend", "reason": "not installed (pip install 'mineru-fast[ipex]')"})
-    if header["numa_nodes"] < 2 and header["physical_cores_available"] < 4:
-        rows.append({"label": "+ multi-instance / NUMA pinning", "reason": "one NUMA node and under 4 cores"})
-    return rows
-
-
 def _stage_table(results: dict) -> list[str]:
     lines = [
         "| stage | mean s/page | P95 s/page | pages/min | speed-up | peak RSS GB | start-up s "

@@ -22,6 +22,22 @@ class Row:
     preset: str
     overrides: dict = field(default_factory=dict)
     quick: bool = False  # part of --quick
+    instances: int = 1  # > 1: that many pinned processes splitting the cores (see bench.instances)
+
+    def unavailable(self) -> str | None:
+        """Why this machine cannot run the row (shown in the table instead), or None."""
+        if self.overrides.get("backend") == "ipex":
+            from ..engine.backends import ipex_status
+
+            status = ipex_status()
+            return None if status.usable else status.reason
+        if self.instances > 1:
+            from ..cpu import read_topology
+
+            topology = read_topology()
+            if topology.usable_cores < self.instances:
+                return f"{topology.usable_cores} usable core(s): fewer than {self.instances} instances"
+        return None
 
 
 _SINGLE = {"slots": 1, "page_window": 1}
@@ -34,6 +50,11 @@ ROWS: list[Row] = [
     # eager vision from here on: compile bought nothing in steady state (benchmarks/README.md)
     Row("+ dynamic INT8, bf16 KV (eager vision)", "fast", {**_SINGLE}),
     Row("+ continuous batching (the fast preset)", "fast", quick=True),
+    # The row above's options on IPEX (torch 2.8 + the ipex extra).
+    Row("+ IPEX backend", "fast", {"backend": "ipex"}, quick=True),
+    # 2 pinned processes on half the cores each, against the fast preset row (one process, all
+    # cores): `bench --only "continuous batching" --only instance` runs the pair.
+    Row("+ 2 pinned instances", "fast", instances=2),
 ]
 
 
@@ -63,6 +84,9 @@ def run_row(spec: dict) -> dict:
     parser = DocumentParser.from_pretrained(spec["model"], options)
     load_s = time.perf_counter() - start
     warmup_s = _warm_up(parser)
+    if spec.get("barrier"):  # several instances start parsing together (see bench.instances)
+        print("ready", flush=True)
+        sys.stdin.readline()
     start = time.perf_counter()
     document = parser.parse([p.image for p in pages], replay=Trace([p.trace for p in pages]))
     wall_s = time.perf_counter() - start

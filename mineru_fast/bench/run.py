@@ -25,19 +25,17 @@ def system_header(threads: int, model: str, synthetic: bool) -> dict:
     import torch
     import transformers
 
-    from ..cpu import cpu_model, isa_flags, numa_nodes, physical_cores_available
+    from ..cpu import read_topology
+    from ..engine.backends import ipex_status
 
-    try:
-        import intel_extension_for_pytorch as ipex  # noqa: F401
-
-        ipex_version = ipex.__version__
-    except ImportError:
-        ipex_version = "not installed"
+    topology = read_topology()
+    ipex = ipex_status()
+    ipex_version = f"{ipex.version} ({'usable' if ipex.usable else ipex.reason})" if ipex.version else ipex.reason
     return {
-        "cpu": cpu_model(),
-        "physical_cores_available": physical_cores_available(),
-        "isa": isa_flags(),
-        "numa_nodes": numa_nodes(),
+        "cpu": topology.model,
+        "physical_cores_available": topology.usable_cores,
+        "isa": topology.isa,
+        "numa_nodes": len(topology.nodes),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -60,6 +58,14 @@ def run_rows(rows: list[Row], model: str, pages: int, workload: Path | None, thr
         spec = {"label": row.label, "preset": row.preset, "overrides": row.overrides, "model": model,
                 "pages": pages, "workload": str(workload) if workload else None, "threads": threads}  # fmt: skip
         print(f"[bench] {row.label} ...", file=sys.stderr, flush=True)
+        if row.instances > 1:
+            from .instances import run_instances
+
+            try:
+                results.append(run_instances(spec, row.instances))
+            except (RuntimeError, ValueError) as exc:
+                results.append({"label": row.label, "error": str(exc)})
+            continue
         proc = subprocess.run(
             [sys.executable, "-m", "mineru_fast.bench.rows", json.dumps(spec)], capture_output=True, text=True
         )
@@ -132,9 +138,21 @@ def summarize(rows: list[dict]) -> None:
         r["markdown_equal_first_row"] = r["markdown"] == base["markdown"]
 
 
+def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[dict]]:
+    """The rows to run (``--quick`` ones, or those whose label contains one of ``only``) and, as
+    ``{"label", "reason"}``, the selected rows this machine cannot run."""
+    rows = [r for r in ROWS if (r.quick or not quick) and (not only or any(o in r.label for o in only))]
+    reasons = {r.label: r.unavailable() for r in rows}
+    return [r for r in rows if not reasons[r.label]], [
+        {"label": r.label, "reason": reasons[r.label]} for r in rows if reasons[r.label]
+    ]
+
+
 def main(model: str | None, quick: bool, pages: int | None, workload: Path | None, threads: int | None,
-         out_dir: Path, plot: bool = True) -> int:  # fmt: skip
-    """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status."""
+         out_dir: Path, plot: bool = True, only: list[str] | None = None) -> int:  # fmt: skip
+    """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status.
+
+    ``only``: run just the stage rows whose label contains one of these strings."""
     from ..cpu import physical_cores_available
     from . import report
 
@@ -145,14 +163,14 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
 
         model = str(cached_synthetic_model("full"))
     pages = pages or (1 if quick else 4)
-    rows = [r for r in ROWS if r.quick] if quick else ROWS
+    rows, unavailable = select_rows(quick, only)
     started = time.time()
     results = {
         "header": {**system_header(threads, model, synthetic), "quick": quick, "pages": pages},
         "rows": run_rows(rows, model, pages, workload, threads),
     }
     summarize(results["rows"])
-    results["extra_rows"] = report.unavailable_rows(results["header"])
+    results["extra_rows"] = unavailable
     results["concurrency"] = concurrency_table(model, workload, threads, (1, 2) if quick else (1, 2, 4))
     results["roofline"] = roofline(model, threads)
     results["header"]["duration_s"] = time.time() - started

@@ -5,10 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
-from ..cpu import physical_cores_available
 from ..options import ParserOptions
+from ..threads import set_torch_threads
 from .base import DTYPES, Engine
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
@@ -22,37 +20,40 @@ QUANT_CONFIGS = {
 }
 
 
-def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads (default: physical cores available); returns the count."""
-    count = threads or physical_cores_available()
-    if torch.get_num_threads() != count:
-        torch.set_num_threads(count)
-    logger.info("torch intra-op threads: %d", count)
-    return count
-
-
 def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
     """The reference or fast engine for ``model_dir`` configured by ``options``.
 
     Raises:
         ModelLoadError: the checkpoint cannot be loaded.
     """
-    set_threads(options.threads)
+    set_torch_threads(options.threads)
     if options.engine == "reference":
         from .reference import ReferenceEngine
 
         return ReferenceEngine(model_dir, precision=options.precision)
+    from .backends import apply_ipex, choose_backend
     from .generate import FastEngine
 
-    return FastEngine(
+    choice = choose_backend(options.backend)
+    int8_parts = {part: getattr(options, f"{part}_quant") == "int8-dynamic" for part in ("vision", "lm", "lm_head")}
+    ipex_int8 = choice.backend == "ipex" and choice.int8 == "ipex"
+
+    def quant(part: str) -> object | None:  # IPEX's INT8 starts from the float layer
+        return None if ipex_int8 and int8_parts[part] else QUANT_CONFIGS[getattr(options, f"{part}_quant")]
+
+    engine = FastEngine(
         model_dir,
         precision=options.precision,
         slots=options.slots,
         max_seq_len=options.max_seq_len,
         kv_dtype=None if options.kv_dtype == "auto" else DTYPES[options.kv_dtype],
         vision_mode=options.vision_mode,
-        vision_quant=QUANT_CONFIGS[options.vision_quant],
-        lm_quant=QUANT_CONFIGS[options.lm_quant],
-        lm_head_quant=QUANT_CONFIGS[options.lm_head_quant],
+        vision_quant=quant("vision"),
+        lm_quant=quant("lm"),
+        lm_head_quant=quant("lm_head"),
         repetition_window=options.repetition_window,
     )
+    logger.info("backend: %s (%s)", choice.backend, choice.reason)
+    if choice.backend == "ipex":
+        apply_ipex(engine, int8_parts, ipex_int8)
+    return engine

@@ -1,0 +1,86 @@
+"""``mineru-fast info``: what the runtime sees and would choose on this machine."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from .cpu import Topology, format_cpulist, read_topology
+from .engine.backends import choose_backend, ipex_status, isa_tier
+from .threads import plan_threads
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect(topology: Topology | None = None) -> dict:
+    """Topology, ISA, allowed CPUs, the thread plan a ``parse`` process would get, installed
+    backends with versions, and what ``backend="auto"`` would choose (JSON-ready). Imports no torch."""
+    topology = topology or read_topology()
+    plan = plan_threads(topology)
+    ipex = ipex_status()
+    auto = choose_backend("auto", topology, ipex)
+    return {
+        "cpu": {"model": topology.model, "vendor": topology.vendor, "isa_tier": isa_tier(topology)},
+        "isa": topology.isa,
+        "topology": {
+            "sockets": topology.socket_count,
+            "physical_cores": len(topology.cores),
+            "logical_cpus": sum(len(core) for core in topology.cores),
+            "numa_nodes": [
+                {"id": n.id, "cpus": format_cpulist(n.cpus), "memory_gb": n.memory_kb and round(n.memory_kb / 1e6, 1)}
+                for n in topology.nodes
+            ],
+        },
+        "allowed": {
+            "cpus": format_cpulist(topology.allowed),
+            "physical_cores": len(topology.allowed_cores()),
+            "cgroup_quota_cpus": topology.quota_cpus,
+            "usable_cores": topology.usable_cores,
+        },
+        "threads": {
+            "intra_op": plan.intra_op,
+            "inter_op": plan.inter_op,
+            "openmp": plan.openmp,
+            "sets": plan.env,
+            "kept_user_set": plan.kept,
+            "environment": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "MKL_"))},
+        },
+        "backends": {
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "ipex": {"version": ipex.version, "usable": ipex.usable, "reason": ipex.reason or None},
+            "auto_chooses": {"backend": auto.backend, "int8": auto.int8, "reason": auto.reason},
+        },
+    }
+
+
+def render(info: dict) -> str:
+    """``collect()``'s dict as the human-readable report."""
+    t, a, th, b = info["topology"], info["allowed"], info["threads"], info["backends"]
+    isa = ", ".join(flag for flag, present in info["isa"].items() if present) or "none of the tracked flags"
+    amx = "yes" if any(info["isa"][f] for f in ("amx_tile", "amx_bf16", "amx_int8")) else "no"
+    ipex = b["ipex"]
+    ipex_line = (
+        f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})" if ipex["version"] else ipex["reason"]
+    )
+    lines = [
+        f"CPU:        {info['cpu']['model']} ({info['cpu']['vendor']}), ISA tier {info['cpu']['isa_tier']}",
+        f"ISA:        {isa}; AMX: {amx}",
+        f"Topology:   {t['sockets']} socket(s), {t['physical_cores']} physical core(s), "
+        f"{t['logical_cpus']} logical CPU(s), {len(t['numa_nodes'])} NUMA node(s)",
+        *[f"  node {n['id']}: cpus {n['cpus']}, memory {n['memory_gb'] or '?'} GB" for n in t["numa_nodes"]],
+        f"Allowed:    cpus {a['cpus']} ({a['physical_cores']} physical core(s)), cgroup quota "
+        f"{a['cgroup_quota_cpus'] or 'none'} -> {a['usable_cores']} usable core(s)",
+        f"Threads:    intra-op {th['intra_op']}, inter-op {th['inter_op']}, OpenMP {th['openmp']}",
+        f"  parse would set: {' '.join(f'{k}={v}' for k, v in th['sets'].items()) or 'nothing'}",
+        f"  kept (user-set): {' '.join(f'{k}={v}' for k, v in th['kept_user_set'].items()) or 'nothing'}",
+        f"Backends:   stock (torch {b['torch']}, transformers {b['transformers']}); IPEX " + ipex_line,
+        f"  auto chooses: {b['auto_chooses']['backend']} (INT8 by {b['auto_chooses']['int8']}): "
+        f"{b['auto_chooses']['reason']}",
+    ]
+    return "\n".join(lines)

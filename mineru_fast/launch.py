@@ -1,0 +1,200 @@
+"""``mineru-fast launch``: several pinned ``parse`` workers, one per NUMA node or core group.
+
+Each worker is a separate process pinned to its CPUs (``os.sched_setaffinity`` before it starts,
+so torch sizes its thread pool to them) and, on a machine with several NUMA nodes and ``numactl``
+installed, with its memory bound to its node. Inputs are dealt round-robin; every worker line is
+streamed with a ``[wN]`` prefix. Exit status: the worst of the workers' (0 ok, 1 pages failed,
+2 input or usage error), or ``EXIT_CRASHED`` when a worker died (signal or other status), in which
+case the inputs it had not finished are listed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from .cpu import Topology, format_cpulist, read_topology
+from .errors import MineruFastError
+
+EXIT_CRASHED = 3
+WORKER = (sys.executable, "-m", "mineru_fast.cli")
+
+
+class LaunchError(MineruFastError):
+    """An instance layout this machine cannot provide (e.g. more instances than cores)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The CPUs one worker is pinned to and their NUMA node (None when they span nodes)."""
+
+    cpus: tuple[int, ...]
+    node: int | None
+
+
+@dataclass
+class Worker:
+    """A started worker and what it was given."""
+
+    index: int
+    group: Group
+    inputs: list[str]
+    process: subprocess.Popen
+    done: set[str] = field(default_factory=set)
+    streams: list[threading.Thread] = field(default_factory=list)
+
+
+def plan_groups(
+    topology: Topology, instances: str | int = "auto", cores_per_instance: int | None = None
+) -> list[Group]:
+    """CPU groups, one per worker.
+
+    ``instances="auto"``: one group per NUMA node (split into groups of ``cores_per_instance``
+    physical cores when given). ``instances=N``: N groups of ``cores_per_instance`` cores (default:
+    the usable cores divided evenly), filled node by node so a group stays on one node where it can.
+    A group holds every allowed SMT sibling of its cores.
+
+    Raises:
+        LaunchError: N < 1, K < 1, or more cores asked for than the process may use.
+    """
+    if cores_per_instance is not None and cores_per_instance < 1:
+        raise LaunchError(f"--cores-per-instance must be >= 1, got {cores_per_instance}")
+    by_node = [(node.id, topology.allowed_cores(node.cpus)) for node in topology.nodes]
+    by_node = [(node, cores) for node, cores in by_node if cores]
+    if instances == "auto":
+        if cores_per_instance is None:
+            return [_group(cores, node) for node, cores in by_node]
+        per = cores_per_instance
+        groups = [
+            _group(cores[i : i + per], node) for node, cores in by_node for i in range(0, len(cores) - per + 1, per)
+        ]
+        if not groups:
+            raise LaunchError(f"{per} cores per instance exceed every NUMA node's usable cores")
+        return groups
+    count = int(instances)
+    if count < 1:
+        raise LaunchError(f"--instances must be 'auto' or >= 1, got {instances}")
+    per = cores_per_instance or topology.usable_cores // count
+    if per < 1 or count * per > topology.usable_cores:
+        raise LaunchError(
+            f"{count} instance(s) x {max(per, 1)} core(s) exceed the {topology.usable_cores} usable cores"
+        )
+    ordered = [(node, core) for node, cores in by_node for core in cores]
+    groups = []
+    for i in range(count):
+        chunk = ordered[i * per : (i + 1) * per]
+        nodes = {node for node, _ in chunk}
+        groups.append(_group([core for _, core in chunk], nodes.pop() if len(nodes) == 1 else None))
+    return groups
+
+
+def _group(cores: list[tuple[int, ...]], node: int | None) -> Group:
+    return Group(tuple(sorted(c for core in cores for c in core)), node)
+
+
+def deal(inputs: Sequence[str], n: int) -> list[list[str]]:
+    """Round-robin split of ``inputs`` into ``n`` lists (``deal("abcde", 2) == [["a","c","e"], ["b","d"]]``)."""
+    return [list(inputs[i::n]) for i in range(n)]
+
+
+def spawn(argv: Sequence[str], group: Group, numa_nodes: int, **popen: object) -> subprocess.Popen:
+    """Start ``argv`` pinned to ``group.cpus``; memory bound to ``group.node`` with ``numactl`` when
+    the machine has several nodes and ``numactl`` is installed. ``popen`` goes to ``Popen``."""
+    numactl = shutil.which("numactl")
+    if numactl and numa_nodes > 1 and group.node is not None:
+        argv = [numactl, f"--membind={group.node}", *argv]
+    cpus = set(group.cpus)
+    return subprocess.Popen(list(argv), preexec_fn=lambda: os.sched_setaffinity(0, cpus), **popen)  # noqa: PLW1509
+
+
+def _stream(worker: Worker, pipe: TextIO, out: TextIO, lock: threading.Lock, prefix: str) -> None:
+    """Copy a worker's lines to ``out`` with its tag; note inputs it reports as handled."""
+    for line in pipe:
+        for source in worker.inputs:
+            if line.startswith(f"{source}: ") or line.startswith(f"mineru-fast: {source}: "):
+                worker.done.add(source)
+        with lock:
+            out.write(f"[w{worker.index}]{prefix} {line}")
+            out.flush()
+
+
+def split_parse_args(parse_args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``["parse", "a.pdf", "-o", "out", "b.png"]`` -> (inputs, the other arguments).
+
+    Raises:
+        LaunchError: the command is not ``parse ...`` or names no input.
+    """
+    from .cli import build_argparser
+
+    if not parse_args or parse_args[0] != "parse":
+        raise LaunchError("launch runs 'parse': mineru-fast launch [--instances N] -- parse INPUT... -o OUT")
+    try:
+        args = build_argparser().parse_args(list(parse_args))
+    except SystemExit as exc:
+        raise LaunchError(f"invalid parse arguments: {' '.join(parse_args[1:])}") from exc
+    inputs = [str(p) for p in args.inputs]
+    rest = list(parse_args[1:])
+    # argparse took the inputs as one run of consecutive arguments: remove exactly that run.
+    start = next(i for i in range(len(rest)) if rest[i : i + len(inputs)] == inputs)
+    return inputs, rest[:start] + rest[start + len(inputs) :]
+
+
+def launch(
+    parse_args: Sequence[str],
+    instances: str | int = "auto",
+    cores_per_instance: int | None = None,
+    topology: Topology | None = None,
+    worker: Sequence[str] = WORKER,
+    out: TextIO | None = None,
+    log: Callable[[str], None] = lambda line: print(f"mineru-fast launch: {line}", file=sys.stderr),
+) -> int:
+    """Run ``parse`` over the inputs of ``parse_args`` in pinned workers; returns the exit status.
+
+    Args:
+        parse_args: ``["parse", INPUT..., options...]`` as given to ``mineru-fast``.
+        instances / cores_per_instance: see ``plan_groups``; never more workers than inputs.
+        topology: the machine (default: read it).
+        worker: the command a worker runs before its arguments (default this package's CLI).
+        out: where workers' lines are streamed (default ``sys.stdout``).
+        log: receives the launcher's own messages (plan, crashes, unparsed inputs).
+
+    Raises:
+        LaunchError: bad instance layout or ``parse`` arguments.
+    """
+    topology = topology or read_topology()
+    out = out or sys.stdout
+    inputs, options = split_parse_args(parse_args)
+    groups = plan_groups(topology, instances, cores_per_instance)[: len(inputs)]
+    lock = threading.Lock()
+    workers = []
+    for i, (group, share) in enumerate(zip(groups, deal(inputs, len(groups)), strict=True)):
+        log(f"worker {i}: cpus {format_cpulist(group.cpus)}, node {group.node}, {len(share)} input(s)")
+        proc = spawn([*worker, "parse", *options, *share], group, len(topology.nodes),
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        w = Worker(i, group, share, proc)
+        workers.append(w)
+        for pipe, prefix in ((proc.stdout, ""), (proc.stderr, "!")):
+            w.streams.append(threading.Thread(target=_stream, args=(w, pipe, out, lock, prefix), daemon=True))
+            w.streams[-1].start()
+    status = 0
+    for w in workers:
+        code = w.process.wait()
+        if code in (0, 1, 2):
+            status = max(status, code)
+            continue
+        status = EXIT_CRASHED
+        for t in w.streams:  # its last lines tell which inputs it finished
+            t.join()
+        lost = [s for s in w.inputs if s not in w.done]
+        reason = f"signal {-code}" if code < 0 else f"status {code}"
+        log(f"worker {w.index} crashed ({reason}); not parsed: {' '.join(lost) or 'none'}")
+    for w in workers:
+        for t in w.streams:
+            t.join()
+    return status

@@ -1,0 +1,34 @@
+"""``mineru-fast info``: what it reports for fake machines and that the command runs here."""
+
+from __future__ import annotations
+
+import json
+
+from fake_machine import SPR_FLAGS, build_machine
+
+from mineru_fast.cli import main
+from mineru_fast.cpu import read_topology
+from mineru_fast.info import collect, render
+
+
+def test_two_socket_amx_machine(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    sysfs, proc = build_machine(tmp_path, 2, 4, smt=2, flags=SPR_FLAGS, vendor="GenuineIntel")
+    info = collect(read_topology(sysfs, proc, affinity=set(range(16))))
+    assert info["topology"]["sockets"] == 2 and info["topology"]["physical_cores"] == 8
+    assert [n["cpus"] for n in info["topology"]["numa_nodes"]] == ["0-3,8-11", "4-7,12-15"]
+    assert info["cpu"]["isa_tier"] == "amx" and info["threads"]["intra_op"] == 8
+    assert info["backends"]["auto_chooses"]["backend"] == "stock"  # no measurement for this CPU
+    text = render(info)
+    assert "2 socket(s), 8 physical core(s), 16 logical CPU(s), 2 NUMA node(s)" in text and "AMX: yes" in text
+
+
+def test_info_json_runs_here(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    here = read_topology()
+    assert info["allowed"]["usable_cores"] == here.usable_cores
+    assert len(info["topology"]["numa_nodes"]) == len(here.nodes)
+    assert info["isa"] == here.isa
+    assert main(["info"]) == 0
+    assert "auto chooses:" in capsys.readouterr().out
