@@ -60,7 +60,8 @@ def test_row_selection_and_unavailable_rows():
     rows, unavailable = select_rows(quick=False, only=["IPEX", "pinned"])
     labels = [r.label for r in rows] + [u["label"] for u in unavailable]
     assert sorted(labels) == ["+ 2 pinned instances", "+ IPEX backend"]
-    assert [r.label for r in select_rows(quick=False, only=["instance"])[0]][0] == "fast preset, 1 instance"
+    pair = select_rows(quick=False, only=["continuous batching", "instance"])[0]
+    assert [r.label for r in pair] == ["+ continuous batching", "+ 2 pinned instances"]
     status = ipex_status()
     assert ({"label": "+ IPEX backend", "reason": status.reason} in unavailable) == (not status.usable)
 
@@ -74,7 +75,7 @@ def test_two_pinned_instances_row_on_the_tiny_model(tiny_model):
 
     if read_topology().usable_cores < 2:
         pytest.skip("needs 2 usable cores")
-    rows = [r for r in ROWS if "instance" in r.label]
+    rows = [r for r in ROWS if r.label in ("+ continuous batching", "+ 2 pinned instances")]
     results = run_rows(rows, str(tiny_model), pages=1, workload=None, threads=2)
     summarize(results)
     single, multi = results
