@@ -116,8 +116,13 @@ def requests() -> list[GenerationRequest]:
 
 def run(model: Path, preset: str, backend: str) -> tuple[list[torch.Tensor], list[list[int]], set[str]]:
     """First-step logits and generated tokens of every request, and the LM's module type names."""
-    engine = build_engine(model, ParserOptions.preset(preset, backend=backend, slots=4, max_seq_len=2048))
-    assert engine.vision_mode == ("trace" if backend == "ipex" else "eager")
+    # float32 storage for "exact" (not its bf16-stored linears), so ipex.optimize has nn.Linear
+    # layers to prepack; IPEX runs the traced vision encoder so its TorchScript fusions apply too
+    storage = {"vision_quant": "none", "lm_quant": "none", "lm_head_quant": "none"} if preset == "exact" else {}
+    mode = "trace" if backend == "ipex" else "eager"
+    options = ParserOptions.preset(preset, backend=backend, vision_mode=mode, slots=4, max_seq_len=2048, **storage)
+    engine = build_engine(model, options)
+    assert engine.vision_mode == mode
     logits = []
     for request in requests():
         seq = _Sequence(0, request, engine.preprocessor.encode(request))

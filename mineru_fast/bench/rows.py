@@ -48,7 +48,7 @@ ROWS: list[Row] = [
     Row("fast engine fp32 (static KV)", "exact", {**_SINGLE, **_FP32_WEIGHTS}, quick=True),
     Row("+ compiled vision (torch.compile)", "exact", {**_SINGLE, **_FP32_WEIGHTS, "vision_mode": "compile"}),
     # eager vision from here on: compile bought nothing in steady state (benchmarks/README.md)
-    Row("+ dynamic INT8, bf16 KV (eager vision)", "fast", {**_SINGLE}),
+    Row("+ dynamic INT8 (eager vision)", "fast", {**_SINGLE}),
     Row("+ continuous batching", "fast", quick=True),  # the fast preset as shipped
     # The row above's options on IPEX (torch 2.8 + the ipex extra).
     Row("+ IPEX backend", "fast", {"backend": "ipex"}, quick=True),

@@ -9,7 +9,8 @@ its major.minor version equals torch's. Under ``backend="ipex"`` the engine gets
   float linears, in the engine's dtype);
 - IPEX's INT8 linear (weight-only INT8 with INT8 compute, ``WoqLowpMode.INT8``) instead of
   torch.ao's dynamic INT8 only where the measurement table says it is faster on this CPU;
-- the vision encoder traced and frozen per image grid, so IPEX's TorchScript fusions apply.
+- the vision encoder in the options' ``vision_mode``; ``"trace"`` lets IPEX's TorchScript fusions
+  apply, at the price of a trace per image grid (every crop size), so it is not forced.
 
 ``backend="auto"`` reads ``assets/backend_measurements.json``: entries recorded per CPU vendor and
 ISA tier (``isa_tier``), with seconds per page of the stock and IPEX backends (from ``mineru-fast
@@ -220,6 +221,5 @@ def apply_ipex(engine, int8_parts: dict[str, bool], use_ipex_int8: bool) -> None
         optimized = ipex.optimize(module, dtype=engine.dtype, inplace=True, weights_prepack=True,
                                   conv_bn_folding=False, linear_bn_folding=False)  # fmt: skip
         setattr(engine, name, optimized)
-    engine.vision_mode = "trace"
-    engine.vision_runner = make_vision_runner(engine.vision, "trace")
+    engine.vision_runner = make_vision_runner(engine.vision, engine.vision_mode)
     logger.info("IPEX %s applied (INT8 by %s)", ipex.__version__, "IPEX" if use_ipex_int8 else "torch.ao")
