@@ -33,9 +33,9 @@ class ParserOptions:
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
-            dtype), ``"fp32"`` or ``"bf16"`` (half the memory, but decode attention then runs in
-            bfloat16, which SDPA does ~6x slower than float32 on CPU: measured 19 vs 3 ms per
-            layer at batch 16 and 1500 positions, 2 threads).
+            dtype), ``"fp32"`` or ``"bf16"`` (half the memory; each decode step then upcasts the
+            keys and values it reads, which made decode attention ~3.7x slower than from a
+            float32 store: 11 vs 3 ms per layer at batch 16 and 1500 positions, 2 threads).
         slots: sequences decoded together by the fast engine (its KV buffers hold this many).
         max_seq_len: prompt + generated tokens per slot (fast engine KV buffer length).
         page_window: pages whose layout passes, then whose crops, are batched together.

@@ -113,9 +113,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         assert self.kv_cache is not None
         keys, values = self.kv_cache.write_decode(positions, k, v)
-        # with a narrower KV store (bfloat16 keys/values under float32 activations) attention runs
-        # in the store's dtype: a transient float32 copy of the keys would cost more than it saves
-        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
+        # Decode attention always runs in float32: SDPA's bfloat16 kernel for one query row is slower
+        # on CPU than upcasting a bfloat16 store and running the float32 one (measured at batch 16
+        # and 1500 positions, 2 threads, per layer: 19 ms vs 8 ms cast + 3 ms attention).
+        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True)
         return self.wo(out.to(x.dtype).transpose(1, 2).reshape(x.shape[0], 1, -1))
 
 
