@@ -182,13 +182,12 @@ def load_model(
         vision.load_state_dict(vision_state, strict=True, assign=True)
         del vision_state
         raw_lm_state = _text_state(tensors, text_config)
+        stored = raw_lm_state.pop("embed.weight")
         lm_state = _cast(lm, raw_lm_state, dtype, lm_linear_dtype or dtype)
+        del raw_lm_state
         # The embedding table stays in the checkpoint's dtype when that is narrower: a lookup is
         # then upcast row by row (exact), and a float32 run does not hold a 0.5 GB float32 table.
-        stored = raw_lm_state["embed.weight"]
-        if stored.element_size() < lm_state["embed.weight"].element_size():
-            lm_state["embed.weight"] = stored
-        del raw_lm_state
+        lm_state["embed.weight"] = stored if stored.dtype.itemsize < dtype.itemsize else stored.to(dtype)
         lm.load_state_dict(lm_state, strict=True, assign=True)
     except (KeyError, RuntimeError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model_dir} into the fast engine: {exc}") from exc

@@ -8,6 +8,7 @@ resident size grows towards the reservation only as long sequences occupy more s
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -19,11 +20,8 @@ def _reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.T
 
     Returns the tensor and the map, which must outlive it.
     """
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS, committed lazily
+    count = math.prod(shape)
+    region = mmap.mmap(-1, count * dtype.itemsize)  # anonymous: zero-filled by the OS, committed lazily
     return torch.frombuffer(region, dtype=dtype, count=count).view(shape), region
 
 
