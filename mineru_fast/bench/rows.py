@@ -59,16 +59,21 @@ ROWS: list[Row] = [
 
 
 def _warm_up(parser) -> float:
-    """One tiny replayed page, so first-call costs (allocations, traces) are paid before timing."""
+    """One small replayed text-crop request through the engine (vision, prefill and decode paths),
+    so first-call costs are paid before timing. Not a full page: every page's layout pass is a
+    1036x1036 image (~45 s of vision work on 2 cores), which is not start-up time."""
     from PIL import Image
 
-    from ..traces import PageTrace, Trace
+    from ..engine.base import GenerationRequest
+    from ..protocol import prompt_for
 
-    trace = Trace(
-        [PageTrace("<|box_start|>100 100 900 300<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>", [" ok"])]
+    request = GenerationRequest(
+        Image.new("RGB", (280, 56), "white"), prompt_for("text"), parser.options.sampling("text"), forced_text="ok"
     )
     start = time.perf_counter()
-    parser.parse([Image.new("RGB", (400, 300), "white")], replay=trace)
+    (result,) = parser.engine.generate([request])
+    if result.finish_reason == "error":
+        raise RuntimeError(f"warm-up request failed: {result.error}")
     return time.perf_counter() - start
 
 

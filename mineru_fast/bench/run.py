@@ -77,14 +77,12 @@ def run_rows(rows: list[Row], model: str, pages: int, workload: Path | None, thr
     return results
 
 
-def concurrency_table(model: str, workload: Path | None, threads: int, levels: tuple[int, ...]) -> list[dict]:
-    """N concurrent ``parse`` calls of the median page through one fast-preset parser."""
-    from .. import DocumentParser, ParserOptions
+def concurrency_table(parser, workload: Path | None, levels: tuple[int, ...]) -> list[dict]:
+    """N concurrent ``parse`` calls of the median page through one ``DocumentParser``."""
     from ..traces import Trace
     from .workload import load_workload
 
     (page,) = load_workload(1, workload)
-    parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
     out = []
     for n in levels:
         latencies: list[float] = []
@@ -106,13 +104,11 @@ def concurrency_table(model: str, workload: Path | None, threads: int, levels: t
     return out
 
 
-def roofline(model: str, threads: int) -> dict:
-    from .. import ParserOptions
-    from ..engine.factory import build_engine
+def roofline(engine) -> dict:
+    """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
     from . import roofline as rf
 
     peaks = {"gemm": rf.gemm_peaks(), "memory_gbps": rf.memory_bandwidth()}
-    engine = build_engine(Path(model), ParserOptions.preset("fast", threads=threads))
     got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
     return {
         "peaks": peaks,
@@ -171,8 +167,11 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     }
     summarize(results["rows"])
     results["extra_rows"] = unavailable
-    results["concurrency"] = concurrency_table(model, workload, threads, (1, 2) if quick else (1, 2, 4))
-    results["roofline"] = roofline(model, threads)
+    from .. import DocumentParser, ParserOptions
+
+    parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
+    results["concurrency"] = concurrency_table(parser, workload, (1, 2) if quick else (1, 2, 4))
+    results["roofline"] = roofline(parser.engine)
     results["header"]["duration_s"] = time.time() - started
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
