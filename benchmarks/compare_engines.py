@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ def run_config(preset: str, model: Path, workload: Path, threads: int) -> dict:
     from PIL import Image
 
     from mineru_fast import DocumentParser, ParserOptions
+    from mineru_fast.engine.memory import peak_rss_bytes
     from mineru_fast.traces import Trace, load_trace
 
     start = time.perf_counter()
@@ -73,7 +73,7 @@ def run_config(preset: str, model: Path, workload: Path, threads: int) -> dict:
         "pages_per_min": 60 * len(images) / wall,
         "timings": document.timings,
         "tokens": document.timings.get("tokens", 0),
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "peak_rss_gb": peak_rss_bytes() / 1e9,
         "markdown": document.to_markdown(),
     }
 
@@ -108,6 +108,7 @@ def vision_mode(model: Path, workload: Path, threads: int, mode: str) -> dict:
     from mineru_fast import ParserOptions
     from mineru_fast.engine.base import GenerationRequest
     from mineru_fast.engine.factory import build_engine
+    from mineru_fast.engine.memory import peak_rss_bytes
     from mineru_fast.engine.vision_runner import make_vision_runner
     from mineru_fast.protocol import LAYOUT_TASK, layout_image, prompt_for, sampling_for
 
@@ -121,7 +122,7 @@ def vision_mode(model: Path, workload: Path, threads: int, mode: str) -> dict:
             start = time.perf_counter()
             runner(encoded.pixel_values, [encoded.grid_thw])
             times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    peak = peak_rss_bytes() / 1e9
     return {"mode": mode, "first_s": times[0], "steady_s": times[1], "peak_rss_gb": peak}
 
 

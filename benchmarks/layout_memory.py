@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ def one(preset: str, model: Path, workload: Path, threads: int) -> dict:
     from mineru_fast import ParserOptions
     from mineru_fast.engine.base import GenerationRequest
     from mineru_fast.engine.factory import build_engine
+    from mineru_fast.engine.memory import peak_rss_bytes
     from mineru_fast.protocol import LAYOUT_TASK, layout_image, prompt_for, sampling_for
     from mineru_fast.traces import load_trace
 
@@ -41,7 +41,7 @@ def one(preset: str, model: Path, workload: Path, threads: int) -> dict:
         "preset": preset,
         "seconds": time.perf_counter() - start,
         "tokens": len(result.token_ids),
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "peak_rss_gb": peak_rss_bytes() / 1e9,
     }
 
 

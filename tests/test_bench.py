@@ -82,3 +82,25 @@ def test_two_pinned_instances_row_on_the_tiny_model(tiny_model):
     assert multi["label"] == "+ 2 pinned instances x 1 core(s)"
     assert len(multi["page_seconds"]) == 2 * len(single["page_seconds"]) == 2  # each instance parses the workload
     assert multi["markdown_equal_first_row"] and multi["pages_per_min"] > 0
+
+
+def test_peak_rss_of_a_row_process_excludes_its_parent():
+    """Linux carries a parent's resident size into a forked child's ``ru_maxrss``; a bench row
+    must report its own peak. The parent holds 1.5 GB; the child (Python + this package, no
+    torch) must report far less, and at least what it allocates itself (200 MB)."""
+    import subprocess
+    import sys
+
+    from mineru_fast.engine.memory import peak_rss_bytes
+
+    ballast = bytearray(1_500_000_000)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # touch every page: resident
+    assert peak_rss_bytes() > 1_500_000_000
+    code = (
+        "from mineru_fast.engine.memory import peak_rss_bytes\n"
+        "block = bytearray(200_000_000); block[::4096] = b'\\1' * len(range(0, len(block), 4096))\n"
+        "print(peak_rss_bytes())"
+    )
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    del ballast
+    assert 200_000_000 < child < 1_000_000_000

@@ -7,11 +7,12 @@ row's raw samples (per-page seconds, stage split, peak RSS, start-up time, Markd
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..engine.memory import peak_rss_bytes
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def run_row(spec: dict) -> dict:
         "timings": document.timings,
         "load_s": load_s,
         "warmup_s": warmup_s,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "peak_rss_gb": peak_rss_bytes() / 1e9,
         "markdown": document.to_markdown(),
         "failures": failures,
     }
