@@ -55,7 +55,12 @@ def build_argparser() -> argparse.ArgumentParser:
     b.add_argument("--workload", type=Path, help="real OmniDocBench-format pages (annotations.json + images/)")
     b.add_argument("--threads", type=int, help="intra-op threads (default: physical cores available)")
     b.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="where bench.json/png go")
-    b.add_argument("--only", action="append", metavar="TEXT", help="stage rows whose label contains TEXT (repeatable)")
+    b.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="only the stage rows whose label contains TEXT (repeatable); skips the concurrency table and roofline",
+    )
 
     t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
     t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")

@@ -53,6 +53,17 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert "## Stage table" in out and "| reference bf16 |" in out and "+ IPEX backend" in out
 
 
+def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tmp_path, capsys):
+    from mineru_fast.bench.run import main
+
+    assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, only=["continuous"]) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["label"] for r in results["rows"]] == ["+ continuous batching"]
+    assert "concurrency" not in results and "roofline" not in results
+    out = capsys.readouterr().out
+    assert "| + continuous batching |" in out and "## Concurrency" not in out and "## Roofline" not in out
+
+
 def test_row_selection_and_unavailable_rows():
     from mineru_fast.bench.run import select_rows
     from mineru_fast.engine.backends import ipex_status

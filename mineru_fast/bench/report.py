@@ -27,6 +27,36 @@ def _stage_table(results: dict) -> list[str]:
     return lines
 
 
+def _concurrency(levels: list[dict]) -> list[str]:
+    return [
+        "## Concurrency (one fast-preset parser, N concurrent parse calls of the median page)",
+        "",
+        "| concurrent calls | pages/min | P50 s | P95 s |",
+        "|---|---|---|---|",
+        *[f"| {c['concurrency']} | {c['pages_per_min']:.2f} | {c['p50_s']:.1f} | {c['p95_s']:.1f} |" for c in levels],
+    ]
+
+
+def _roofline(rf: dict) -> list[str]:
+    g, a, f = rf["peaks"]["gemm"], rf["achieved"], rf["fraction"]
+    return [
+        "## Roofline (measured on this CPU)",
+        "",
+        "- GEMM peaks (best of 5476x1280 @ 1280x5120 and 5476x5120 @ 5120x1280): "
+        f"fp32 {g['fp32']:.0f} GFLOP/s, bf16 {g['bf16']:.0f} GFLOP/s, int8 {g['int8']:.0f} GOP/s; "
+        f"memory bandwidth {rf['peaks']['memory_gbps']:.1f} GB/s",
+        "",
+        "| part (fast preset) | achieved | of peak |",
+        "|---|---|---|",
+        f"| vision linears (int8) | {a['vision_linears_gops']:.0f} GOP/s "
+        f"| {f['vision_linears_of_int8_peak']:.0%} of int8 |",
+        f"| vision attention (fp32 SDPA, N=5476) | {a['vision_attention_gflops']:.0f} GFLOP/s "
+        f"| {f['vision_attention_of_fp32_peak']:.0%} of fp32 |",
+        f"| decode, batch 1 ({a['decode_batch1_ms']:.1f} ms/step) | {a['decode_batch1_gbps']:.1f} GB/s of weights "
+        f"| {f['decode_batch1_of_bandwidth']:.0%} of bandwidth |",
+    ]
+
+
 def markdown(results: dict) -> str:
     """All tables as Markdown."""
     h = results["header"]
@@ -43,35 +73,11 @@ def markdown(results: dict) -> str:
         "## Stage table",
         "",
         *_stage_table(results),
-        "",
-        "## Concurrency (one fast-preset parser, N concurrent parse calls of the median page)",
-        "",
-        "| concurrent calls | pages/min | P50 s | P95 s |",
-        "|---|---|---|---|",
-        *[
-            f"| {c['concurrency']} | {c['pages_per_min']:.2f} | {c['p50_s']:.1f} | {c['p95_s']:.1f} |"
-            for c in results["concurrency"]
-        ],
     ]
-    rf = results["roofline"]
-    g, a, f = rf["peaks"]["gemm"], rf["achieved"], rf["fraction"]
-    lines += [
-        "",
-        "## Roofline (measured on this CPU)",
-        "",
-        "- GEMM peaks (best of 5476x1280 @ 1280x5120 and 5476x5120 @ 5120x1280): "
-        f"fp32 {g['fp32']:.0f} GFLOP/s, bf16 {g['bf16']:.0f} GFLOP/s, int8 {g['int8']:.0f} GOP/s; "
-        f"memory bandwidth {rf['peaks']['memory_gbps']:.1f} GB/s",
-        "",
-        "| part (fast preset) | achieved | of peak |",
-        "|---|---|---|",
-        f"| vision linears (int8) | {a['vision_linears_gops']:.0f} GOP/s "
-        f"| {f['vision_linears_of_int8_peak']:.0%} of int8 |",
-        f"| vision attention (fp32 SDPA, N=5476) | {a['vision_attention_gflops']:.0f} GFLOP/s "
-        f"| {f['vision_attention_of_fp32_peak']:.0%} of fp32 |",
-        f"| decode, batch 1 ({a['decode_batch1_ms']:.1f} ms/step) | {a['decode_batch1_gbps']:.1f} GB/s of weights "
-        f"| {f['decode_batch1_of_bandwidth']:.0%} of bandwidth |",
-    ]
+    if "concurrency" in results:
+        lines += ["", *_concurrency(results["concurrency"])]
+    if "roofline" in results:
+        lines += ["", *_roofline(results["roofline"])]
     return "\n".join(lines)
 
 

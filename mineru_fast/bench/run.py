@@ -148,7 +148,8 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
          out_dir: Path, plot: bool = True, only: list[str] | None = None) -> int:  # fmt: skip
     """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status.
 
-    ``only``: run just the stage rows whose label contains one of these strings."""
+    ``only``: run just the stage rows whose label contains one of these strings (and neither the
+    concurrency table nor the roofline)."""
     from ..cpu import physical_cores_available
     from . import report
 
@@ -171,14 +172,15 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     }
     summarize(results["rows"])
     results["extra_rows"] = unavailable
-    from .. import DocumentParser, ParserOptions
+    if not only:  # a row subset (--only) skips the concurrency table and the roofline
+        from .. import DocumentParser, ParserOptions
 
-    levels = (1, 2) if quick else (1, 2, 4)
-    print(f"[bench] concurrency {levels} ...", file=sys.stderr, flush=True)
-    parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
-    results["concurrency"] = concurrency_table(parser, workload, levels)
-    print("[bench] roofline ...", file=sys.stderr, flush=True)
-    results["roofline"] = roofline(parser.engine)
+        levels = (1, 2) if quick else (1, 2, 4)
+        print(f"[bench] concurrency {levels} ...", file=sys.stderr, flush=True)
+        parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
+        results["concurrency"] = concurrency_table(parser, workload, levels)
+        print("[bench] roofline ...", file=sys.stderr, flush=True)
+        results["roofline"] = roofline(parser.engine)
     results["header"]["duration_s"] = time.time() - started
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
