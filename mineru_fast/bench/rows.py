@@ -59,10 +59,17 @@ ROWS: list[Row] = [
 ]
 
 
-def _warm_up(parser) -> float:
+def warm_up(parser) -> float:
     """One small replayed text-crop request through the engine (vision, prefill and decode paths),
     so first-call costs are paid before timing. Not a full page: every page's layout pass is a
-    1036x1036 image (~45 s of vision work on 2 cores), which is not start-up time."""
+    1036x1036 image (~45 s of vision work on 2 cores), which is not start-up time.
+
+    Returns:
+        Seconds taken.
+
+    Raises:
+        RuntimeError: the request failed.
+    """
     from PIL import Image
 
     from ..engine.base import GenerationRequest
@@ -89,7 +96,7 @@ def run_row(spec: dict) -> dict:
     start = time.perf_counter()
     parser = DocumentParser.from_pretrained(spec["model"], options)
     load_s = time.perf_counter() - start
-    warmup_s = _warm_up(parser)
+    warmup_s = warm_up(parser)
     if spec.get("barrier"):  # several instances start parsing together (see bench.instances)
         print("ready", flush=True)
         sys.stdin.readline()

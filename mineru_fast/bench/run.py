@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from .rows import ROWS, Row
+from .rows import ROWS, Row, warm_up
 
 
 def system_header(threads: int, model: str, synthetic: bool) -> dict:
@@ -83,6 +83,7 @@ def concurrency_table(parser, workload: Path | None, levels: tuple[int, ...]) ->
     from .workload import load_workload
 
     (page,) = load_workload(1, workload)
+    warm_up(parser)
     out = []
     for n in levels:
         latencies: list[float] = []
