@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .cli_options import add_options_arguments, options_from_args
+from .cli_options import add_options_arguments, options_from_args, positive_int
 from .errors import MineruFastError
 from .serve.command import add_serve_command, run_serve_command
 
@@ -51,9 +51,9 @@ def build_argparser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="latency tables on this CPU (stage table, concurrency, roofline)")
     b.add_argument("--quick", action="store_true", help="1 page and the key rows: under 15 minutes on 2 cores")
     b.add_argument("--model", help="model directory or hub id (default: the full synthetic model, made once)")
-    b.add_argument("--pages", type=int, help="workload pages (default 4, --quick 1), median page first")
+    b.add_argument("--pages", type=positive_int, help="workload pages (default 4, --quick 1), median page first")
     b.add_argument("--workload", type=Path, help="real OmniDocBench-format pages (annotations.json + images/)")
-    b.add_argument("--threads", type=int, help="intra-op threads (default: physical cores available)")
+    b.add_argument("--threads", type=positive_int, help="intra-op threads (default: physical cores available)")
     b.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="where bench.json/png go")
     b.add_argument(
         "--only",
@@ -73,7 +73,7 @@ def build_argparser() -> argparse.ArgumentParser:
     la.add_argument(
         "--instances", type=_instances, default="auto", help="'auto' (one per NUMA node) or a count (default: auto)"
     )
-    la.add_argument("--cores-per-instance", type=int, help="physical cores per worker")
+    la.add_argument("--cores-per-instance", type=positive_int, help="physical cores per worker")
     la.add_argument("parse_command", nargs=argparse.REMAINDER, metavar="-- parse INPUT... -o OUT [options]")
 
     i = sub.add_parser("info", help="CPU topology, ISA, threads, backends and what auto would choose")

@@ -9,6 +9,17 @@ from .hub import DEFAULT_MODEL_ID
 from .options import BACKENDS, KV_DTYPES, PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_max_new_tokens(text: str) -> dict[str, int]:
     """``"layout=64,text=32"`` -> ``{"layout": 64, "text": 32}`` (argparse type)."""
     out = {}
@@ -24,12 +35,12 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
     """``--model`` and the flags that override a ``ParserOptions`` preset."""
     p.add_argument("--model", default=DEFAULT_MODEL_ID, help="model directory or hub id (default: %(default)s)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: physical cores available)")
-    p.add_argument("--page-window", type=int, help="pages whose layout passes and crops are batched together")
+    p.add_argument("--threads", type=positive_int, help="intra-op threads (default: physical cores available)")
+    p.add_argument("--page-window", type=positive_int, help="pages whose layout passes and crops are batched together")
     p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
     p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
-    p.add_argument("--slots", type=int, help="sequences the fast engine decodes together")
+    p.add_argument("--slots", type=positive_int, help="sequences the fast engine decodes together")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
     p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")
     p.add_argument(

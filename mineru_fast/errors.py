@@ -17,6 +17,7 @@ __all__ = [
     "PageRangeError",
     "ModelLoadError",
     "TraceError",
+    "BenchmarkError",
 ]
 
 
@@ -54,3 +55,8 @@ class ModelLoadError(MineruFastError):
 
 class TraceError(MineruFastError):
     """A replay trace file is malformed or does not fit the document it is applied to."""
+
+
+class BenchmarkError(MineruFastError):
+    """A benchmark run was asked for something it cannot do (more pages than the workload has,
+    a row filter that matches no row)."""

@@ -49,8 +49,11 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert all(len(c["latencies_s"]) == c["concurrency"] for c in results["concurrency"])
     assert all(v > 0 for v in results["roofline"]["peaks"]["gemm"].values())
     assert 0 < results["roofline"]["fraction"]["decode_batch1_of_bandwidth"]
+    assert results["header"]["model_identity"] == "synthetic (random weights, size=tiny, seed=0)"
+    assert results["roofline"]["full_size"] is False
     out = capsys.readouterr().out
     assert "## Stage table" in out and "| reference bf16 |" in out and "+ IPEX backend" in out
+    assert "Not a full-size model" in out
 
 
 def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tmp_path, capsys):
@@ -64,13 +67,41 @@ def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tmp_path, 
     assert "| + continuous batching |" in out and "## Concurrency" not in out and "## Roofline" not in out
 
 
+def test_bad_requests_fail_before_any_row_runs(tmp_path):
+    import pytest
+
+    from mineru_fast.bench.run import main
+    from mineru_fast.errors import BenchmarkError, ModelLoadError, TraceError
+
+    with pytest.raises(BenchmarkError, match="matches no stage row; the rows are: reference fp32;"):
+        main(None, True, 1, None, 1, tmp_path, only=["nomatch"])
+    with pytest.raises(BenchmarkError, match="between 1 and 14"):
+        main(None, True, 15, None, 1, tmp_path)
+    with pytest.raises(ModelLoadError):
+        main(str(tmp_path / "missing"), True, 1, None, 1, tmp_path)
+    with pytest.raises(TraceError):
+        main(None, True, 1, tmp_path / "no-workload", 1, tmp_path)
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_stage_seconds_are_per_page():
+    from mineru_fast.bench.report import _stage_table
+
+    row = {"label": "x", "page_seconds": [3.0, 5.0], "timings": {"vision": 4.0, "prefill": 2.0, "decode": 6.0},
+           "mean_s_per_page": 4.0, "p95_s_per_page": 5.0, "pages_per_min": 14.0, "speedup": 1.0,
+           "peak_rss_gb": 1.0, "startup_s": 1.0, "markdown_equal_first_row": True}  # fmt: skip
+    (line,) = _stage_table({"rows": [row], "extra_rows": []})[2:]
+    assert line == "| x | 4.0 | 5.0 | 14.00 | 1.00x | 1.00 | 1.0 | 2.0 | 1.0 | 3.0 | yes |"
+
+
 def test_row_selection_and_unavailable_rows():
     from mineru_fast.bench.run import select_rows
     from mineru_fast.engine.backends import ipex_status
 
-    rows, unavailable = select_rows(quick=False, only=["IPEX", "pinned"])
+    rows, unavailable = select_rows(quick=False, only=["ipex", "pinned"])  # case-insensitive
     labels = [r.label for r in rows] + [u["label"] for u in unavailable]
     assert sorted(labels) == ["+ 2 pinned instances", "+ IPEX backend"]
+    assert [r.label for r in select_rows(quick=True, only=["instance"])[0]] == ["+ 2 pinned instances"]
     pair = select_rows(quick=False, only=["continuous batching", "instance"])[0]
     assert [r.label for r in pair] == ["+ continuous batching", "+ 2 pinned instances"]
     status = ipex_status()

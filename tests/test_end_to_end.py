@@ -103,6 +103,14 @@ def test_usage_errors_exit_2(tiny_model, tmp_path, capsys):
     pdf.write_bytes(pdf_bytes(1))
     assert main(["parse", str(pdf), "-o", str(tmp_path), "--model", str(tmp_path / "nomodel")]) == 2
     assert "no such model directory" in capsys.readouterr().err
+    for argv in (["parse", str(pdf), "-o", str(tmp_path), "--threads", "0"], ["bench", "--pages", "-1"],
+                 ["parse", str(pdf), "-o", str(tmp_path), "--slots", "x"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exited:  # argparse: usage line + one error line
+            main(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].split(": error: argument ")[1].startswith(argv[-2])
+    assert main(["bench", "--only", "nomatch"]) == 2
+    assert "matches no stage row" in capsys.readouterr().err
 
 
 def test_bad_page_fails_alone(tiny_model, tmp_path):

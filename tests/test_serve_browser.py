@@ -6,6 +6,7 @@ Skips, printing why, when ``chromium`` / ``chromedriver`` (Debian packages ``chr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -69,11 +70,16 @@ def test_web_page_uploads_a_document_and_shows_markdown_and_layout(tiny_model, t
         document, trace_path, blocks, trace = found
         texts = [c.strip() for b, c in zip(blocks, trace.contents, strict=True) if b.type in ("text", "title") and c]
         expected = texts[0].splitlines()[0][:40].strip()
-    elif (CORPUS / "academic_fig_eq_table_1p.pdf").exists():
-        document = CORPUS / "academic_fig_eq_table_1p.pdf"
-    else:
-        document = tmp_path / "sample.pdf"
-        document.write_bytes(pdf_bytes(1))
+    else:  # a one-page PDF with a replayed text block of our own: the random-weight model's text is empty
+        if (CORPUS / "academic_fig_eq_table_1p.pdf").exists():
+            document = CORPUS / "academic_fig_eq_table_1p.pdf"
+        else:
+            document = tmp_path / "sample.pdf"
+            document.write_bytes(pdf_bytes(1))
+        expected = "mineru-fast browser check"
+        layout = "<|box_start|>100 100 900 200<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>"
+        trace_path = tmp_path / "trace.json"
+        trace_path.write_text(json.dumps({"pages": [{"layout": layout, "contents": [expected]}]}))
     try:
         with running_server(tiny_model, tmp_path, "--allow-replay", "--max-new-tokens", BOUNDS) as server:
             driver.get(f"{server.url}/")

@@ -8,14 +8,14 @@ from pathlib import Path
 def _stage_table(results: dict) -> list[str]:
     lines = [
         "| stage | mean s/page | P95 s/page | pages/min | speed-up | peak RSS GB | start-up s "
-        "| vision s | prefill s | decode s | same Markdown |",
+        "| vision s/page | prefill s/page | decode s/page | same Markdown |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         if "error" in r:
             lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 9)
             continue
-        t = r["timings"]
+        t = {k: v / len(r["page_seconds"]) for k, v in r["timings"].items()}
         lines.append(
             f"| {r['label']} | {r['mean_s_per_page']:.1f} | {r['p95_s_per_page']:.1f} | {r['pages_per_min']:.2f} "
             f"| {r['speedup']:.2f}x | {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t.get('vision', 0):.1f} "
@@ -39,9 +39,19 @@ def _concurrency(levels: list[dict]) -> list[str]:
 
 def _roofline(rf: dict) -> list[str]:
     g, a, f = rf["peaks"]["gemm"], rf["achieved"], rf["fraction"]
+    caveat = (
+        []
+        if rf["full_size"]
+        else [
+            "- Not a full-size model: the achieved figures use its smaller shapes, so the",
+            "  fractions of the full-size peaks below are not efficiencies.",
+            "",
+        ]
+    )
     return [
         "## Roofline (measured on this CPU)",
         "",
+        *caveat,
         "- GEMM peaks (best of 5476x1280 @ 1280x5120 and 5476x5120 @ 5120x1280): "
         f"fp32 {g['fp32']:.0f} GFLOP/s, bf16 {g['bf16']:.0f} GFLOP/s, int8 {g['int8']:.0f} GOP/s; "
         f"memory bandwidth {rf['peaks']['memory_gbps']:.1f} GB/s",
@@ -68,7 +78,15 @@ def markdown(results: dict) -> str:
         f"- ISA: {isa}",
         f"- Python {h['python']}, torch {h['torch']}, transformers {h['transformers']}, IPEX {h['ipex']}",
         f"- threads: {h['threads']}; model: {h['model']} ({h['model_identity']}); pages: {h['pages']} (replayed)",
-        f"- duration: {h['duration_s'] / 60:.1f} min",
+        f"- started: {h['date']}; duration: {h['duration_s'] / 60:.1f} min",
+        *(
+            [
+                "- rows are cumulative; --quick runs the first (baseline) and the shipped fast preset"
+                " ('+ continuous batching': every optimization above it in the full table)"
+            ]
+            if h["quick"]
+            else []
+        ),
         "",
         "## Stage table",
         "",
@@ -104,6 +122,12 @@ def plot(results: dict, path: Path) -> Path | None:
     right.set_xlabel("seconds per page")
     right.invert_yaxis()
     right.legend()
+    h = results["header"]
+    fig.suptitle(
+        f"mineru-fast bench: {h['cpu']}, {h['threads']} threads, {h['pages']} page(s), {h['model_identity']}, "
+        f"torch {h['torch']}, {h['date']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..errors import BenchmarkError
 from .rows import ROWS, Row, warm_up
 
 
@@ -42,8 +44,14 @@ def system_header(threads: int, model: str, synthetic: bool) -> dict:
         "ipex": ipex_version,
         "threads": threads,
         "model": model,
-        "model_identity": "synthetic (random weights, MinerU2.5-2509 shapes)" if synthetic else "checkpoint",
+        "model_identity": _synthetic_identity(Path(model)) if synthetic else "checkpoint",
     }
+
+
+def _synthetic_identity(model: Path) -> str:
+    """``"synthetic (random weights, size=full, seed=0)"`` from the model's ``SYNTHETIC.md``."""
+    found = re.search(r"size=\w+, seed=\d+", (model / "SYNTHETIC.md").read_text(encoding="utf-8"))
+    return f"synthetic (random weights, {found.group(0)})" if found else "synthetic (random weights)"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -112,6 +120,7 @@ def roofline(engine) -> dict:
     peaks = {"gemm": rf.gemm_peaks(), "memory_gbps": rf.memory_bandwidth()}
     got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
     return {
+        "full_size": engine.vision.config.embed_dim == rf.VISION_DIM,  # else the fractions compare unlike shapes
         "peaks": peaks,
         "achieved": got,
         "fraction": {
@@ -136,9 +145,22 @@ def summarize(rows: list[dict]) -> None:
 
 
 def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[dict]]:
-    """The rows to run (``--quick`` ones, or those whose label contains one of ``only``) and, as
-    ``{"label", "reason"}``, the selected rows this machine cannot run."""
-    rows = [r for r in ROWS if (r.quick or not quick) and (not only or any(o in r.label for o in only))]
+    """The rows to run and, as ``{"label", "reason"}``, the selected rows this machine cannot run.
+
+    ``only`` given: the rows whose label contains one of its strings (case-insensitive), whatever
+    ``quick`` says; otherwise the ``--quick`` rows or all of them.
+
+    Raises:
+        BenchmarkError: ``only`` matches no row (the message lists the labels).
+    """
+    if only:
+        wanted = [o.lower() for o in only]
+        rows = [r for r in ROWS if any(o in r.label.lower() for o in wanted)]
+        if not rows:
+            labels = "; ".join(r.label for r in ROWS)
+            raise BenchmarkError(f"--only {' / '.join(only)} matches no stage row; the rows are: {labels}")
+    else:
+        rows = [r for r in ROWS if r.quick or not quick]
     reasons = {r.label: r.unavailable() for r in rows}
     return [r for r in rows if not reasons[r.label]], [
         {"label": r.label, "reason": reasons[r.label]} for r in rows if reasons[r.label]
@@ -150,13 +172,31 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status.
 
     ``only``: run just the stage rows whose label contains one of these strings (and neither the
-    concurrency table nor the roofline)."""
+    concurrency table nor the roofline).
+
+    Raises:
+        BenchmarkError: ``pages`` outside 1..the workload's page count, or ``only`` matching no row.
+        ModelLoadError: ``model`` cannot be found.
+        TraceError: ``workload`` cannot be read.
+    """
     from ..cpu import physical_cores_available
+    from ..hub import resolve_model
     from . import report
+    from .workload import load_profile, load_workload
 
     threads = threads or physical_cores_available()
+    pages = pages or (1 if quick else 4)
+    available = len(load_profile())
+    if not 1 <= pages <= available:
+        raise BenchmarkError(f"--pages must be between 1 and {available} (the workload's pages), got {pages}")
+    rows, unavailable = select_rows(quick, only)
+    if workload is not None:
+        load_workload(pages, workload)  # fail now on an unreadable workload, not after the first rows
     synthetic = model is None
-    if synthetic:  # made in a child process: this one stays small while the rows run
+    if not synthetic:
+        model = str(resolve_model(model))
+        synthetic = (Path(model) / "SYNTHETIC.md").is_file()  # made by mineru-fast synth-model
+    else:  # made in a child process: this one stays small while the rows run
         from concurrent.futures import ProcessPoolExecutor
         from multiprocessing import get_context
 
@@ -164,15 +204,20 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
 
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             model = str(pool.submit(cached_synthetic_model, "full").result())
-    pages = pages or (1 if quick else 4)
-    rows, unavailable = select_rows(quick, only)
     started = time.time()
     results = {
-        "header": {**system_header(threads, model, synthetic), "quick": quick, "pages": pages},
+        "header": {
+            **system_header(threads, model, synthetic),
+            "quick": quick,
+            "pages": pages,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
         "rows": run_rows(rows, model, pages, workload, threads),
     }
     summarize(results["rows"])
     results["extra_rows"] = unavailable
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # the rows are kept whatever follows
     if not only:  # a row subset (--only) skips the concurrency table and the roofline
         from .. import DocumentParser, ParserOptions
 
@@ -183,7 +228,6 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
         print("[bench] roofline ...", file=sys.stderr, flush=True)
         results["roofline"] = roofline(parser.engine)
     results["header"]["duration_s"] = time.time() - started
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
     print(report.markdown(results))
     if plot:
