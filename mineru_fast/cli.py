@@ -45,8 +45,13 @@ def build_argparser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
     s.add_argument("directory", type=Path)
-    s.add_argument("--size", choices=("tiny", "full"), default="tiny")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--size",
+        choices=("tiny", "full"),
+        default="tiny",
+        help="tiny: tests; full: MinerU2.5 shapes (default: %(default)s)",
+    )
+    s.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: %(default)s)")
 
     b = sub.add_parser("bench", help="latency tables on this CPU (stage table, concurrency, roofline)")
     b.add_argument("--quick", action="store_true", help="1 page and the key rows: under 15 minutes on 2 cores")
