@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -20,7 +21,9 @@ from pathlib import Path
 from .errors import MineruFastError
 from .protocol import CHAT_TEMPLATE, MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS
 
-__all__ = ["ModelSize", "SIZES", "make_synthetic_model"]
+__all__ = ["ModelSize", "SIZES", "make_synthetic_model", "synthetic_identity"]
+
+MARKER = "SYNTHETIC.md"  # written last into every synthetic model directory
 
 
 @dataclass(frozen=True)
@@ -247,11 +250,21 @@ def make_synthetic_model(out_dir: str | Path, size: str = "tiny", seed: int = 0)
     (out / "generation_config.json").write_text(json.dumps(_generation_config(), indent=2) + "\n")
     _write_processor(out)
     n_params = _write_weights(out, config, seed)
-    (out / "SYNTHETIC.md").write_text(
+    (out / MARKER).write_text(
         f"Random-weight model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters).\n"
         "Its outputs are meaningless; use it to measure speed and memory, never quality.\n"
     )
     return out
+
+
+def synthetic_identity(model_dir: str | Path) -> str | None:
+    """``"synthetic (random weights, size=full, seed=0)"`` for a model this module wrote (read from
+    its ``SYNTHETIC.md``), None for any other model directory."""
+    marker = Path(model_dir) / MARKER
+    if not marker.is_file():
+        return None
+    found = re.search(r"size=\w+, seed=\d+", marker.read_text(encoding="utf-8"))
+    return f"synthetic (random weights, {found.group(0)})" if found else "synthetic (random weights)"
 
 
 def cached_synthetic_model(size: str = "full", seed: int = 0, cache: str | Path | None = None) -> Path:
@@ -261,6 +274,6 @@ def cached_synthetic_model(size: str = "full", seed: int = 0, cache: str | Path 
 
     root = Path(cache or os.environ.get("MINERU_FAST_CACHE", Path.home() / ".cache" / "mineru-fast"))
     path = root / f"synthetic-{size}-seed{seed}"
-    if not (path / "SYNTHETIC.md").is_file():  # written last: a half-written model is redone
+    if not (path / MARKER).is_file():  # written last: a half-written model is redone
         make_synthetic_model(path, size, seed)
     return path

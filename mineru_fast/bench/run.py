@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -22,13 +21,14 @@ from ..errors import BenchmarkError
 from .rows import ROWS, Row, warm_up
 
 
-def system_header(threads: int, model: str, synthetic: bool) -> dict:
+def system_header(threads: int, model: str) -> dict:
     """Machine, software and model identity for the report header."""
     import torch
     import transformers
 
     from ..cpu import read_topology
     from ..engine.backends import ipex_status
+    from ..synthetic import synthetic_identity
 
     topology = read_topology()
     ipex = ipex_status()
@@ -44,14 +44,8 @@ def system_header(threads: int, model: str, synthetic: bool) -> dict:
         "ipex": ipex_version,
         "threads": threads,
         "model": model,
-        "model_identity": _synthetic_identity(Path(model)) if synthetic else "checkpoint",
+        "model_identity": synthetic_identity(model) or "checkpoint",
     }
-
-
-def _synthetic_identity(model: Path) -> str:
-    """``"synthetic (random weights, size=full, seed=0)"`` from the model's ``SYNTHETIC.md``."""
-    found = re.search(r"size=\w+, seed=\d+", (model / "SYNTHETIC.md").read_text(encoding="utf-8"))
-    return f"synthetic (random weights, {found.group(0)})" if found else "synthetic (random weights)"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -85,12 +79,10 @@ def run_rows(rows: list[Row], model: str, pages: int, workload: Path | None, thr
     return results
 
 
-def concurrency_table(parser, workload: Path | None, levels: tuple[int, ...]) -> list[dict]:
-    """N concurrent ``parse`` calls of the median page through one ``DocumentParser``."""
+def concurrency_table(parser, page, levels: tuple[int, ...]) -> list[dict]:
+    """N concurrent ``parse`` calls of ``page`` (a ``WorkloadPage``) through one ``DocumentParser``."""
     from ..traces import Trace
-    from .workload import load_workload
 
-    (page,) = load_workload(1, workload)
     warm_up(parser)
     out = []
     for n in levels:
@@ -190,12 +182,9 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     if not 1 <= pages <= available:
         raise BenchmarkError(f"--pages must be between 1 and {available} (the workload's pages), got {pages}")
     rows, unavailable = select_rows(quick, only)
-    if workload is not None:
-        load_workload(pages, workload)  # fail now on an unreadable workload, not after the first rows
-    synthetic = model is None
-    if not synthetic:
+    median_page = load_workload(pages, workload)[0]  # an unreadable workload fails now, not after the first rows
+    if model is not None:
         model = str(resolve_model(model))
-        synthetic = (Path(model) / "SYNTHETIC.md").is_file()  # made by mineru-fast synth-model
     else:  # made in a child process: this one stays small while the rows run
         from concurrent.futures import ProcessPoolExecutor
         from multiprocessing import get_context
@@ -207,7 +196,7 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     started = time.time()
     results = {
         "header": {
-            **system_header(threads, model, synthetic),
+            **system_header(threads, model),
             "quick": quick,
             "pages": pages,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -224,7 +213,7 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
         levels = (1, 2) if quick else (1, 2, 4)
         print(f"[bench] concurrency {levels} ...", file=sys.stderr, flush=True)
         parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
-        results["concurrency"] = concurrency_table(parser, workload, levels)
+        results["concurrency"] = concurrency_table(parser, median_page, levels)
         print("[bench] roofline ...", file=sys.stderr, flush=True)
         results["roofline"] = roofline(parser.engine)
     results["header"]["duration_s"] = time.time() - started
