@@ -10,7 +10,8 @@ on the layout image.
     python benchmarks/compare_engines.py [--model DIR] [--workload DIR] [--threads 2] [--out results.json]
                                          [--skip-vision-modes]
 
-Without ``--model`` the ``full`` synthetic model is made (once) in ``~/.cache/mineru-fast``.
+Without ``--model`` the ``full`` synthetic model is made (once) in the package cache
+(``$MINERU_FAST_CACHE``, default ``~/.cache/mineru-fast``), where the workload's traces are built too.
 """
 
 from __future__ import annotations
@@ -34,18 +35,11 @@ PAGES = [
 CONFIGS = ["reference", "fast"]
 
 
-def synthetic_full_model() -> Path:
-    from mineru_fast.synthetic import make_synthetic_model
-
-    path = Path.home() / ".cache" / "mineru-fast" / "synthetic-full-seed0"
-    if not (path / "model.safetensors").is_file():
-        make_synthetic_model(path, "full", seed=0)
-    return path
-
-
 def trace_dir(workload: Path) -> Path:
     """Where the workload's replay traces are built (the workload folder may be read-only)."""
-    return Path.home() / ".cache" / "mineru-fast" / "traces" / workload.name
+    from mineru_fast.hub import cache_dir
+
+    return cache_dir() / "traces" / workload.name
 
 
 def run_config(preset: str, model: Path, workload: Path, threads: int) -> dict:
@@ -135,7 +129,12 @@ def main() -> None:
     ap.add_argument("--skip-vision-modes", action="store_true", help="do not time eager / trace / compile vision")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # internal: run one config/measure in-process
     args = ap.parse_args()
-    model = args.model or synthetic_full_model()
+    if args.model:
+        model = args.model
+    else:
+        from mineru_fast.synthetic import cached_synthetic_model
+
+        model = cached_synthetic_model("full", seed=0)
     if not trace_dir(args.workload).is_dir():
         from mineru_fast.traces import build_omnidocbench_traces
 

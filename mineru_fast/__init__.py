@@ -6,6 +6,8 @@
 >>> doc.save("out/")
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .document import Block, Document, Page
 from .errors import (
     CorruptDocument,
@@ -13,18 +15,29 @@ from .errors import (
     InputError,
     MineruFastError,
     ModelLoadError,
+    ModelNotCached,
     PageRangeError,
     PasswordRequired,
     TraceError,
     UnsupportedFormat,
 )
+from .hub import ModelInfo
 from .options import PRESETS, ParserOptions
 
+# The one version source: pyproject.toml reads it (setuptools dynamic version, parsed without import).
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .client import AsyncClient, Client
+    from .parser import DocumentParser
+
 __all__ = [
+    "__version__",
     "DocumentParser",
     "ParserOptions",
+    "ModelInfo",
+    "Client",
+    "AsyncClient",
     "PRESETS",
     "Document",
     "Page",
@@ -37,14 +50,20 @@ __all__ = [
     "ImageTooLarge",
     "PageRangeError",
     "ModelLoadError",
+    "ModelNotCached",
     "TraceError",
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # DocumentParser imports torch; loading it lazily lets the CLI set OpenMP variables first.
+    # The HTTP clients import httpx, which parsing alone does not need.
     if name == "DocumentParser":
         from .parser import DocumentParser
 
         return DocumentParser
+    if name in ("Client", "AsyncClient"):
+        from . import client
+
+        return getattr(client, name)
     raise AttributeError(f"module 'mineru_fast' has no attribute {name!r}")

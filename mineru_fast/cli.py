@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .cli_options import add_options_arguments, options_from_args, positive_int
+from .cli_options import add_model_arguments, add_parse_arguments, hub_kwargs, options_from_args, positive_int
 from .errors import MineruFastError
 from .serve.command import add_serve_command, run_serve_command
 
@@ -34,14 +34,7 @@ def build_argparser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true", help="log warnings (e.g. dropped layout lines)")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON")
-    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
-    p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
-    p.add_argument("--pages", help="1-based page range, e.g. '1-3,5'")
-    p.add_argument("--password", help="user password of encrypted PDFs")
-    p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
-    add_options_arguments(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_parse_arguments(sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON"))
 
     s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
     s.add_argument("directory", type=Path)
@@ -55,7 +48,7 @@ def build_argparser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="latency tables on this CPU (stage table, concurrency, roofline)")
     b.add_argument("--quick", action="store_true", help="1 page and the key rows: under 15 minutes on 2 cores")
-    b.add_argument("--model", help="model directory or hub id (default: the full synthetic model, made once)")
+    add_model_arguments(b, None, "model directory or hub id (default: the full synthetic model, made once)")
     b.add_argument("--pages", type=positive_int, help="workload pages (default 4, --quick 1), median page first")
     b.add_argument("--workload", type=Path, help="real OmniDocBench-format pages (annotations.json + images/)")
     b.add_argument("--threads", type=positive_int, help="intra-op threads (default: physical cores available)")
@@ -115,7 +108,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
             status = EXIT_USAGE
     if not readable:
         return status
-    parser = DocumentParser.from_pretrained(args.model, options=options)
+    parser = DocumentParser.from_pretrained(args.model, options, **hub_kwargs(args))
     for source, trace in readable:
         try:
             document = parser.parse(source, pages=args.pages, password=args.password, replay=trace)
@@ -142,9 +135,27 @@ def _cmd_synth_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _resolve_model_flag(args: argparse.Namespace) -> None:
+    """Replace ``args.model`` by its local directory, downloading it once if allowed, for commands
+    that hand ``--model`` on as a path (``bench``'s row processes, ``serve``'s workers).
+
+    Raises:
+        MineruFastError: hub flags without ``--model``; ``ModelLoadError`` / ``ModelNotCached``.
+    """
+    from .hub import resolve_model
+
+    hub = hub_kwargs(args)
+    if args.model is None:
+        if any(value is not None for value in hub.values()):
+            raise MineruFastError("--revision, --cache-dir, --token and --offline apply to a hub id given with --model")
+        return
+    args.model = str(resolve_model(args.model, **hub))
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.run import main as bench_main
 
+    _resolve_model_flag(args)
     return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output, only=args.only)
 
 
@@ -161,6 +172,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     command = args.parse_command[1:] if args.parse_command[:1] == ["--"] else args.parse_command
     return launch(command, args.instances, args.cores_per_instance)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    _resolve_model_flag(args)  # every worker then loads the same snapshot, without a hub look-up each
+    return run_serve_command(args)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -195,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "synth-model": _cmd_synth_model,
         "trace": _cmd_trace,
         "bench": _cmd_bench,
-        "serve": run_serve_command,
+        "serve": _cmd_serve,
     }
     try:
         return commands[args.command](args)

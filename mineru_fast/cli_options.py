@@ -1,8 +1,12 @@
-"""Command-line flags that build ``ParserOptions``, shared by ``parse`` and ``serve``."""
+"""Command-line flags shared by the commands that load a model: the model and where it comes from
+(``--model``, ``--revision``, ``--cache-dir``, ``--token``, ``--offline``), and the flags that
+build ``ParserOptions`` (``parse`` and ``serve``)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
@@ -31,9 +35,47 @@ def parse_max_new_tokens(text: str) -> dict[str, int]:
     return out
 
 
+def add_model_arguments(
+    p: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL_ID, help_text: str | None = None
+) -> None:
+    """``--model`` and the Hugging Face hub flags (the keyword arguments of ``from_pretrained``)."""
+    p.add_argument("--model", default=default, help=help_text or "model directory or hub id (default: %(default)s)")
+    p.add_argument("--revision", help="branch, tag or commit of a hub model (default: its default branch)")
+    p.add_argument(
+        "--cache-dir", type=Path, help="Hugging Face hub cache (default: huggingface_hub's, HF_HUB_CACHE / HF_HOME)"
+    )
+    p.add_argument(
+        "--token", help="hub token for private or gated models (default: $HF_TOKEN or the stored `hf auth login`)"
+    )
+    p.add_argument(
+        "--offline", action="store_true", help="never download: use the local cache only (as HF_HUB_OFFLINE=1)"
+    )
+
+
+def hub_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The hub flags as ``from_pretrained`` / ``resolve_model`` keyword arguments."""
+    return {
+        "revision": args.revision,
+        "cache_dir": args.cache_dir,
+        "token": args.token,
+        "local_files_only": True if args.offline else None,
+    }
+
+
+def add_parse_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``mineru-fast parse`` (also read by ``launch`` to find the inputs)."""
+    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
+    p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
+    p.add_argument("--pages", help="1-based page range, e.g. '1-3,5'")
+    p.add_argument("--password", help="user password of encrypted PDFs")
+    p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
+    add_options_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def add_options_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model`` and the flags that override a ``ParserOptions`` preset."""
-    p.add_argument("--model", default=DEFAULT_MODEL_ID, help="model directory or hub id (default: %(default)s)")
+    """``--model``, the hub flags, and the flags that override a ``ParserOptions`` preset."""
+    add_model_arguments(p)
     p.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, help="intra-op threads (default: physical cores available)")
     p.add_argument("--page-window", type=positive_int, help="pages whose layout passes and crops are batched together")

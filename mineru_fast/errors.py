@@ -16,6 +16,7 @@ __all__ = [
     "ImageTooLarge",
     "PageRangeError",
     "ModelLoadError",
+    "ModelNotCached",
     "TraceError",
     "BenchmarkError",
 ]
@@ -51,6 +52,12 @@ class PageRangeError(InputError):
 
 class ModelLoadError(MineruFastError):
     """A model directory or hub id cannot be resolved or loaded."""
+
+
+class ModelNotCached(ModelLoadError):
+    """Offline (``HF_HUB_OFFLINE=1``, ``--offline``, ``local_files_only=True``) and the model, the
+    revision asked for, or some of its files are not in the local Hugging Face cache; the message
+    names what is missing and the cache folder that was searched."""
 
 
 class TraceError(MineruFastError):

@@ -10,6 +10,7 @@ case the inputs it had not finished are listed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -19,11 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from .cli_options import add_parse_arguments
 from .cpu import Topology, format_cpulist, read_topology
 from .errors import MineruFastError
 
 EXIT_CRASHED = 3
-WORKER = (sys.executable, "-m", "mineru_fast.cli")
+WORKER = (sys.executable, "-m", "mineru_fast")
 
 
 class LaunchError(MineruFastError):
@@ -130,12 +132,12 @@ def split_parse_args(parse_args: Sequence[str]) -> tuple[list[str], list[str]]:
     Raises:
         LaunchError: the command is not ``parse ...`` or names no input.
     """
-    from .cli import build_argparser
-
     if not parse_args or parse_args[0] != "parse":
         raise LaunchError("launch runs 'parse': mineru-fast launch [--instances N] -- parse INPUT... -o OUT")
+    parser = argparse.ArgumentParser(prog="mineru-fast parse")
+    add_parse_arguments(parser)
     try:
-        args = build_argparser().parse_args(list(parse_args))
+        args = parser.parse_args(list(parse_args[1:]))
     except SystemExit as exc:
         raise LaunchError(f"invalid parse arguments: {' '.join(parse_args[1:])}") from exc
     inputs = [str(p) for p in args.inputs]

@@ -20,7 +20,7 @@ from PIL import Image
 from .document import Block, Document, Page
 from .engine.base import Engine, GenerationRequest, GenerationResult
 from .errors import InputError, TraceError
-from .hub import DEFAULT_MODEL_ID, resolve_model
+from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
 from .inputs import OpenedDocument, Source, open_document
 from .options import ParserOptions
 from .postprocess import postprocess_content
@@ -51,17 +51,29 @@ class DocumentParser:
         engine: an inference engine (see ``mineru_fast.engine``).
         options: the options it was built with.
         model_dir: the checkpoint directory, for reference.
+        model_info: which checkpoint this is (hub id, revision, commit); default: read from
+            ``model_dir`` (``ModelInfo.from_dir``).
     """
 
-    def __init__(self, engine: Engine, options: ParserOptions, model_dir: Path) -> None:
+    def __init__(
+        self, engine: Engine, options: ParserOptions, model_dir: Path, model_info: ModelInfo | None = None
+    ) -> None:
         self.engine = engine
         self.options = options
         self.model_dir = model_dir
+        self.model_info = model_info if model_info is not None else ModelInfo.from_dir(model_dir)
         self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
-        cls, path_or_id: str | Path = DEFAULT_MODEL_ID, options: ParserOptions | None = None
+        cls,
+        path_or_id: str | Path = DEFAULT_MODEL_ID,
+        options: ParserOptions | None = None,
+        *,
+        revision: str | None = None,
+        cache_dir: str | Path | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool | None = None,
     ) -> DocumentParser:
         """Load a MinerU2.5 checkpoint from a local directory or a Hugging Face hub id.
 
@@ -69,16 +81,26 @@ class DocumentParser:
             path_or_id: model directory, or hub id (default ``opendatalab/MinerU2.5-2509-1.2B``),
                 looked up in the local hub cache before any download.
             options: parser options; default ``ParserOptions()``.
+            revision: branch, tag or commit hash of a hub id; None = the default branch.
+            cache_dir: Hugging Face hub cache; None = huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``).
+            token: hub token for private or gated models; None = ``HF_TOKEN`` or the stored login.
+            local_files_only: never download; None follows ``HF_HUB_OFFLINE``.
+
+        Returns:
+            The parser; ``parser.model_info`` says which checkpoint (hub id, revision, commit) it runs.
 
         Raises:
+            ModelNotCached: offline and the model or revision is not cached (says what is missing).
             ModelLoadError: the model cannot be found or loaded (the message says how to fix it).
         """
         from .engine.factory import build_engine
 
         options = options or ParserOptions()
-        model_dir = resolve_model(path_or_id)
-        engine = build_engine(model_dir, options)
-        return cls(engine, options, model_dir)
+        info = resolve_model_info(
+            path_or_id, revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only
+        )
+        engine = build_engine(info.local_dir, options)
+        return cls(engine, options, info.local_dir, info)
 
     def parse(
         self,

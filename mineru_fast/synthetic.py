@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import MineruFastError
+from .hub import cache_dir
 from .protocol import CHAT_TEMPLATE, MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS
 
 __all__ = ["ModelSize", "SIZES", "make_synthetic_model", "synthetic_identity"]
@@ -181,15 +182,6 @@ def _write_processor(out: Path) -> None:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
-def _legacy_name(name: str) -> str:
-    """transformers>=5 parameter name -> the checkpoint name published Qwen2-VL models use."""
-    if name.startswith("model.visual."):
-        return name[len("model.") :]
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
-    return name
-
-
 def _random_tensor(name: str, shape: tuple[int, ...], generator):
     """One parameter, deterministic in (seed, name order).
 
@@ -214,6 +206,8 @@ def _write_weights(out: Path, config: dict, seed: int) -> int:
     from safetensors.torch import save_file
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+    from .engine.checkpoint import published_name
+
     with torch.device("meta"):
         model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**config))
     generator = torch.Generator().manual_seed(seed)
@@ -221,7 +215,7 @@ def _write_weights(out: Path, config: dict, seed: int) -> int:
     for name, param in model.named_parameters():  # tied lm_head is not listed twice
         if name == "lm_head.weight":
             continue
-        tensors[_legacy_name(name)] = _random_tensor(name, tuple(param.shape), generator).to(torch.bfloat16)
+        tensors[published_name(name)] = _random_tensor(name, tuple(param.shape), generator).to(torch.bfloat16)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return sum(t.numel() for t in tensors.values())
 
@@ -268,12 +262,10 @@ def synthetic_identity(model_dir: str | Path) -> str | None:
 
 
 def cached_synthetic_model(size: str = "full", seed: int = 0, cache: str | Path | None = None) -> Path:
-    """A synthetic model made once and reused: ``$MINERU_FAST_CACHE`` (default
-    ``~/.cache/mineru-fast``) ``/synthetic-<size>-seed<seed>``."""
-    import os
-
-    root = Path(cache or os.environ.get("MINERU_FAST_CACHE", Path.home() / ".cache" / "mineru-fast"))
-    path = root / f"synthetic-{size}-seed{seed}"
+    """A synthetic model made once and reused: ``<cache>/synthetic-<size>-seed<seed>``, ``cache``
+    defaulting to the package cache (``hub.cache_dir()``: ``$MINERU_FAST_CACHE`` or
+    ``~/.cache/mineru-fast``)."""
+    path = Path(cache or cache_dir()) / f"synthetic-{size}-seed{seed}"
     if not (path / MARKER).is_file():  # written last: a half-written model is redone
         make_synthetic_model(path, size, seed)
     return path

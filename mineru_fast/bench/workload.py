@@ -18,6 +18,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from ..hub import cache_dir
 from ..traces import PageTrace, build_omnidocbench_traces, load_trace
 
 
@@ -86,12 +87,12 @@ def load_workload(
         pages: how many pages (None: all 14).
         workload_dir: real OmniDocBench-format pages (``annotations.json`` + ``images/``); None
             synthesizes them from the shipped profile.
-        cache: where traces of a real workload are built (default ``~/.cache/mineru-fast``).
+        cache: where traces of a real workload are built (default: the package cache, ``hub.cache_dir()``).
     """
     profiles = median_first(load_profile())[:pages]
     if workload_dir is None:
         return [synthesize(p) for p in profiles]
-    trace_dir = (cache or Path.home() / ".cache" / "mineru-fast") / "traces" / workload_dir.name
+    trace_dir = (cache or cache_dir()) / "traces" / workload_dir.name
     if not trace_dir.is_dir():
         build_omnidocbench_traces(workload_dir / "annotations.json", workload_dir / "images", trace_dir)
     out = []

@@ -51,8 +51,9 @@ def read_configs(model_dir: Path) -> tuple[TextConfig, VisionConfig]:
     return text_config, vision_config
 
 
-def _canonical(name: str) -> str:
-    """transformers 5 names -> published names."""
+def published_name(name: str) -> str:
+    """A transformers 5 parameter name -> the name published Qwen2-VL checkpoints use
+    (``model.visual.*`` -> ``visual.*``, ``model.language_model.*`` -> ``model.*``); others unchanged."""
     if name.startswith("model.visual."):
         return name[len("model.") :]
     if name.startswith("model.language_model."):
@@ -88,7 +89,7 @@ class _Tensors:
                 header = json.loads(f.read(length))
             header.pop("__metadata__", None)
             for name, entry in header.items():
-                self._where[_canonical(name)] = (path, 8 + length, entry)
+                self._where[published_name(name)] = (path, 8 + length, entry)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path, data_start, entry = self._where[name]

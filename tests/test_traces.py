@@ -1,15 +1,13 @@
-"""Tier 1: trace files, the OmniDocBench trace builder, and model resolution."""
+"""Tier 1: trace files and the OmniDocBench trace builder."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from conftest import WORKLOAD, need
 
-from mineru_fast.errors import ModelLoadError, TraceError
-from mineru_fast.hub import resolve_model
+from mineru_fast.errors import TraceError
 from mineru_fast.protocol import NOT_READ_TYPES, parse_layout
 from mineru_fast.traces import OMNIDOCBENCH_TYPES, load_trace, page_trace_from_omnidocbench
 
@@ -83,40 +81,3 @@ def test_malformed_traces_raise_trace_error(tmp_path, text):
     path.write_text(text)
     with pytest.raises(TraceError):
         load_trace(path)
-
-
-def test_model_resolution_errors_say_how_to_fix(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    start = time.monotonic()
-    with pytest.raises(ModelLoadError, match="--model DIR"):
-        resolve_model("opendatalab/MinerU2.5-2509-1.2B")
-    assert time.monotonic() - start < 10
-    with pytest.raises(ModelLoadError, match="no config.json"):
-        resolve_model(tmp_path)
-    with pytest.raises(ModelLoadError, match="no such model directory"):
-        resolve_model("./not/a/dir")
-
-
-def test_local_directory_and_hub_cache_resolve(tiny_model, tmp_path, monkeypatch):
-    assert resolve_model(tiny_model) == tiny_model
-    # A hub id present in the local cache resolves offline, without network.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cache = tmp_path / "hub"
-    snapshot = cache / "models--org--tiny" / "snapshots" / "0123abcd"
-    snapshot.mkdir(parents=True)
-    (cache / "models--org--tiny" / "refs").mkdir()
-    (cache / "models--org--tiny" / "refs" / "main").write_text("0123abcd")
-    for f in tiny_model.iterdir():
-        (snapshot / f.name).symlink_to(f)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    import importlib
-
-    import huggingface_hub.constants
-
-    importlib.reload(huggingface_hub.constants)
-    try:
-        assert resolve_model("org/tiny").resolve() == snapshot.resolve()
-    finally:
-        monkeypatch.undo()
-        importlib.reload(huggingface_hub.constants)

@@ -1,0 +1,8 @@
+"""``python -m mineru_fast ...`` is ``mineru-fast ...``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
