@@ -1,8 +1,9 @@
 """The one exception hierarchy of mineru-fast.
 
 ``MineruFastError`` is the root. Input problems (``InputError`` and its subclasses) concern one
-document and make the CLI exit with status 2; ``ModelLoadError`` concerns the model. Errors chain
-the underlying library exception with ``raise ... from``.
+document and make the CLI exit with status 2; ``ModelLoadError`` concerns the model;
+``ServiceError`` and its subclasses are what ``mineru_fast.client`` raises for the HTTP service's
+answers. Errors chain the underlying library exception with ``raise ... from``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ __all__ = [
     "ModelNotCached",
     "TraceError",
     "BenchmarkError",
+    "ServiceError",
+    "ServiceUnreachable",
+    "AuthenticationFailed",
+    "DocumentRejected",
+    "JobNotFound",
+    "JobFailed",
+    "RateLimited",
+    "ServiceUnavailable",
 ]
 
 
@@ -67,3 +76,61 @@ class TraceError(MineruFastError):
 class BenchmarkError(MineruFastError):
     """A benchmark run was asked for something it cannot do (more pages than the workload has,
     a row filter that matches no row)."""
+
+
+class ServiceError(MineruFastError):
+    """The HTTP service answered with an error, or could not be reached (``mineru_fast.client``).
+
+    The service's error body is ``{"error": {"code", "message", "request_id"}}``; its fields are
+    kept here.
+
+    Attributes:
+        message: the service's message (or what went wrong on the way).
+        status: HTTP status; None when no answer came.
+        code: the service's stable error code (``"queue_full"``, ``"corrupt_document"``, ...);
+            ``"unreachable"`` without an answer, ``"http_<status>"`` for a body not in that form.
+        request_id: the service's request id (its ``X-Request-ID``), for its logs.
+        retry_after: seconds the service asked to wait (``Retry-After``), if it said.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str = "",
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(f"{status} {code}: {message}" if status else message)
+        self.message, self.status, self.code = message, status, code
+        self.request_id, self.retry_after = request_id, retry_after
+
+
+class ServiceUnreachable(ServiceError):
+    """No answer: connection refused or broken, or a timeout, after every retry."""
+
+
+class AuthenticationFailed(ServiceError):
+    """``401``: the API key is missing or not valid."""
+
+
+class DocumentRejected(ServiceError, InputError):
+    """``413`` / ``422``: the service refused the document or its fields (format, corruption,
+    password, page range, size); ``code`` says which. Also an ``InputError``, as a local parse's."""
+
+
+class JobNotFound(ServiceError):
+    """``404``: unknown job id, another key's job, or its result expired (or the server restarted)."""
+
+
+class JobFailed(ServiceError):
+    """A job ended ``failed`` or ``cancelled``; ``code`` and ``message`` are the job's error."""
+
+
+class RateLimited(ServiceError):
+    """``429`` after every retry: the queue is full or the key is over its rate (``retry_after``)."""
+
+
+class ServiceUnavailable(ServiceError):
+    """``503`` after every retry: the model is loading or failed to load, or the server is shutting down."""

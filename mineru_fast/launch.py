@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from .cli_options import add_parse_arguments
 from .cpu import Topology, format_cpulist, read_topology
@@ -105,7 +105,7 @@ def deal(inputs: Sequence[str], n: int) -> list[list[str]]:
     return [list(inputs[i::n]) for i in range(n)]
 
 
-def spawn(argv: Sequence[str], group: Group, numa_nodes: int, **popen: object) -> subprocess.Popen:
+def spawn(argv: Sequence[str], group: Group, numa_nodes: int, **popen: Any) -> subprocess.Popen:
     """Start ``argv`` pinned to ``group.cpus``; memory bound to ``group.node`` with ``numactl`` when
     the machine has several nodes and ``numactl`` is installed. ``popen`` goes to ``Popen``."""
     numactl = shutil.which("numactl")

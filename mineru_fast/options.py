@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .inputs import DEFAULT_DPI, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
 from .protocol import LAYOUT_TASK, SamplingParams, sampling_for
@@ -109,7 +110,7 @@ class ParserOptions:
         return params
 
     @classmethod
-    def preset(cls, name: str, **overrides: object) -> ParserOptions:
+    def preset(cls, name: str, **overrides: Any) -> ParserOptions:
         """Named starting points (see ``PRESETS``), with field overrides.
 
         Raises:
@@ -120,7 +121,7 @@ class ParserOptions:
         return replace(PRESETS[name], **overrides)
 
 
-_FLOAT = {"vision_quant": "none", "lm_quant": "none", "lm_head_quant": "none"}
+_FLOAT: dict[str, Any] = {"vision_quant": "none", "lm_quant": "none", "lm_head_quant": "none"}
 
 PRESETS: dict[str, ParserOptions] = {
     # The fast engine's measured best on CPU (see benchmarks/README.md).

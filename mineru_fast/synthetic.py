@@ -152,12 +152,14 @@ def _write_processor(out: Path) -> None:
         merge_lines = [ln for ln in Path(merges).read_text(encoding="utf-8").splitlines()[1:] if ln]
     added = QWEN2VL_SPECIAL_TOKENS + MINERU_TOKENS
     expected = {t: i for i, t in enumerate(added, start=len(vocab_map))}
+    # transformers annotates merges as list[str] and unk_token as str; the BPE model under it takes
+    # (left, right) pairs and no unknown token, as Qwen2's published tokenizer has.
     tokenizer = Qwen2Tokenizer(
         vocab=vocab_map | expected,  # fixed ids: Qwen2-VL's for its tokens, then MinerU's
-        merges=[tuple(m.split(" ")) for m in merge_lines],
+        merges=[tuple(m.split(" ")) for m in merge_lines],  # type: ignore[misc]
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        unk_token=None,
+        unk_token=None,  # type: ignore[arg-type]
         model_max_length=32768,
         errors="replace",
     )
