@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from . import __version__
 from .cli_options import add_model_arguments, add_parse_arguments, hub_kwargs, options_from_args, positive_int
 from .errors import MineruFastError
 from .serve.command import add_serve_command, run_serve_command
@@ -32,6 +33,7 @@ def build_argparser() -> argparse.ArgumentParser:
     """The ``mineru-fast`` argument parser with every subcommand."""
     ap = argparse.ArgumentParser(prog="mineru-fast", description="Fast CPU document parsing with MinerU2.5.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log warnings (e.g. dropped layout lines)")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     add_parse_arguments(sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON"))

@@ -9,6 +9,7 @@ plus ``<stem>.json`` (everything, including timings and errors) and a layout ove
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from .protocol import PARATEXT_TYPES
 
 Status = Literal["success", "partial", "failure"]
 
+NOTEBOOK_MAX_SIDE = 1600  # pixels, long side of a page shown in a notebook (a 200 DPI page is 2200)
 _CROPPED_TYPES = ("image", "table", "equation")
 _CAPTION_OWNER = {
     "image_caption": "image",
@@ -98,6 +100,17 @@ class Page:
 
     def crop_name(self, block_idx: int) -> str:
         return f"page{self.index + 1:04d}_block{block_idx:03d}_{self.blocks[block_idx].type}.jpg"
+
+    def _repr_png_(self) -> bytes | None:
+        """Jupyter shows a page as its layout overlay, long side at most ``NOTEBOOK_MAX_SIDE``
+        pixels; None (the text repr) when the page has no image."""
+        if self.image is None:
+            return None
+        overlay = layout_overlay(self)
+        overlay.thumbnail((NOTEBOOK_MAX_SIDE, NOTEBOOK_MAX_SIDE))
+        buffer = io.BytesIO()
+        overlay.save(buffer, format="PNG")
+        return buffer.getvalue()
 
     def to_dict(self) -> dict:
         return {

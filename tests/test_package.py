@@ -1,0 +1,37 @@
+"""Tier 1: the package as installed: entry points, version, type marker, import structure."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from importlib import resources
+
+import mineru_fast
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return proc.stdout.strip()
+
+
+def test_python_dash_m_and_one_version():
+    proc = subprocess.run([sys.executable, "-m", "mineru_fast", "--version"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == f"mineru-fast {mineru_fast.__version__}"
+    assert importlib.metadata.version("mineru-fast") == mineru_fast.__version__  # pyproject reads __version__
+    usage = subprocess.run([sys.executable, "-m", "mineru_fast"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and "usage: mineru-fast" in usage.stderr
+
+
+def test_typed_marker_and_lazy_imports():
+    assert (resources.files("mineru_fast") / "py.typed").is_file()
+    # Parsing needs neither httpx nor torch at import; the launcher does not import the CLI.
+    loaded = run_python(
+        "import sys, mineru_fast, mineru_fast.launch; "
+        "print(sorted(m for m in ('httpx', 'torch', 'mineru_fast.cli') if m in sys.modules))"
+    )
+    assert loaded == "[]"
+    assert run_python("import mineru_fast; print(mineru_fast.Client.__module__, mineru_fast.AsyncClient.__name__)") == (
+        "mineru_fast.client AsyncClient"
+    )
