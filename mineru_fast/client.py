@@ -43,7 +43,7 @@ from .errors import (
 )
 from .upload import Upload, UploadPolicy, UploadSource, prepare_upload
 
-__all__ = ["Client", "AsyncClient", "RetryPolicy", "UploadPolicy", "DEFAULT_URL", "API_KEY_ENV"]
+__all__ = ["Client", "AsyncClient", "RetryPolicy", "UploadPolicy", "error_from_response", "DEFAULT_URL", "API_KEY_ENV"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_KEY_ENV = "MINERU_FAST_API_KEY"
