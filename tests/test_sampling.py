@@ -68,3 +68,21 @@ def test_reset_row_clears_history():
     rules.observe([1])
     rules.reset_row(0, SamplingParams(), None)
     assert torch.equal(rules(torch.zeros(1, 3)), torch.zeros(1, 3))
+
+
+def test_repetition_penalty_covers_prompt_and_output_like_transformers():
+    """vLLM's and transformers' repetition penalty: every token of the prompt or the output so far
+    has its logit divided by the penalty when positive, multiplied when negative."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    prompt, generated = [3, 7, 7, 1], [5, 3]
+    params = SamplingParams(repetition_penalty=1.3, no_repeat_ngram_size=0)
+    rules = BatchLogitsProcessor([params], [None], vocab_size=10)
+    rules.reset_row(0, params, None, torch.tensor(prompt))
+    rules.observe([generated[0]])
+    rules.observe([generated[1]])
+    scores = torch.linspace(-2, 2, 10)[None]
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + generated]), scores.clone())
+    assert torch.allclose(rules(scores.clone()), expected)
+    plain = BatchLogitsProcessor([SamplingParams(no_repeat_ngram_size=0)], [None], vocab_size=10)
+    assert torch.equal(plain(scores.clone()), scores)

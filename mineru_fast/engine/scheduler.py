@@ -339,7 +339,7 @@ class Scheduler:
                 continue
             del self.prefilling[slot]
             seq.embeds = seq.image_embeds = None
-            self.rules.reset_row(slot, seq.request.sampling, seq.encoded.forced)
+            self.rules.reset_row(slot, seq.request.sampling, seq.encoded.forced, seq.encoded.input_ids)
             self.live[slot] = seq
             completed.append((slot, row))
         if completed:
