@@ -98,6 +98,8 @@ class SamplingParams:
         no_repeat_ngram_size: a token that would repeat an n-gram of the generated tokens is banned
             (the prompt does not count). 0 disables.
         max_new_tokens: hard bound on generated tokens, the end token included.
+        min_new_tokens: the end tokens are banned until this many tokens are generated (vLLM's
+            ``min_tokens``); 0 (MinerU's value) disables it.
     """
 
     presence_penalty: float = 0.0
@@ -105,10 +107,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 100
     max_new_tokens: int = 4096
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in 0..max_new_tokens, got {self.min_new_tokens}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.no_repeat_ngram_size < 0:

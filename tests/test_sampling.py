@@ -86,3 +86,13 @@ def test_repetition_penalty_covers_prompt_and_output_like_transformers():
     assert torch.allclose(rules(scores.clone()), expected)
     plain = BatchLogitsProcessor([SamplingParams(no_repeat_ngram_size=0)], [None], vocab_size=10)
     assert torch.equal(plain(scores.clone()), scores)
+
+
+def test_min_new_tokens_bans_the_end_tokens_until_reached():
+    params = SamplingParams(min_new_tokens=2, max_new_tokens=5, no_repeat_ngram_size=0)
+    rules = BatchLogitsProcessor([params], [None], vocab_size=6, end_ids=[5])
+    end_first = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])
+    for _ in range(2):
+        assert int(rules(end_first.clone()).argmax()) != 5
+        rules.observe([1])
+    assert int(rules(end_first.clone()).argmax()) == 5

@@ -194,7 +194,7 @@ class ReferenceEngine:
         inputs = self.encode(request)
         prompt_len = inputs["input_ids"].shape[1]
         forced = self.preprocessor.forced_ids(request.forced_text) if request.forced_text is not None else None
-        rules = BatchLogitsProcessor([request.sampling], [forced], self.vocab_size)
+        rules = BatchLogitsProcessor([request.sampling], [forced], self.vocab_size, self.end_ids)
         rules.reset_row(0, request.sampling, forced, inputs["input_ids"][0])
         config = GenerationConfig(
             max_new_tokens=request.sampling.max_new_tokens,

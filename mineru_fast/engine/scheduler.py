@@ -122,7 +122,9 @@ class Scheduler:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.vision_pack_patches = vision_pack_patches
         self.repetition_window = repetition_window
-        self.rules = BatchLogitsProcessor([SamplingParams()] * slots, [None] * slots, runner.vocab_size)
+        self.rules = BatchLogitsProcessor(
+            [SamplingParams()] * slots, [None] * slots, runner.vocab_size, runner.preprocessor.end_ids
+        )
         self.inbox: queue.SimpleQueue[SequenceState | None] = queue.SimpleQueue()
         self.waiting: list[SequenceState] = []  # need vision, in (priority, index) order
         self.vision_pack: list[SequenceState] = []

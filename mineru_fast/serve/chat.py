@@ -60,6 +60,7 @@ class ChatRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
@@ -138,6 +139,7 @@ def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: in
         repetition_penalty=body.repetition_penalty or 1.0,
         no_repeat_ngram_size=ngram,
         max_new_tokens=bound,
+        min_new_tokens=min(body.min_tokens, bound),
     )
     text_parts = [p.text or "" for p in parts if p.type == "text"]
     text_before = any(p.type == "text" for p in parts[: images[0]])
