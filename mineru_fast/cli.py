@@ -1,9 +1,9 @@
 """``mineru-fast`` command line: parse, synth-model, bench, trace, serve, launch, info.
 
-Exit status of ``parse``: 0 every page parsed, 1 some pages failed (the rest is saved), 2 an input
-or usage error (one line on stderr, no traceback). ``launch`` merges its workers' statuses (3: a worker
-crashed). Commands that run the model set OpenMP variables (``threads.configure_process``) before torch
-loads.
+Exit status of ``parse``: 0 every page parsed, 1 some pages failed or are partial (the rest is
+saved; each problem is on stderr), 2 an input or usage error (one line on stderr, no traceback).
+``launch`` merges its workers' statuses (3: a worker crashed). Commands that run the model set
+OpenMP variables (``threads.configure_process``) before torch loads.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cli_options import add_model_arguments, add_parse_arguments, hub_kwargs, options_from_args, positive_int
+from .cli_options import (
+    add_model_arguments,
+    add_parse_arguments,
+    expand_inputs,
+    hub_kwargs,
+    options_from_args,
+    positive_int,
+)
 from .errors import MineruFastError
 from .serve.command import add_serve_command, run_serve_command
 
@@ -98,35 +105,69 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     from .inputs import open_document
     from .parser import DocumentParser
 
-    options = options_from_args(args, progress=not args.quiet and sys.stderr.isatty())
+    mode = "none" if args.quiet else args.progress
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "lines"
+    options = options_from_args(args, progress=mode == "bar")
     status = EXIT_OK
     readable = []
-    for source in args.inputs:  # refuse unreadable inputs before paying for the model load
+    sources = expand_inputs(args.inputs)
+    if not sources:
+        print("mineru-fast: no input files found", file=sys.stderr)
+        return EXIT_USAGE
+    for source in sources:  # refuse unreadable inputs before paying for the model load
         try:
-            with open_document(source, pages=args.pages, password=args.password):
-                readable.append((source, _trace_for(args.replay, source, len(args.inputs))))
+            with open_document(source, pages=args.pages, password=args.password) as opened:
+                readable.append((source, _trace_for(args.replay, source, len(sources)), len(opened.page_indices)))
         except MineruFastError as exc:
             print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
             status = EXIT_USAGE
     if not readable:
         return status
     parser = DocumentParser.from_pretrained(args.model, options, **hub_kwargs(args))
-    for source, trace in readable:
+    for source, trace, n_pages in readable:
         try:
-            document = parser.parse(source, pages=args.pages, password=args.password, replay=trace)
+            status = max(status, _parse_one(parser, source, trace, n_pages, args, mode))
         except MineruFastError as exc:
             print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
             status = EXIT_USAGE
-            continue
-        out = document.save(args.output / document.name)
-        failed = [p.index + 1 for p in document.pages if p.status == "failure"]
-        print(f"{source}: {document.status}, {len(document.pages)} page(s) -> {out}")
-        for page in document.pages:
-            for error in page.errors:
-                print(f"mineru-fast: {source}: page {page.index + 1}: {error}", file=sys.stderr)
-        if failed or document.status != "success":
-            status = max(status, EXIT_PAGES_FAILED)
     return status
+
+
+def _parse_one(parser, source: Path, trace: Path | None, n_pages: int, args: argparse.Namespace, mode: str) -> int:
+    """Parse one input page by page into ``OUTPUT/<stem>/``; report progress and problems."""
+    import json
+    import time
+
+    from .writer import DocumentWriter
+
+    start = time.perf_counter()
+    writer = DocumentWriter(args.output / source.stem, source.stem)
+    pages = parser.iter_pages(source, pages=args.pages, password=args.password, replay=trace, keep_page_images=True)
+    for done, page in enumerate(pages, start=1):
+        writer.add_page(page)
+        for error in page.errors:
+            print(f"mineru-fast: {source}: page {page.index + 1}: {error}", file=sys.stderr)
+        if page.status == "partial":
+            for warning in page.warnings:
+                print(f"mineru-fast: {source}: page {page.index + 1}: {warning}", file=sys.stderr)
+        elapsed = time.perf_counter() - start
+        if mode == "lines":
+            eta = elapsed / done * (n_pages - done)
+            print(
+                f"mineru-fast: {source.name}: page {page.index + 1} {page.status} ({done}/{n_pages}, "
+                f"{60 * done / elapsed:.2f} pages/min, ETA {eta:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif mode == "json":
+            event = {"input": str(source), "page": page.index + 1, "status": page.status, "done": done,
+                     "total": n_pages, "elapsed_s": round(elapsed, 3)}  # fmt: skip
+            print(json.dumps(event), file=sys.stderr, flush=True)
+    out = writer.close(wall_s=time.perf_counter() - start)
+    document_status = writer.document_status
+    print(f"{source}: {document_status}, {len(writer.statuses)} page(s) -> {out}")
+    return EXIT_OK if document_status == "success" else EXIT_PAGES_FAILED
 
 
 def _cmd_synth_model(args: argparse.Namespace) -> int:

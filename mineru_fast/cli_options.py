@@ -64,13 +64,35 @@ def hub_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parse_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mineru-fast parse`` (also read by ``launch`` to find the inputs)."""
-    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT")
+    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files, or directories (searched recursively)")
     p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
     p.add_argument("--pages", help="1-based page range, e.g. '1-3,5'")
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
     add_options_arguments(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "json", "none"),
+        default="auto",
+        help="per-page progress on stderr: a bar, a line per page, a JSON object per page, or none "
+        "(auto: bar on a terminal, lines otherwise)",
+    )
+    p.add_argument("--quiet", action="store_true", help="same as --progress none")
+
+
+INPUT_SUFFIXES = frozenset({".pdf", ".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp", ".gif", ".jp2"})
+"""Suffixes taken from a directory input (files named explicitly are read whatever their name)."""
+
+
+def expand_inputs(inputs: list[Path]) -> list[Path]:
+    """Files as given; a directory becomes its files with a document or image suffix, sorted."""
+    out: list[Path] = []
+    for path in inputs:
+        if path.is_dir():
+            out.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in INPUT_SUFFIXES))
+        else:
+            out.append(path)
+    return out
 
 
 def add_options_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ from .protocol import PARATEXT_TYPES
 Status = Literal["success", "partial", "failure"]
 
 NOTEBOOK_MAX_SIDE = 1600  # pixels, long side of a page shown in a notebook (a 200 DPI page is 2200)
-_CROPPED_TYPES = ("image", "table", "equation")
+CROPPED_TYPES = ("image", "table", "equation")
+"""Block types whose crop is written to ``images/`` (and kept on ``Block.image`` after parsing)."""
 _CAPTION_OWNER = {
     "image_caption": "image",
     "image_footnote": "image",
@@ -49,8 +50,13 @@ class Block:
         angle: text rotation in degrees (0/90/180/270) or None if the model gave none.
         content: final content (text, LaTeX without delimiters, table HTML); None if not read.
         raw: the content step's raw output; None if not read.
-        finish_reason: ``"stop"``, ``"length"`` (a bound was hit), ``"repetition"`` (cut by the guard), or None.
+        finish_reason: ``"stop"``, ``"length"`` (a bound was hit), ``"repetition"`` (cut by the
+            guard), ``"timeout"``/``"cancelled"`` (ended early), ``"error"``, or None if not read.
         error: why this block has no content although it should, else None.
+        logprobs: log-probability of each generated token (see ``GenerationResult.logprobs``);
+            not serialized.
+        image: the block's crop of the rendered page (``CROPPED_TYPES`` only), kept so the
+            outputs can be written after the page image is gone; not serialized.
     """
 
     type: str
@@ -60,10 +66,19 @@ class Block:
     raw: str | None = None
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[float] | None = field(default=None, repr=False)
+    image: Image.Image | None = field(default=None, repr=False)
 
     def bbox_1000(self) -> list[int]:
         """The bbox as integers on MinerU's 0..1000 scale."""
         return [round(v * 1000) for v in self.bbox]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Block:
+        """The inverse of ``to_dict`` (images and log-probs are not serialized)."""
+        x1, y1, x2, y2 = data["bbox"]
+        fields = ("angle", "content", "raw", "finish_reason", "error")
+        return cls(data["type"], (x1, y1, x2, y2), **{k: data.get(k) for k in fields})
 
     def to_dict(self) -> dict:
         return {
@@ -111,6 +126,21 @@ class Page:
         buffer = io.BytesIO()
         overlay.save(buffer, format="PNG")
         return buffer.getvalue()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Page:
+        """The inverse of ``to_dict`` (without the image)."""
+        width, height = data["size"]
+        return cls(
+            data["page_idx"],
+            (width, height),
+            [Block.from_dict(b) for b in data["blocks"]],
+            data["status"],
+            list(data["errors"]),
+            list(data["warnings"]),
+            dict(data["timings"]),
+            data["layout_raw"],
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -177,9 +207,14 @@ class Document:
 
     @property
     def status(self) -> Status:
-        if self.errors or (self.pages and all(p.status == "failure" for p in self.pages)):
+        return self.status_of(self.errors, [p.status for p in self.pages])
+
+    @staticmethod
+    def status_of(errors: list[str], page_statuses: list[str]) -> Status:
+        """A document's status from its errors and its pages' statuses."""
+        if errors or (page_statuses and all(s == "failure" for s in page_statuses)):
             return "failure"
-        if any(p.status != "success" for p in self.pages):
+        if any(s != "success" for s in page_statuses):
             return "partial"
         return "success"
 
@@ -187,12 +222,17 @@ class Document:
         """MinerU-style Markdown: titles as ``#`` headings, equations as ``$$`` blocks, tables as
         HTML with their captions and footnotes, images as links to ``image_dir`` crops. Paratext
         (headers, footers, page numbers, side notes, page footnotes) is left out."""
-        parts: list[str] = []
-        for page in self.pages:
-            items, attached = _attach_captions(page.blocks)
-            for i in items:
-                parts.extend(self._markdown_item(page, i, attached.get(i, []), image_dir))
+        parts = (self.page_markdown(page, image_dir) for page in self.pages)
         return "\n\n".join(p for p in parts if p) + "\n"
+
+    @classmethod
+    def page_markdown(cls, page: Page, image_dir: str = "images") -> str:
+        """One page's part of ``to_markdown`` (without the final newline)."""
+        parts: list[str] = []
+        items, attached = _attach_captions(page.blocks)
+        for i in items:
+            parts.extend(cls._markdown_item(page, i, attached.get(i, []), image_dir))
+        return "\n\n".join(p for p in parts if p)
 
     @staticmethod
     def _markdown_item(page: Page, i: int, extras: list[int], image_dir: str) -> list[str]:
@@ -216,33 +256,37 @@ class Document:
 
     def to_content_list(self, image_dir: str = "images") -> list[dict]:
         """MinerU's ``content_list.json`` items, in reading order, paratext included."""
+        return [item for page in self.pages for item in self.page_content_list(page, image_dir)]
+
+    @staticmethod
+    def page_content_list(page: Page, image_dir: str = "images") -> list[dict]:
+        """One page's items of ``to_content_list``."""
         out: list[dict] = []
-        for page in self.pages:
-            items, attached = _attach_captions(page.blocks)
-            for i in items:
-                block, extras = page.blocks[i], attached.get(i, [])
-                item: dict = {"type": block.type}
-                if block.type in ("image", "table"):
-                    item["img_path"] = f"{image_dir}/{page.crop_name(i)}"
-                    item[f"{block.type}_caption"] = _texts(page.blocks, extras, "_caption")
-                    item[f"{block.type}_footnote"] = _texts(page.blocks, extras, "_footnote")
-                    if block.type == "table":
-                        item["table_body"] = block.content or ""
-                elif block.type == "equation":
-                    item.update(img_path=f"{image_dir}/{page.crop_name(i)}", text_format="latex")
-                    item["text"] = f"$$\n{block.content}\n$$" if block.content else ""
-                elif block.type in ("code", "algorithm"):
-                    item.update(type="code", sub_type=block.type, code_body=block.content or "")
-                    item["code_caption"] = _texts(page.blocks, extras, "_caption")
-                else:
-                    if block.type not in PARATEXT_TYPES:
-                        item["type"] = "text"
-                    item["text"] = block.content or ""
-                    if block.type == "title":
-                        item["text_level"] = 1
-                item["bbox"] = block.bbox_1000()
-                item["page_idx"] = page.index
-                out.append(item)
+        items, attached = _attach_captions(page.blocks)
+        for i in items:
+            block, extras = page.blocks[i], attached.get(i, [])
+            item: dict = {"type": block.type}
+            if block.type in ("image", "table"):
+                item["img_path"] = f"{image_dir}/{page.crop_name(i)}"
+                item[f"{block.type}_caption"] = _texts(page.blocks, extras, "_caption")
+                item[f"{block.type}_footnote"] = _texts(page.blocks, extras, "_footnote")
+                if block.type == "table":
+                    item["table_body"] = block.content or ""
+            elif block.type == "equation":
+                item.update(img_path=f"{image_dir}/{page.crop_name(i)}", text_format="latex")
+                item["text"] = f"$$\n{block.content}\n$$" if block.content else ""
+            elif block.type in ("code", "algorithm"):
+                item.update(type="code", sub_type=block.type, code_body=block.content or "")
+                item["code_caption"] = _texts(page.blocks, extras, "_caption")
+            else:
+                if block.type not in PARATEXT_TYPES:
+                    item["type"] = "text"
+                item["text"] = block.content or ""
+                if block.type == "title":
+                    item["text_level"] = 1
+            item["bbox"] = block.bbox_1000()
+            item["page_idx"] = page.index
+            out.append(item)
         return out
 
     def to_dict(self) -> dict:
@@ -271,27 +315,30 @@ class Document:
             json.dumps(self.to_dict(), ensure_ascii=False, indent=2), encoding="utf-8"
         )
         for page in self.pages:
-            if page.image is None:
-                continue
-            self._save_crops(page, out / "images")
-            (out / "layout").mkdir(exist_ok=True)
-            layout_overlay(page).save(out / "layout" / f"page_{page.index + 1:04d}.png")
+            save_page_images(page, out)
         return out
-
-    @staticmethod
-    def _save_crops(page: Page, image_dir: Path) -> None:
-        assert page.image is not None
-        width, height = page.size
-        for i, block in enumerate(page.blocks):
-            if block.type not in _CROPPED_TYPES:
-                continue
-            x1, y1, x2, y2 = block.bbox
-            image_dir.mkdir(exist_ok=True)
-            crop = page.image.crop((round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height)))
-            crop.save(image_dir / page.crop_name(i), quality=90)
 
     def _repr_markdown_(self) -> str:  # Jupyter renders a Document as its Markdown
         return self.to_markdown()
+
+
+def save_page_images(page: Page, out: Path) -> None:
+    """Write a page's block crops to ``out/images/`` and, when the page image is at hand, its
+    layout overlay to ``out/layout/page_NNNN.png``."""
+    width, height = page.size
+    for i, block in enumerate(page.blocks):
+        if block.type not in CROPPED_TYPES:
+            continue
+        crop = block.image
+        if crop is None and page.image is not None:
+            x1, y1, x2, y2 = block.bbox
+            crop = page.image.crop((round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height)))
+        if crop is not None:
+            (out / "images").mkdir(exist_ok=True)
+            crop.save(out / "images" / page.crop_name(i), quality=90)
+    if page.image is not None:
+        (out / "layout").mkdir(exist_ok=True)
+        layout_overlay(page).save(out / "layout" / f"page_{page.index + 1:04d}.png")
 
 
 def layout_overlay(page: Page) -> Image.Image:

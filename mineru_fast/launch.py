@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .cli_options import add_parse_arguments
+from .cli_options import add_parse_arguments, expand_inputs
 from .cpu import Topology, format_cpulist, read_topology
 from .errors import MineruFastError
 
@@ -127,7 +127,8 @@ def _stream(worker: Worker, pipe: TextIO, out: TextIO, lock: threading.Lock, pre
 
 
 def split_parse_args(parse_args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``["parse", "a.pdf", "-o", "out", "b.png"]`` -> (inputs, the other arguments).
+    """``["parse", "a.pdf", "-o", "out", "b.png"]`` -> (input files, the other arguments); a
+    directory among the inputs is replaced by its files (``cli_options.expand_inputs``).
 
     Raises:
         LaunchError: the command is not ``parse ...`` or names no input.
@@ -140,11 +141,12 @@ def split_parse_args(parse_args: Sequence[str]) -> tuple[list[str], list[str]]:
         args = parser.parse_args(list(parse_args[1:]))
     except SystemExit as exc:
         raise LaunchError(f"invalid parse arguments: {' '.join(parse_args[1:])}") from exc
-    inputs = [str(p) for p in args.inputs]
+    given = [str(p) for p in args.inputs]
     rest = list(parse_args[1:])
     # argparse took the inputs as one run of consecutive arguments: remove exactly that run.
-    start = next(i for i in range(len(rest)) if rest[i : i + len(inputs)] == inputs)
-    return inputs, rest[:start] + rest[start + len(inputs) :]
+    start = next(i for i in range(len(rest)) if rest[i : i + len(given)] == given)
+    # directories become their files here, so they are dealt to the workers file by file
+    return [str(p) for p in expand_inputs(args.inputs)], rest[:start] + rest[start + len(given) :]
 
 
 def launch(

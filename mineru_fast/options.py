@@ -38,10 +38,15 @@ class ParserOptions:
             keys and values it reads, which made decode attention ~3.7x slower than from a
             float32 store: 11 vs 3 ms per layer at batch 16 and 1500 positions, 2 threads).
         slots: sequences decoded together by the fast engine (its KV buffers hold this many).
-        max_seq_len: prompt + generated tokens per slot (fast engine KV buffer length).
+        max_seq_len: prompt + generated tokens per slot (fast engine KV buffer length). None
+            (default): room for the largest image prompt plus the largest ``max_new_tokens``, so
+            output bounds count generated tokens only; the buffers are reserved, not committed,
+            so the unused length costs no memory. A smaller value refuses requests that do not
+            fit (an error, never a silent cut).
         page_window: pages whose layout passes, then whose crops, are batched together.
-        repetition_window: fast engine repetition guard: a sequence whose last N tokens hold at
-            most 2 distinct ids is ended and flagged (0 disables).
+        repetition_window: fast engine repetition guard: a free-running sequence whose last N
+            tokens are near-periodic (a loop, even one the no-repeat-n-gram rule keeps breaking)
+            is ended with ``finish_reason="repetition"`` and its page marked partial (0 disables).
         backend: ``"stock"`` (PyTorch), ``"ipex"`` (Intel Extension for PyTorch when installed and
             matching torch; the stock backend with a warning otherwise) or ``"auto"`` (what the
             recorded measurement says is faster on this CPU); fast engine only (see
@@ -61,7 +66,7 @@ class ParserOptions:
     vision_mode: str = "eager"
     kv_dtype: str = "auto"
     slots: int = 16
-    max_seq_len: int = 6144
+    max_seq_len: int | None = None
     page_window: int = 4
     repetition_window: int = 512
     backend: str = "stock"
@@ -92,7 +97,9 @@ class ParserOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.repetition_window < 0:
             raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
-        for name in ("slots", "max_seq_len", "page_window", "dpi", "max_side", "max_image_pixels"):
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for task, bound in self.max_new_tokens.items():

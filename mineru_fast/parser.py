@@ -1,27 +1,30 @@
-"""``DocumentParser``: the one entry point. Source in, ``Document`` out.
+"""``DocumentParser``: the one entry point. Source in, pages (streamed) or a ``Document`` out.
 
 Per page: render -> layout request (1036x1036, "Layout Detection:") -> blocks -> one content
 request per readable block (crop of the full-resolution page) -> post-processing -> ``Page``.
-The pages of a window share one engine call: each page's crops join the batch as soon as its
-layout is read.
-A page that fails is reported on its own and the other pages go on.
+Requests go to the engine's shared loop as soon as they exist (a page's crops join the batch the
+moment its layout is read), so pages of one document, and the documents of concurrent callers,
+decode together. At most ``page_window`` pages of a document are in flight; each page leaves the
+parser once it is done and yielded. A page that fails is a page result; the other pages go on.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 
-from .document import Block, Document, Page
-from .engine.base import Engine, GenerationRequest, GenerationResult
+from .document import CROPPED_TYPES, Block, Document, Page
+from .engine.base import Engine, GenerationRequest, GenerationResult, RequestHandle
 from .errors import InputError, TraceError
 from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
-from .inputs import OpenedDocument, Source, open_document
+from .inputs import Source, open_document
 from .options import ParserOptions
 from .postprocess import postprocess_content
 from .protocol import LAYOUT_TASK, NOT_READ_TYPES, crop_block, layout_image, parse_layout, prompt_for, task_of
@@ -29,23 +32,58 @@ from .traces import PageTrace, Trace, load_trace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DocumentParser"]
+__all__ = ["DocumentParser", "CUT_REASONS"]
+
+CUT_REASONS = ("length", "repetition", "timeout", "cancelled")
+"""Finish reasons of an output that ended before the model did: the block's text may be incomplete."""
 
 
-def _add_timings(timings: dict[str, float], results: Iterable[GenerationResult]) -> None:
-    for r in results:
-        timings["vision"] = timings.get("vision", 0.0) + r.vision_s
-        timings["prefill"] = timings.get("prefill", 0.0) + r.prefill_s
-        timings["decode"] = timings.get("decode", 0.0) + r.decode_s
-        timings["tokens"] = timings.get("tokens", 0) + len(r.token_ids)
+def _add_timings(timings: dict[str, float], result: GenerationResult) -> None:
+    for key, value in (("vision", result.vision_s), ("prefill", result.prefill_s), ("decode", result.decode_s)):
+        timings[key] = timings.get(key, 0.0) + value
+
+
+@dataclass(eq=False)
+class _PageWork:
+    """A page in flight: its trace, its layout request, then its content requests."""
+
+    page: Page
+    trace: PageTrace | None
+    layout: RequestHandle | None = None
+    layout_read: bool = False
+    contents: dict[int, RequestHandle] = field(default_factory=dict)  # block index -> request
+    done: bool = False
+
+    def handles(self) -> list[RequestHandle]:
+        return ([self.layout] if self.layout is not None else []) + list(self.contents.values())
+
+
+class _ImagePages:
+    """A list of PIL images as one document (``OpenedDocument``'s reading interface)."""
+
+    def __init__(self, images: list[Image.Image], limits: dict[str, int]) -> None:
+        self.name, self.images, self.limits = "document", images, limits
+        self.page_count = len(images)
+        self.page_indices = list(range(len(images)))
+
+    def render(self, index: int) -> Image.Image:
+        with open_document(self.images[index], **self.limits) as opened:
+            return opened.render(0)
+
+    def __enter__(self) -> _ImagePages:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class DocumentParser:
-    """Parses PDFs and images into ``Document`` objects with a MinerU2.5 model.
+    """Parses PDFs and images with a MinerU2.5 model.
 
-    Build it with ``from_pretrained``; then ``parse`` one document or stream many with
-    ``parse_many``. Thread-safe: concurrent ``parse`` calls take turns on the engine (one lock),
-    so they are correct but not faster than calling one after another.
+    Build it with ``from_pretrained``; then ``parse`` one document, stream its pages with
+    ``iter_pages``, or stream many documents with ``parse_many``. Thread-safe without a lock:
+    concurrent calls from several threads share the engine's batch (that is what makes them
+    faster together than one after another).
 
     Args:
         engine: an inference engine (see ``mineru_fast.engine``).
@@ -62,7 +100,6 @@ class DocumentParser:
         self.options = options
         self.model_dir = model_dir
         self.model_info = model_info if model_info is not None else ModelInfo.from_dir(model_dir)
-        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -102,6 +139,18 @@ class DocumentParser:
         engine = build_engine(info.local_dir, options)
         return cls(engine, options, info.local_dir, info)
 
+    def close(self) -> None:
+        """Stop the engine loop (requests still running end ``cancelled``)."""
+        self.engine.close()
+
+    def __enter__(self) -> DocumentParser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public API ------------------------------------------------------------------------------
+
     def parse(
         self,
         source: Source | list[Image.Image],
@@ -109,6 +158,7 @@ class DocumentParser:
         pages: str | None = None,
         password: str | None = None,
         replay: Trace | str | Path | None = None,
+        keep_page_images: bool = False,
     ) -> Document:
         """Parse one document.
 
@@ -119,6 +169,8 @@ class DocumentParser:
             password: user password of an encrypted PDF.
             replay: a trace (or its path) whose outputs are forced instead of decoded (benchmarks,
                 pipeline tests); see ``mineru_fast.traces``.
+            keep_page_images: keep each rendered page on ``Page.image`` (layout overlays need
+                it); by default only the crops the outputs use are kept (``Block.image``).
 
         Returns:
             The ``Document``; per-page failures are in ``page.errors`` and ``document.status``.
@@ -127,46 +179,43 @@ class DocumentParser:
             InputError: the document cannot be opened (format, password, corruption, page range).
             TraceError: the replay trace is unreadable or has fewer pages than the document.
         """
-        trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
-        with self._lock:
-            return self._parse(source, pages, password, trace)
-
-    def _parse(
-        self, source: Source | list[Image.Image], pages: str | None, password: str | None, trace: Trace | None
-    ) -> Document:
         start = time.perf_counter()
-        if isinstance(source, list):
-            return self._finish(self._parse_images(source, trace), start)
-        with open_document(source, pages=pages, password=password, **self._input_limits()) as opened:
-            if trace is not None and len(trace.pages) < opened.page_count:
-                raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
-            document = Document(opened.name)
-            progress = self._progress(len(opened.page_indices), opened.name)
-            window = self.options.page_window
-            for first in range(0, len(opened.page_indices), window):
-                indices = opened.page_indices[first : first + window]
-                batch = [(self._render(opened, i), self._page_trace(trace, i)) for i in indices]
-                self._run_pages(batch)
-                document.pages.extend(page for page, _ in batch)
-                progress.update(len(indices))
-            progress.close()
-        return self._finish(document, start)
-
-    def _parse_images(self, images: list[Image.Image], trace: Trace | None) -> Document:
-        """Pages given as PIL images: one document, windows of ``page_window`` pages."""
-        document = Document("document")
-        window = self.options.page_window
-        for first in range(0, len(images), window):
-            batch = []
-            for i in range(first, min(first + window, len(images))):
-                with open_document(images[i], **self._input_limits()) as opened:
-                    batch.append((self._render(opened, 0, page_index=i), self._page_trace(trace, i)))
-            self._run_pages(batch)
-            document.pages.extend(page for page, _ in batch)
+        name, collected = "document", []
+        for page in self._iter_pages(source, pages, password, replay, keep_page_images):
+            if isinstance(page, str):
+                name = page
+            else:
+                collected.append(page)
+        document = Document(name, pages=collected)
+        for page in document.pages:
+            for key, value in page.timings.items():
+                document.timings[key] = document.timings.get(key, 0.0) + value
+        document.timings["wall"] = time.perf_counter() - start
         return document
 
+    def iter_pages(
+        self,
+        source: Source | list[Image.Image],
+        *,
+        pages: str | None = None,
+        password: str | None = None,
+        replay: Trace | str | Path | None = None,
+        keep_page_images: bool = False,
+    ) -> Iterator[Page]:
+        """Parse one document page by page, yielding each ``Page`` (in page order) as soon as it
+        and the pages before it are done. The document is opened once; at most ``page_window``
+        pages are rendered and in flight at a time, and nothing of a yielded page stays in the
+        parser, so memory stays flat in the page count. A page that fails is yielded with status
+        ``failure``. Closing the iterator early cancels the pages still in flight.
+
+        Arguments and errors as ``parse``; errors are raised on the first ``next()``.
+        """
+        for page in self._iter_pages(source, pages, password, replay, keep_page_images):
+            if not isinstance(page, str):
+                yield page
+
     def parse_many(self, sources: Iterable[Source], **kwargs: object) -> Iterator[Document]:
-        """Parse documents one after another, yielding each when done (bounded memory).
+        """Parse documents one after another, yielding each when done.
 
         A document that cannot be opened is yielded as a ``failure`` Document carrying the error,
         so one bad input never stops the stream. Keyword arguments go to ``parse``.
@@ -178,9 +227,176 @@ class DocumentParser:
                 name = Path(source).stem if isinstance(source, (str, Path)) else "document"
                 yield Document(name, errors=[f"{type(exc).__name__}: {exc}"])
 
-    def _input_limits(self) -> dict[str, int]:
+    # -- the page pipeline -----------------------------------------------------------------------
+
+    def _iter_pages(
+        self,
+        source: Source | list[Image.Image],
+        pages: str | None,
+        password: str | None,
+        replay: Trace | str | Path | None,
+        keep_page_images: bool,
+    ) -> Iterator[Page | str]:
+        """Yields the document's name first, then its pages."""
+        trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
         o = self.options
-        return {"dpi": o.dpi, "max_side": o.max_side, "max_pixels": o.max_image_pixels}
+        limits = {"dpi": o.dpi, "max_side": o.max_side, "max_pixels": o.max_image_pixels}
+        if isinstance(source, list):
+            opened = _ImagePages(source, limits)
+        else:
+            opened = open_document(source, pages=pages, password=password, **limits)  # type: ignore[assignment]
+        with opened:
+            if trace is not None and len(trace.pages) < opened.page_count:
+                raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
+            yield opened.name
+            progress = self._progress(len(opened.page_indices), opened.name)
+            try:
+                for page in self._run_pages(opened, trace, keep_page_images):
+                    progress.update(1)
+                    yield page
+            finally:
+                progress.close()
+
+    def _run_pages(self, opened, trace: Trace | None, keep_page_images: bool) -> Iterator[Page]:
+        """Render pages into a window of at most ``page_window``, submit their requests, advance
+        each page as its requests finish, yield pages in order."""
+        indices = iter(opened.page_indices)
+        window: deque[_PageWork] = deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(window) < self.options.page_window:
+                    index = next(indices, None)
+                    if index is None:
+                        exhausted = True
+                        break
+                    window.append(self._start_page(opened, index, trace))
+                if not window:
+                    return
+                if window[0].done:
+                    work = window.popleft()
+                    self._finish_page(work, keep_page_images)
+                    yield work.page
+                    continue
+                self._advance(window)
+        finally:
+            for work in window:  # an abandoned iterator: stop what is still running
+                for handle in work.handles():
+                    handle.cancel()
+
+    def _start_page(self, opened, index: int, trace: Trace | None) -> _PageWork:
+        page = Page(index)
+        work = _PageWork(page, self._page_trace(trace, index))
+        start = time.perf_counter()
+        try:
+            page.image = opened.render(index)
+            page.size = page.image.size
+        except InputError as exc:
+            page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
+            work.done = True
+        page.timings["render"] = time.perf_counter() - start
+        if page.image is not None:
+            request = GenerationRequest(
+                layout_image(page.image),
+                prompt_for(LAYOUT_TASK),
+                self.options.sampling(LAYOUT_TASK),
+                forced_text=work.trace.layout if work.trace else None,
+            )
+            try:
+                work.layout = self.engine.submit(request)
+            except Exception as exc:  # engines report failures as results; this guards a broken one
+                logger.exception("page %d: the engine refused its layout request", index + 1)
+                page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
+                work.done = True
+        return work
+
+    def _advance(self, window: deque[_PageWork]) -> None:
+        """Wait until some request of the window finishes, then move its page forward."""
+        owner = {h.future: w for w in window if not w.done for h in w.handles() if not h.done()}
+        if owner:
+            concurrent.futures.wait(owner, return_when=concurrent.futures.FIRST_COMPLETED)
+        for work in window:
+            if work.done:
+                continue
+            try:
+                if not work.layout_read and work.layout is not None and work.layout.done():
+                    work.layout_read = True
+                    self._read_layout(work)
+                if work.layout_read and all(h.done() for h in work.contents.values()):
+                    self._read_contents(work)
+                    work.done = True
+            except Exception as exc:  # a broken page fails alone; the document goes on
+                logger.exception("page %d failed", work.page.index + 1)
+                page = work.page
+                page.status, page.errors, page.blocks = "failure", [*page.errors, f"{type(exc).__name__}: {exc}"], []
+                for handle in work.contents.values():
+                    handle.cancel()
+                work.done = True
+
+    def _read_layout(self, work: _PageWork) -> None:
+        """The page's layout result -> its blocks and the content requests of readable blocks."""
+        page, trace = work.page, work.trace
+        assert work.layout is not None and page.image is not None
+        layout = work.layout.result()
+        _add_timings(page.timings, layout)
+        if layout.finish_reason == "error":
+            raise RuntimeError(f"layout step failed: {layout.error}")
+        page.layout_raw = layout.text
+        blocks, warnings = parse_layout(layout.text)
+        page.warnings.extend(warnings)
+        if layout.finish_reason in CUT_REASONS:
+            page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
+            page.status = "partial"
+        if not blocks and layout.text.strip():
+            page.status = "failure"
+            page.errors.append("layout output holds no valid block")
+        elif warnings:
+            page.status = "partial"
+        if trace is not None and len(trace.contents) != len(blocks):
+            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
+        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
+        for i, block in enumerate(blocks):
+            if block.type in NOT_READ_TYPES:
+                continue
+            crop = crop_block(page.image, block)
+            if crop is None:
+                page.blocks[i].error = "block is smaller than one pixel"
+                continue
+            task = task_of(block.type)
+            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
+            request = GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced)
+            work.contents[i] = self.engine.submit(request)
+
+    def _read_contents(self, work: _PageWork) -> None:
+        """Content results -> block contents; cut or failed blocks make the page ``partial``."""
+        page = work.page
+        for i, handle in work.contents.items():
+            result = handle.result()
+            _add_timings(page.timings, result)
+            block = page.blocks[i]
+            block.raw, block.finish_reason, block.logprobs = result.text, result.finish_reason, result.logprobs
+            if result.finish_reason == "error":
+                block.error = result.error
+            else:
+                block.content = postprocess_content(block.type, result.text)
+            if result.finish_reason in CUT_REASONS:
+                page.warnings.append(f"block {i} ({block.type}) was cut: {result.finish_reason}")
+        if page.status == "success" and any(b.error or b.finish_reason in CUT_REASONS for b in page.blocks):
+            page.status = "partial"
+
+    def _finish_page(self, work: _PageWork, keep_page_images: bool) -> None:
+        page = work.page
+        if page.image is not None:
+            width, height = page.size
+            for block in page.blocks:
+                if block.type in CROPPED_TYPES:
+                    x1, y1, x2, y2 = block.bbox
+                    box = (round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height))
+                    block.image = page.image.crop(box)
+            if not keep_page_images:
+                page.image = None
+        stages = ("render", "vision", "prefill", "decode")
+        page.timings["total"] = sum(page.timings.get(k, 0.0) for k in stages)
 
     def _progress(self, total: int, name: str):
         from tqdm.auto import tqdm
@@ -194,124 +410,3 @@ class DocumentParser:
         if index >= len(trace.pages):
             raise TraceError(f"trace has no page {index + 1}")
         return trace.pages[index]
-
-    @staticmethod
-    def _render(opened: OpenedDocument, index: int, page_index: int | None = None) -> Page:
-        page = Page(index if page_index is None else page_index)
-        start = time.perf_counter()
-        try:
-            page.image = opened.render(index)
-            page.size = page.image.size
-        except InputError as exc:
-            page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
-        page.timings["render"] = time.perf_counter() - start
-        return page
-
-    def _run_pages(self, batch: list[tuple[Page, PageTrace | None]]) -> None:
-        """Layout and content steps for a window of rendered pages, batched across the window.
-
-        If the batch fails as a whole, each page is retried alone, so a broken page fails alone.
-        """
-        batch = [(page, trace) for page, trace in batch if page.image is not None]
-        if not batch:
-            return
-        try:
-            self._layout_and_content(batch)
-        except Exception as exc:  # a broken page fails alone; the document goes on
-            if len(batch) > 1:
-                for item in batch:
-                    self._run_pages([item])
-                return
-            page = batch[0][0]
-            logger.exception("page %d failed", page.index + 1)
-            page.status, page.errors = "failure", page.errors + [f"{type(exc).__name__}: {exc}"]
-            page.blocks = []
-        for page, _ in batch:
-            stages = ("render", "vision", "prefill", "decode")
-            page.timings["total"] = sum(page.timings.get(k, 0.0) for k in stages)
-
-    def _layout_and_content(self, batch: list[tuple[Page, PageTrace | None]]) -> None:
-        """One engine call for the window: the layout requests, and each page's crops submitted
-        as soon as its layout is read, so they decode alongside the other pages' layouts."""
-        layout_requests = [
-            GenerationRequest(
-                layout_image(page.image),  # type: ignore[arg-type]
-                prompt_for(LAYOUT_TASK),
-                self.options.sampling(LAYOUT_TASK),
-                forced_text=trace.layout if trace else None,
-            )
-            for page, trace in batch
-        ]
-        targets: dict[int, tuple[Page, int]] = {}  # engine index of a content request -> block
-        next_index = len(layout_requests)
-
-        def on_result(index: int, result: GenerationResult) -> list[GenerationRequest]:
-            nonlocal next_index
-            if index >= len(batch):
-                return []
-            page, trace = batch[index]
-            requests = self._content_requests(page, trace, result, targets, next_index)
-            next_index += len(requests)
-            return requests
-
-        results = self.engine.generate(layout_requests, on_result=on_result)
-        for index, (page, i) in targets.items():
-            result = results[index]
-            _add_timings(page.timings, [result])
-            block = page.blocks[i]
-            block.raw, block.finish_reason = result.text, result.finish_reason
-            if result.finish_reason == "error":
-                block.error = result.error
-            else:
-                block.content = postprocess_content(block.type, result.text)
-            if result.finish_reason in ("length", "repetition"):
-                page.warnings.append(f"block {i} ({block.type}) was cut: {result.finish_reason}")
-        for page, _ in batch:
-            if any(b.error for b in page.blocks):
-                page.status = "partial"
-
-    def _content_requests(
-        self,
-        page: Page,
-        trace: PageTrace | None,
-        layout: GenerationResult,
-        targets: dict[int, tuple[Page, int]],
-        first_index: int,
-    ) -> list[GenerationRequest]:
-        """Read a page's layout result into its blocks; the crop requests of its readable blocks,
-        recorded in ``targets`` from ``first_index`` on.
-
-        Raises:
-            RuntimeError: the layout request failed (the window is then retried page by page).
-        """
-        _add_timings(page.timings, [layout])
-        if layout.finish_reason == "error":
-            raise RuntimeError(f"layout step failed on page {page.index + 1}: {layout.error}")
-        page.layout_raw = layout.text
-        blocks, page.warnings = parse_layout(layout.text)
-        if layout.finish_reason in ("length", "repetition"):
-            page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
-        if trace is not None and len(trace.contents) != len(blocks):
-            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
-        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
-        requests = []
-        for i, block in enumerate(blocks):
-            if block.type in NOT_READ_TYPES:
-                continue
-            crop = crop_block(page.image, block)  # type: ignore[arg-type]
-            if crop is None:
-                page.blocks[i].error = "block is smaller than one pixel"
-                continue
-            task = task_of(block.type)
-            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
-            targets[first_index + len(requests)] = (page, i)
-            requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
-        return requests
-
-    @staticmethod
-    def _finish(document: Document, start: float) -> Document:
-        for page in document.pages:
-            for key, value in page.timings.items():
-                document.timings[key] = document.timings.get(key, 0.0) + value
-        document.timings["wall"] = time.perf_counter() - start
-        return document

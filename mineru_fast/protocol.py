@@ -92,19 +92,30 @@ class SamplingParams:
     Attributes:
         presence_penalty: subtracted once from the logit of every token already generated.
         frequency_penalty: subtracted from a token's logit per time it was generated.
+        repetition_penalty: multiplicative penalty (CTRL / vLLM semantics) on every token of the
+            prompt or the output so far: a positive logit is divided by it, a negative one
+            multiplied. 1.0 (MinerU's value) disables it.
         no_repeat_ngram_size: a token that would repeat an n-gram of the generated tokens is banned
             (the prompt does not count). 0 disables.
         max_new_tokens: hard bound on generated tokens, the end token included.
+        min_new_tokens: the end tokens are banned until this many tokens are generated (vLLM's
+            ``min_tokens``); 0 (MinerU's value) disables it.
     """
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 100
     max_new_tokens: int = 4096
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in 0..max_new_tokens, got {self.min_new_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 

@@ -33,3 +33,19 @@ def image_bytes(image: Image.Image, fmt: str, **kwargs: object) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt, **kwargs)
     return buf.getvalue()
+
+
+SAMPLE_LAYOUT = (
+    "<|box_start|>100 080 900 140<|box_end|><|ref_start|>title<|ref_end|><|rotate_up|>\n"
+    "<|box_start|>100 180 900 420<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>\n"
+    "<|box_start|>100 460 900 820<|box_end|><|ref_start|>image<|ref_end|><|rotate_up|>\n"
+    "<|box_start|>100 840 900 900<|box_end|><|ref_start|>image_caption<|ref_end|><|rotate_up|>"
+)
+SAMPLE_CONTENTS = ["A replayed title", "A replayed paragraph of body text.", None, "Figure 1: a caption."]
+
+
+def sample_trace(n_pages: int):
+    """A replay trace giving every page the same four blocks (title, text, image, caption)."""
+    from mineru_fast.traces import PageTrace, Trace
+
+    return Trace([PageTrace(SAMPLE_LAYOUT, list(SAMPLE_CONTENTS)) for _ in range(n_pages)])

@@ -10,16 +10,18 @@ import time
 
 import pytest
 from conftest import CORPUS, WORKLOAD, need
-from samples import pdf_bytes
+from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
 
 from mineru_fast import DocumentParser, ParserOptions
 from mineru_fast.cli import main
+from mineru_fast.engine.base import GenerationResult, RequestHandle
 from mineru_fast.inputs import open_document
 from mineru_fast.protocol import PARATEXT_TYPES, layout_image, parse_layout
-from mineru_fast.traces import html_table_cells, load_trace
+from mineru_fast.traces import PageTrace, Trace, html_table_cells, load_trace
 
-# Random weights never emit a valid layout, so bounding the layout step keeps each page short.
-BOUNDS = "layout=48,text=16,table=16,equation=16"
+# Random weights never emit a valid layout and read crops endlessly: bounds keep free-running pages
+# short; replayed ones fit (SAMPLE_LAYOUT is ~90 tokens).
+BOUNDS = "layout=160,text=16,table=16,equation=16"
 
 
 @pytest.fixture(scope="module")
@@ -28,41 +30,53 @@ def parser(tiny_model):
 
 
 def test_every_corpus_file_parses(tiny_model, tmp_path, capsys):
+    """Every page of every corpus file goes through the whole pipeline (render, layout request,
+    crops, content requests, writer) with a replayed four-block layout."""
     files = sorted(p for p in need(CORPUS).iterdir() if p.suffix != ".md" and "password_required" not in p.name)
-    rc = main(
-        [
-            "parse",
-            *map(str, files),
-            "-o",
-            str(tmp_path),
-            "--model",
-            str(tiny_model),
-            "--preset",
-            "exact",
-            "--max-new-tokens",
-            BOUNDS,
-        ]
-    )
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for f in files:
+        with open_document(f) as opened:
+            sample_trace(opened.page_count).save(traces / f"{f.stem}.json")
+    out = tmp_path / "out"
+    args = ["parse", *map(str, files), "-o", str(out), "--model", str(tiny_model), "--replay", str(traces)]
+    rc = main([*args, "--preset", "exact", "--max-new-tokens", BOUNDS])
     assert rc == 0, capsys.readouterr().err
     for f in files:
-        result = json.loads((tmp_path / f.stem / f"{f.stem}.json").read_text())
+        result = json.loads((out / f.stem / f"{f.stem}.json").read_text())
         assert result["status"] == "success"
-        assert all(p["size"][0] > 0 for p in result["pages"])
-        assert (tmp_path / f.stem / "layout" / "page_0001.png").is_file()
-    frames = json.loads((tmp_path / "doclaynet_page_2frames" / "doclaynet_page_2frames.json").read_text())
+        assert all(p["size"][0] > 0 and len(p["blocks"]) == 4 for p in result["pages"])
+        assert (out / f.stem / "layout" / "page_0001.png").is_file()
+        assert "A replayed paragraph of body text." in (out / f.stem / f"{f.stem}.md").read_text()
+    frames = json.loads((out / "doclaynet_page_2frames" / "doclaynet_page_2frames.json").read_text())
     assert len(frames["pages"]) == 2
-    academic = json.loads((tmp_path / "academic_tableformer_10p" / "academic_tableformer_10p.json").read_text())
+    academic = json.loads((out / "academic_tableformer_10p" / "academic_tableformer_10p.json").read_text())
     assert [p["page_idx"] for p in academic["pages"]] == list(range(10))
+
+
+def test_garbage_layout_is_a_failure_and_dropped_lines_make_a_page_partial(parser):
+    """A layout output with no valid line is not an empty successful page, and malformed lines
+    beside valid ones are reported: the page is partial and its warnings say what was dropped."""
+    image = text_page()
+    garbage = Trace([PageTrace("<|box_start|>1 2 3<|box_end|> junk <|ref_start|>text", [])])
+    (page,) = parser.parse(image, replay=garbage).pages
+    assert page.status == "failure" and page.blocks == [] and "no valid block" in page.errors[0]
+    mixed = SAMPLE_LAYOUT + "\n<|box_start|>100 900 900 2000<|box_end|><|ref_start|>text<|ref_end|>"
+    (page,) = parser.parse(image, replay=Trace([PageTrace(mixed, [*SAMPLE_CONTENTS, "lost"])])).pages
+    assert page.status == "partial" and len(page.blocks) == 4
+    assert any("invalid box" in w for w in page.warnings)
 
 
 def test_password_pdf_exits_2_then_parses_with_password(tiny_model, tmp_path, capsys):
     pdf = need(CORPUS / "password_required_pw-1234.pdf")
+    trace = tmp_path / "trace.json"
+    sample_trace(8).save(trace)
     args = ["parse", str(pdf), "-o", str(tmp_path), "--model", str(tiny_model), "--max-new-tokens", BOUNDS]
-    assert main(args) == 2
+    assert main([*args, "--replay", str(trace)]) == 2
     err = capsys.readouterr().err.strip()
     assert "--password" in err and len(err.splitlines()) == 1
-    assert main([*args, "--password", "1234"]) == 0
-    assert (tmp_path / pdf.stem / f"{pdf.stem}.md").is_file()
+    assert main([*args, "--replay", str(trace), "--password", "1234"]) == 0
+    assert "A replayed title" in (tmp_path / pdf.stem / f"{pdf.stem}.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -119,25 +133,29 @@ def test_bad_page_fails_alone(tiny_model, tmp_path):
     path = tmp_path / "two.pdf"
     path.write_bytes(pdf_bytes(2))
     doc = parser.parse(path, pages="1-2")
-    assert [p.status for p in doc.pages] == ["success", "success"]
+    # 16 tokens cut every random-weight layout: each page says so (partial), none fails
+    assert [p.status for p in doc.pages] == ["partial", "partial"]
+    assert all("layout output was cut (length)" in p.warnings[-1] for p in doc.pages)
 
     with open_document(path) as opened:
         first_layout = layout_image(opened.render(0)).tobytes()
 
     class BrokenOnPage:
-        """Raises on any batch holding page 1's layout request (the window, then page 1 alone)."""
+        """Fails page 1's layout request, as the engine does for a request it cannot run."""
 
         def __init__(self, engine, poison):
             self.engine, self.poison = engine, poison
 
-        def generate(self, requests, on_result=None):
-            if any(r.image.tobytes() == self.poison for r in requests):
-                raise RuntimeError("engine blew up")
-            return self.engine.generate(requests, on_result)
+        def submit(self, request):
+            if request.image.tobytes() != self.poison:
+                return self.engine.submit(request)
+            handle = RequestHandle(request)
+            handle.set_result(GenerationResult.failed(RuntimeError("engine blew up")))
+            return handle
 
     broken = DocumentParser(BrokenOnPage(parser.engine, first_layout), parser.options, parser.model_dir)
     doc = broken.parse(path)
-    assert [p.status for p in doc.pages] == ["failure", "success"]
+    assert [p.status for p in doc.pages] == ["failure", "partial"]
     assert "engine blew up" in doc.pages[0].errors[0] and doc.status == "partial"
 
 

@@ -68,3 +68,31 @@ def test_reset_row_clears_history():
     rules.observe([1])
     rules.reset_row(0, SamplingParams(), None)
     assert torch.equal(rules(torch.zeros(1, 3)), torch.zeros(1, 3))
+
+
+def test_repetition_penalty_covers_prompt_and_output_like_transformers():
+    """vLLM's and transformers' repetition penalty: every token of the prompt or the output so far
+    has its logit divided by the penalty when positive, multiplied when negative."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    prompt, generated = [3, 7, 7, 1], [5, 3]
+    params = SamplingParams(repetition_penalty=1.3, no_repeat_ngram_size=0)
+    rules = BatchLogitsProcessor([params], [None], vocab_size=10)
+    rules.reset_row(0, params, None, torch.tensor(prompt))
+    rules.observe([generated[0]])
+    rules.observe([generated[1]])
+    scores = torch.linspace(-2, 2, 10)[None]
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + generated]), scores.clone())
+    assert torch.allclose(rules(scores.clone()), expected)
+    plain = BatchLogitsProcessor([SamplingParams(no_repeat_ngram_size=0)], [None], vocab_size=10)
+    assert torch.equal(plain(scores.clone()), scores)
+
+
+def test_min_new_tokens_bans_the_end_tokens_until_reached():
+    params = SamplingParams(min_new_tokens=2, max_new_tokens=5, no_repeat_ngram_size=0)
+    rules = BatchLogitsProcessor([params], [None], vocab_size=6, end_ids=[5])
+    end_first = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])
+    for _ in range(2):
+        assert int(rules(end_first.clone()).argmax()) != 5
+        rules.observe([1])
+    assert int(rules(end_first.clone()).argmax()) == 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..options import ParserOptions
+from ..options import TASKS, ParserOptions
 from ..threads import set_torch_threads
 from .base import DTYPES, Engine
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
@@ -46,6 +46,7 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
         precision=options.precision,
         slots=options.slots,
         max_seq_len=options.max_seq_len,
+        max_new_tokens=max(options.sampling(task).max_new_tokens for task in TASKS),
         kv_dtype=None if options.kv_dtype == "auto" else DTYPES[options.kv_dtype],
         vision_mode=options.vision_mode,
         vision_quant=quant("vision"),

@@ -55,12 +55,16 @@ class KVCache(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.k.dtype
 
-    def write_prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt's keys/values ``[1, kv_heads, T, head_dim]`` at positions ``0..T-1``
-        (cast to the storage dtype)."""
-        length = k.shape[2]
-        self.k[slot, :, :length] = k[0]
-        self.v[slot, :, :length] = v[0]
+    def write_prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Store prompt keys/values ``[1, kv_heads, T, head_dim]`` at positions
+        ``start..start+T-1`` of ``slot`` (cast to the storage dtype)."""
+        end = start + k.shape[2]
+        self.k[slot, :, start:end] = k[0]
+        self.v[slot, :, start:end] = v[0]
+
+    def read(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[1, kv_heads, length, head_dim]`` of ``slot``'s first ``length`` positions."""
+        return self.k[slot : slot + 1, :, :length], self.v[slot : slot + 1, :, :length]
 
     def write_decode(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor

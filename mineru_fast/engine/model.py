@@ -7,6 +7,7 @@ gate/up projections are fused into one matmul each.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -97,12 +98,40 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         return q, k, v
 
-    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: int) -> torch.Tensor:
-        """``x`` ``[1, T, hidden]``; causal attention over the prompt; fills ``slot``'s cache."""
+    def prefill(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """Prompt chunks of several sequences packed along the token axis.
+
+        Args:
+            x: ``[1, T, hidden]``, the chunks concatenated.
+            cos, sin: ``[1, 1, T, head_dim]`` rotary tables of those tokens.
+            parts: per chunk ``(slot, start, length)``: its tokens are positions
+                ``start..start+length-1`` of ``slot``'s sequence. The keys/values are written there
+                and each chunk attends causally to its slot's cache up to its own positions (a
+                chunk with ``start == 0`` attends to itself only).
+
+        Returns:
+            ``[1, T, hidden]``.
+        """
         q, k, v = self._qkv(x, cos, sin)
         assert self.kv_cache is not None
-        self.kv_cache.write_prefill(slot, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        outputs, offset = [], 0
+        for slot, start, length in parts:
+            rows = slice(offset, offset + length)
+            qi, ki, vi = q[:, :, rows], k[:, :, rows], v[:, :, rows]
+            self.kv_cache.write_prefill(slot, ki, vi, start)
+            if start == 0:
+                out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            else:  # earlier chunks come from the cache; query i sees positions <= start + i
+                keys, values = self.kv_cache.read(slot, start + length)
+                mask = torch.arange(start + length) <= torch.arange(start, start + length)[:, None]
+                out = F.scaled_dot_product_attention(
+                    qi, keys.to(qi.dtype), values.to(qi.dtype), attn_mask=mask, enable_gqa=True
+                )
+            outputs.append(out)
+            offset += length
+        out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
         return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def decode(
@@ -173,13 +202,35 @@ class Qwen2LM(nn.Module):
         return self.lm_head(self.norm(h)).float()
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """``embeds`` ``[1, T, hidden]``, ``positions`` ``[3, 1, T]`` -> logits ``[1, vocab]``."""
-        cos, sin = self.rope(positions, embeds.dtype)
+        """One whole prompt into ``slot``: ``embeds`` ``[1, T, hidden]``, ``positions``
+        ``[3, 1, T]`` -> logits ``[1, vocab]`` of its last token."""
+        return self.prefill_chunks([(embeds[0], positions[:, 0], slot, 0)])
+
+    def prefill_chunks(self, chunks: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
+        """Prompt chunks of several sequences in one forward (chunked, batched prefill).
+
+        The linears run once over all chunks' tokens; attention runs per chunk against its own
+        slot's cache (see ``Attention.prefill``).
+
+        Args:
+            chunks: per chunk ``(embeds [T_i, hidden], positions [3, T_i] int64, slot, start)``:
+                the prompt embeddings and M-RoPE positions of prompt positions
+                ``start..start+T_i-1`` of the sequence in ``slot``. Earlier positions of that
+                sequence must already be in the cache.
+
+        Returns:
+            Logits ``[len(chunks), vocab]`` float32 of each chunk's last token.
+        """
+        embeds = torch.cat([c[0] for c in chunks])[None] if len(chunks) > 1 else chunks[0][0][None]
+        positions = torch.cat([c[1] for c in chunks], dim=1) if len(chunks) > 1 else chunks[0][1]
+        parts = [(slot, start, c.shape[0]) for c, _, slot, start in chunks]
+        cos, sin = self.rope(positions[:, None], embeds.dtype)
         h = embeds
         for layer in self.layers:
-            h = h + layer.attention.prefill(layer.attention_norm(h), cos, sin, slot)
+            h = h + layer.attention.prefill(layer.attention_norm(h), cos, sin, parts)
             h = h + layer.feed_forward(layer.ffn_norm(h))
-        return self._logits(h[:, -1])
+        last = torch.tensor(list(itertools.accumulate(length for _, _, length in parts))) - 1
+        return self._logits(h[0, last])
 
     def decode(self, tokens: torch.Tensor, rope_positions: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
         """One step for slots ``0..B-1``.

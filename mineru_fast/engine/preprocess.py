@@ -17,8 +17,23 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
-from ..protocol import END_TOKENS, build_prompt
+from ..protocol import END_TOKENS, IMAGE_PLACEHOLDER, SYSTEM_PROMPT
 from .base import GenerationRequest
+
+
+def chat_prompt(request: GenerationRequest) -> str:
+    """The chat text of one request: a system turn, a user turn with one image placeholder and the
+    request's text (image first unless ``text_before_image``), and the assistant's opening.
+
+    Equal to Qwen2-VL's chat template (``protocol.CHAT_TEMPLATE``) rendered with
+    ``add_generation_prompt``; an empty or missing system prompt renders the template's default.
+    """
+    parts = (request.prompt, IMAGE_PLACEHOLDER) if request.text_before_image else (IMAGE_PLACEHOLDER, request.prompt)
+    user = "".join(parts)
+    return (
+        f"<|im_start|>system\n{request.system or SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @dataclass
@@ -58,9 +73,13 @@ class Preprocessor:
             raise ModelLoadError(f"cannot load tokenizer/image processor from {model_dir}: {exc}") from exc
         finally:
             hf_logging.set_verbosity(verbosity)
-        self.end_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS]
+        self.end_ids: list[int] = [self.tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS]
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.merge_size = self.image_processor.merge_size
+        # The image processor resizes every image to at most size["longest_edge"] pixels (Qwen2-VL's
+        # max_pixels; 2048 * 28 * 28 for MinerU2.5), i.e. this many LM tokens after the 2x2 merge.
+        max_pixels = self.image_processor.size["longest_edge"]
+        self.max_image_tokens = max_pixels // (self.image_processor.patch_size * self.merge_size) ** 2
 
     def encode(self, request: GenerationRequest) -> EncodedRequest:
         """Prompt ids and pixels of a request (raises the image processor's ValueError on images it
@@ -68,7 +87,7 @@ class Preprocessor:
         image = self.image_processor(images=[request.image], return_tensors="pt")
         grid = tuple(int(v) for v in image["image_grid_thw"][0])
         n_image_tokens = grid[0] * grid[1] * grid[2] // self.merge_size**2
-        text = build_prompt(request.prompt).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+        text = chat_prompt(request).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
         ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
         forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
         return EncodedRequest(ids, image["pixel_values"], grid, forced)  # type: ignore[arg-type]

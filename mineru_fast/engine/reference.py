@@ -2,7 +2,8 @@
 
 ``Qwen2VLForConditionalGeneration.generate`` at batch 1, greedy, SDPA attention, with MinerU's
 decoding rules added as a logits processor (``sampling.BatchLogitsProcessor``). It is the
-correctness reference of the fast engine and the benchmark's baseline.
+correctness reference of the fast engine and the benchmark's baseline. Requests from every thread
+queue for one worker thread, which runs them one at a time in submission order.
 
 Inputs come from ``preprocess.Preprocessor`` (the checkpoint's tokenizer and image processor).
 """
@@ -10,13 +11,15 @@ Inputs come from ``preprocess.Preprocessor`` (the checkpoint's tokenizer and ima
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult
+from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult, RequestHandle, generate_with_follow_ups
 from .preprocess import Preprocessor
 from .sampling import BatchLogitsProcessor
 
@@ -78,7 +81,7 @@ class _GeneratedTokensProcessor:
         generated = input_ids.shape[1] - self.prompt_len
         if generated > len(self.rules.blockers[0].tokens):
             self.rules.observe([int(input_ids[0, -1])])
-        return self.rules(scores.float())
+        return self.rules(scores.to(torch.float32, copy=True))  # raw logits stay intact for log-probs
 
 
 class ReferenceEngine:
@@ -113,6 +116,10 @@ class ReferenceEngine:
         self.precision = precision
         self.end_ids = self.preprocessor.end_ids
         self.vocab_size = self.model.config.text_config.vocab_size
+        self._queue: queue.SimpleQueue[RequestHandle | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def encode(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
         """Model inputs of one request, as ``Qwen2VLProcessor`` returns them: ``input_ids``,
@@ -129,38 +136,76 @@ class ReferenceEngine:
             "image_grid_thw": torch.tensor([encoded.grid_thw]),
         }
 
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue ``request`` for the worker thread (started on first use); see ``base.Engine``."""
+        handle = RequestHandle(request)
+        with self._lock:
+            if self._closed:
+                handle.set_result(GenerationResult("", [], "cancelled", error="the engine is closed"))
+                return handle
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mineru-fast-reference", daemon=True)
+                self._thread.start()
+        self._queue.put(handle)
+        return handle
+
     def generate(
         self, requests: Sequence[GenerationRequest], on_result: FollowUp | None = None
     ) -> list[GenerationResult]:
         """Decode each request in turn (batch 1), follow-ups from ``on_result`` after the requests
         already queued; a failing request returns an error result."""
-        queue, results = list(requests), []
-        for index, request in enumerate(queue):  # grows while iterating: follow-ups are appended
+        return generate_with_follow_ups(self.submit, requests, on_result)
+
+    def close(self) -> None:
+        """Stop the worker; queued requests end ``"cancelled"``."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._queue.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        while True:
             try:
-                result = self._generate_one(request)
+                handle = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if handle is not None:
+                handle.set_result(GenerationResult("", [], "cancelled"))
+
+    def _run(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None or self._closed:
+                if handle is not None:
+                    handle.set_result(GenerationResult("", [], "cancelled"))
+                return
+            try:
+                result = self._generate_one(handle)
             except Exception as exc:  # one bad request must not sink the others
                 logger.exception("generation failed")
-                result = GenerationResult("", [], "error", error=f"{type(exc).__name__}: {exc}")
-            results.append(result)
-            if on_result is not None:
-                queue.extend(on_result(index, result) or ())
-        return results
+                result = GenerationResult.failed(exc)
+            handle.set_result(result)
 
     @torch.inference_mode()
-    def _generate_one(self, request: GenerationRequest) -> GenerationResult:
-        from transformers import GenerationConfig, LogitsProcessorList
+    def _generate_one(self, handle: RequestHandle) -> GenerationResult:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
+        request = handle.request
         inputs = self.encode(request)
         prompt_len = inputs["input_ids"].shape[1]
         forced = self.preprocessor.forced_ids(request.forced_text) if request.forced_text is not None else None
-        rules = BatchLogitsProcessor([request.sampling], [forced], self.vocab_size)
+        rules = BatchLogitsProcessor([request.sampling], [forced], self.vocab_size, self.end_ids)
+        rules.reset_row(0, request.sampling, forced, inputs["input_ids"][0])
         config = GenerationConfig(
             max_new_tokens=request.sampling.max_new_tokens,
             do_sample=False,
             num_beams=1,
             eos_token_id=self.end_ids,
             pad_token_id=self.end_ids[1],
+            return_dict_in_generate=True,
+            output_logits=True,
         )
+        stop = _HandleStop(handle)
         timer = _StageTimer(self.model, self.model.model.visual)
         start = time.perf_counter()
         try:
@@ -168,17 +213,44 @@ class ReferenceEngine:
                 **inputs,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([_GeneratedTokensProcessor(rules, prompt_len)]),
+                stopping_criteria=StoppingCriteriaList([stop]),
             )
         finally:
             total = time.perf_counter() - start
             timer.remove()
-        token_ids = output[0, prompt_len:].tolist()
+        token_ids = output.sequences[0, prompt_len:].tolist()
+        logits = torch.cat(output.logits).float()  # [steps, vocab], raw (before the rules)
+        logprobs = (logits.gather(1, torch.tensor(token_ids)[:, None])[:, 0] - logits.logsumexp(-1)).tolist()
+        if stop.reason is not None:
+            reason = stop.reason
+        elif token_ids and token_ids[-1] in self.end_ids:
+            reason = "stop"
+        else:
+            reason = "length"
         return GenerationResult(
             text=self.preprocessor.decode(token_ids),
             token_ids=token_ids,
-            finish_reason="stop" if token_ids and token_ids[-1] in self.end_ids else "length",
+            finish_reason=reason,  # type: ignore[arg-type]
             prompt_tokens=prompt_len,
             vision_s=timer.vision_s,
             prefill_s=timer.prefill_s,
             decode_s=total - timer.vision_s - timer.prefill_s,
+            logprobs=logprobs,
         )
+
+
+class _HandleStop:
+    """A transformers stopping criterion that ends generation when the handle is cancelled or
+    the request's deadline passes; ``reason`` says which."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self.handle = handle
+        self.reason: str | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **_: object) -> torch.BoolTensor:
+        deadline = self.handle.request.deadline
+        if self.handle.cancel_requested:
+            self.reason = "cancelled"
+        elif deadline is not None and time.monotonic() >= deadline:
+            self.reason = "timeout"
+        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool)  # type: ignore[return-value]

@@ -1,9 +1,11 @@
 """Greedy decoding rules as batched tensor code, shared by every engine.
 
 For each sequence (row) of a batch: presence and frequency penalties over its *generated* tokens
-(OpenAI/vLLM semantics: ``logit -= presence * [count > 0] + frequency * count``), a ban on tokens
-that would repeat an n-gram of its generated tokens, and, in replay, forcing of a known token.
-The prompt never counts. ``transformers`` has no presence/frequency penalty and its
+(OpenAI/vLLM semantics: ``logit -= presence * [count > 0] + frequency * count``), a
+multiplicative repetition penalty over its prompt and generated tokens (vLLM semantics; off at
+1.0), a ban on tokens that would repeat an n-gram of its generated tokens, a ban on the end tokens
+before ``min_new_tokens``, and, in replay, forcing of a known token. Apart from the repetition
+penalty, the prompt never counts. ``transformers`` has no presence/frequency penalty and its
 no-repeat-n-gram looks at the prompt too, hence this module.
 """
 
@@ -51,24 +53,46 @@ class BatchLogitsProcessor:
         params: one ``SamplingParams`` per row.
         forced: per row, the token ids replay must produce (or None for free decoding).
         vocab_size: logits width V.
+        end_ids: the end-of-output token ids (banned before a row's ``min_new_tokens``).
     """
 
-    def __init__(self, params: Sequence[SamplingParams], forced: Sequence[list[int] | None], vocab_size: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        forced: Sequence[list[int] | None],
+        vocab_size: int,
+        end_ids: Sequence[int] = (),
+    ) -> None:
         batch = len(params)
         self.vocab_size = vocab_size
         self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32)
         self.presence = torch.zeros(batch, 1, dtype=torch.float32)
         self.frequency = torch.zeros(batch, 1, dtype=torch.float32)
+        self.repetition = torch.ones(batch, 1, dtype=torch.float32)
+        self.end_ids = list(end_ids)
+        self.min_new = [0] * batch
+        self.in_prompt = torch.zeros(batch, vocab_size, dtype=torch.bool)
         self.blockers: list[NGramBlocker] = [NGramBlocker(0)] * batch
         self.forced: list[list[int] | None] = [None] * batch
         for row, (p, f) in enumerate(zip(params, forced, strict=True)):
             self.reset_row(row, p, f)
 
-    def reset_row(self, row: int, params: SamplingParams, forced: list[int] | None) -> None:
-        """Start a new sequence in ``row``: clear its history and set its rules."""
+    def reset_row(
+        self, row: int, params: SamplingParams, forced: list[int] | None, prompt_ids: torch.Tensor | None = None
+    ) -> None:
+        """Start a new sequence in ``row``: clear its history and set its rules.
+
+        Args:
+            prompt_ids: the prompt's token ids (int64), needed only by a repetition penalty.
+        """
         self.counts[row].zero_()
         self.presence[row, 0] = params.presence_penalty
         self.frequency[row, 0] = params.frequency_penalty
+        self.repetition[row, 0] = params.repetition_penalty
+        self.min_new[row] = params.min_new_tokens
+        self.in_prompt[row].zero_()
+        if params.repetition_penalty != 1.0 and prompt_ids is not None:
+            self.in_prompt[row, prompt_ids] = True
         self.blockers[row] = NGramBlocker(params.no_repeat_ngram_size)
         self.forced[row] = forced
 
@@ -83,12 +107,19 @@ class BatchLogitsProcessor:
         else:
             select = torch.tensor(list(rows))
         counts = self.counts[select]
+        repetition = self.repetition[select]
+        if bool((repetition != 1.0).any()):  # first, as vLLM does
+            seen = (counts > 0) | self.in_prompt[select]
+            penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+            logits.copy_(torch.where(seen, penalized, logits))
         logits -= self.frequency[select] * counts + self.presence[select] * (counts > 0)
         for i, row in enumerate(rows):
             blocker = self.blockers[row]
             banned = blocker.banned()
             if banned:
                 logits[i, list(banned)] = -torch.inf
+            if len(blocker.tokens) < self.min_new[row] and self.end_ids:
+                logits[i, self.end_ids] = -torch.inf
             forced = self.forced[row]
             if forced is not None:
                 step = len(blocker.tokens)

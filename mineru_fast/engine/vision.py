@@ -8,6 +8,7 @@ cached by grid.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -142,13 +143,35 @@ class VisionEncoder(nn.Module):
             self._rope_cache[grid] = (emb.cos(), emb.sin())
         return self._rope_cache[grid]
 
-    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _embed(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Patch embeddings ``[N, dim]``, rotary tables ``[1, N, head_dim]`` and per-image lengths."""
         lengths = [t * h * w for t, h, w in grids]
         tables = [self.rotary(g) for g in grids]
         cos = torch.cat([c for c, _ in tables]) if len(tables) > 1 else tables[0][0]
         sin = torch.cat([s for _, s in tables]) if len(tables) > 1 else tables[0][1]
         x = self.patch_embed(pixel_values.to(self.blocks[0].norm1.weight.dtype))  # norms are never quantized
-        cos, sin = cos[None], sin[None]  # broadcast over heads: [1, N, head_dim]
+        return x, cos[None], sin[None], lengths  # tables broadcast over heads
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        x, cos, sin, lengths = self._embed(pixel_values, grids)
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
+        return self.merger(x)
+
+    def stepwise(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> Generator[None, None, torch.Tensor]:
+        """``forward`` split at block boundaries, so a scheduler can interleave other work.
+
+        A generator: each ``next()`` runs the patch embedding or one block and yields; the last one
+        runs the merger and raises ``StopIteration`` whose ``value`` is the output ``forward`` gives
+        (the same operations in the same order, so bit-identical).
+        """
+        x, cos, sin, lengths = self._embed(pixel_values, grids)
+        for block in self.blocks:
+            yield
+            x = block(x, cos, sin, lengths)
+        yield
         return self.merger(x)

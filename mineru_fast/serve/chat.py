@@ -1,0 +1,209 @@
+"""The OpenAI-compatible chat API, as MinerU's own clients call a VLM server.
+
+mineru-vl-utils' ``http-client`` backend (what mineru 4.x uses to reach a remote VLM) sends
+``POST {server}/v1/chat/completions`` with a system message and a user message holding one image
+(``image_url`` with a ``data:`` URL) and the task prompt (image first unless its
+``text_before_image`` is set), plus ``temperature``, ``top_p``, ``top_k``, ``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``vllm_xargs.no_repeat_ngram_size``,
+``max_tokens`` / ``max_completion_tokens``, ``skip_special_tokens`` and an optional ``priority``;
+it reads ``choices[0].message.content`` and ``finish_reason`` (``stop`` or ``length``), and finds
+the model's name with ``GET {server}/v1/models``. This module turns such a request into a
+``GenerationRequest`` for the shared engine and its result into the response.
+
+Decoding is greedy, with the same rules (``engine.sampling``) as the parser's own requests: the
+request must ask for greedy decoding (``temperature`` 0, or ``top_k`` 1; MinerU sends both).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.base import GenerationRequest, GenerationResult
+from ..errors import InputError
+from ..inputs import open_document
+from ..protocol import SYSTEM_PROMPT, SamplingParams
+from .errors import ApiError
+
+__all__ = ["ChatRequest", "to_generation_request", "completion_body", "stream_chunks", "models_body"]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | str | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[_Part] | None = None
+
+
+class ChatRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions`` (fields MinerU's clients send; others ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[_Message] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    priority: int = 0
+    vllm_xargs: dict[str, Any] | None = None
+
+
+def _text_of(content: str | list[_Part] | None) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.text or "" for p in content or [] if p.type == "text")
+
+
+def _image_from_url(url: str, max_pixels: int):
+    """Decode a ``data:image/...;base64,`` URL into an RGB image within the pixel limit.
+
+    Raises:
+        ApiError: 400 for another URL scheme or bad base64; 422 for an undecodable image.
+    """
+    if not url.startswith("data:") or ";base64," not in url[:100]:
+        raise ApiError(
+            400, "unsupported_image_url", "image_url must be a base64 data: URL (remote URLs are not fetched)"
+        )
+    try:
+        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "bad_image_url", "image_url holds invalid base64") from None
+    try:
+        with open_document(data, max_pixels=max_pixels) as opened:
+            if opened.page_count != 1:
+                raise ApiError(400, "bad_image", f"the image must have one frame, it has {opened.page_count}")
+            return opened.render(0)
+    except InputError as exc:
+        raise ApiError(422, "bad_image", f"the image cannot be used: {exc}") from exc
+
+
+def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: int) -> GenerationRequest:
+    """The engine request of a chat request.
+
+    Args:
+        body: the validated request.
+        max_new_tokens: the server's bound on generated tokens; used when the request sets none,
+            and a larger request is refused.
+        max_pixels: the largest image accepted (``ParserOptions.max_image_pixels``).
+
+    Raises:
+        ApiError: 400 for anything this server cannot do as asked (not exactly one image, a
+            remote image URL, sampling other than greedy, a bound above the server's).
+    """
+    system = "".join(_text_of(m.content) for m in body.messages if m.role in ("system", "developer"))
+    users = [m for m in body.messages if m.role == "user"]
+    if len(users) != 1 or any(m.role == "assistant" for m in body.messages):
+        raise ApiError(400, "unsupported_messages", "send one user message (and optionally a system message)")
+    parts = [_Part(type="text", text=users[0].content)] if isinstance(users[0].content, str) else users[0].content or []
+    images = [i for i, p in enumerate(parts) if p.type == "image_url"]
+    if len(images) != 1:
+        raise ApiError(
+            400, "unsupported_messages", f"the user message must hold exactly one image, it has {len(images)}"
+        )
+    url = parts[images[0]].image_url
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise ApiError(400, "bad_image_url", "image_url.url must be a string")
+    greedy = body.temperature in (None, 0) or body.top_k == 1
+    if not greedy:
+        raise ApiError(400, "unsupported_sampling", "only greedy decoding is served: set temperature 0 or top_k 1")
+    bound = body.max_completion_tokens or body.max_tokens or max_new_tokens
+    if bound > max_new_tokens:
+        raise ApiError(400, "max_tokens_too_large", f"max_tokens may be at most {max_new_tokens} on this server")
+    ngram = (body.vllm_xargs or {}).get("no_repeat_ngram_size") or 0
+    if not isinstance(ngram, int) or ngram < 0:
+        raise ApiError(400, "bad_request", "vllm_xargs.no_repeat_ngram_size must be an integer >= 0")
+    sampling = SamplingParams(
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        no_repeat_ngram_size=ngram,
+        max_new_tokens=bound,
+        min_new_tokens=min(body.min_tokens, bound),
+    )
+    text_parts = [p.text or "" for p in parts if p.type == "text"]
+    text_before = any(p.type == "text" for p in parts[: images[0]])
+    return GenerationRequest(
+        image=_image_from_url(url, max_pixels),
+        prompt="".join(text_parts),
+        sampling=sampling,
+        system=system or SYSTEM_PROMPT,
+        text_before_image=text_before,
+        priority=body.priority,
+    )
+
+
+def _finish_reason(result: GenerationResult) -> str:
+    return "stop" if result.finish_reason == "stop" else "length"
+
+
+def completion_body(result: GenerationResult, text: str, model: str) -> dict:
+    """The ``chat.completion`` object of a finished request (``text`` as the client asked it
+    decoded: with or without special tokens)."""
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": _finish_reason(result),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.token_ids),
+            "total_tokens": result.prompt_tokens + len(result.token_ids),
+        },
+    }
+
+
+def stream_chunks(result: GenerationResult, text: str, model: str) -> list[dict]:
+    """The ``chat.completion.chunk`` events of a streamed answer: the role, the text, the finish
+    reason with usage (the text arrives in one piece, when it is done)."""
+    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk", "created": int(time.time())}
+    base["model"] = model
+    usage = completion_body(result, text, model)["usage"]
+    return [
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(result)}], "usage": usage},
+    ]
+
+
+def models_body(model: str, max_model_len: int) -> dict:
+    """``GET /v1/models``: the one served model."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "mineru-fast",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

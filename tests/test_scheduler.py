@@ -1,0 +1,190 @@
+"""The engine loop: chunked prefill, admission budgets, cancellation, deadlines, log-probs, threads,
+the repetition guard. Stepped by hand where the interleaving matters, so nothing depends on timing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from samples import text_page
+
+from mineru_fast.engine.base import GenerationRequest
+from mineru_fast.engine.generate import FastEngine
+from mineru_fast.engine.repetition import loop_period
+from mineru_fast.engine.sampling import NGramBlocker
+from mineru_fast.protocol import SamplingParams as SP
+from mineru_fast.protocol import layout_image, prompt_for
+
+NUMBERS = " ".join(str(i) for i in range(300))  # ~600 tokens of replayed output
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+
+
+def crop_request(seed: int = 0, bound: int = 12, **kwargs: object) -> GenerationRequest:
+    crop = text_page(seed=seed).crop((40, 40, 700, 300))
+    return GenerationRequest(crop, prompt_for("text"), SP(max_new_tokens=bound), **kwargs)
+
+
+def run_until_done(scheduler, *handles) -> None:
+    while not all(h.done() for h in handles):
+        scheduler.step()
+
+
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(tiny_model, engine):
+    """Prompts split into 7-token chunks (several sequences per forward) decode to the same tokens
+    as prompts prefilled in one forward; logits agree to float32 rounding (different summation
+    order in attention, ~1e-6 of logits of magnitude ~10)."""
+    requests = [crop_request(seed=s) for s in range(3)]
+    requests.append(GenerationRequest(layout_image(text_page()), prompt_for("layout"), SP(max_new_tokens=12)))
+    whole = engine.generate(requests)
+    chunked = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048, prefill_chunk_tokens=7)
+    assert [r.token_ids for r in chunked.generate(requests)] == [r.token_ids for r in whole]
+    for a, b in zip(chunked.generate(requests), whole, strict=True):
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_admission_work_between_decode_steps_is_bounded(tiny_model):
+    """With a zero budget, every step that decodes runs exactly one admission unit (one vision
+    block or one prefill forward), however much work waits: a decode step waits for one unit."""
+    engine = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048, prefill_chunk_tokens=64)
+    scheduler = engine.scheduler
+    scheduler.admission_budget_s = 0.0
+    units: list[str] = []
+    for name in ("_vision_unit", "_prefill_unit"):
+        original = getattr(scheduler, name)
+
+        def counted(original=original, name=name) -> None:
+            units.append(name)
+            original()
+
+        setattr(scheduler, name, counted)
+    first = scheduler.submit(crop_request(bound=400, forced_text=NUMBERS), start=False)
+    while not scheduler.live:
+        scheduler.step()
+    later = [
+        scheduler.submit(r, start=False)
+        for r in [GenerationRequest(layout_image(text_page()), prompt_for("layout"), SP(max_new_tokens=8))]
+        + [crop_request(seed=s, bound=8) for s in range(3)]
+    ]
+    per_step = []
+    while not all(h.done() for h in later):
+        units.clear()
+        had_live = bool(scheduler.live)
+        scheduler.step()
+        if had_live:
+            per_step.append(len(units))
+    assert not first.done()  # the long request decoded throughout
+    assert per_step and max(per_step) == 1
+    first.cancel()
+    run_until_done(scheduler, first)
+
+
+def test_cancel_mid_decode_keeps_the_others_going(tiny_model, engine):
+    scheduler = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048).scheduler
+    doomed = scheduler.submit(crop_request(bound=400, forced_text=NUMBERS), start=False)
+    survivor = scheduler.submit(crop_request(seed=1), start=False)
+    while sum(len(s.tokens) for s in scheduler.live.values() if s.handle is doomed) < 5:
+        scheduler.step()
+    doomed.cancel()
+    run_until_done(scheduler, doomed, survivor)
+    cancelled = doomed.result()
+    assert cancelled.finish_reason == "cancelled" and 5 <= len(cancelled.token_ids) < 400
+    assert cancelled.text == NUMBERS[: len(cancelled.text)]
+    (alone,) = engine.generate([crop_request(seed=1)])
+    assert survivor.result().token_ids == alone.token_ids and survivor.result().finish_reason != "cancelled"
+    assert not scheduler.has_work()
+
+
+def test_deadline_passed_in_the_queue_times_out(engine):
+    result = engine.submit(crop_request(deadline=time.monotonic() - 1)).result(timeout=60)
+    assert result.finish_reason == "timeout" and result.token_ids == []
+
+
+def test_request_longer_than_the_kv_buffer_is_refused_up_front(engine):
+    (result,) = engine.generate([crop_request(bound=4000)])
+    assert result.finish_reason == "error" and "exceeds the KV buffer length 2048" in result.error
+
+
+def test_logprobs_are_the_models_own(engine, reference_engine):
+    """Replayed tokens' log-probabilities (raw logits, before any rule) match the transformers
+    reference's within float32 rounding of logits (see test_fast_logits_match_reference)."""
+    request = crop_request(bound=40, forced_text="Line 3 of sample text")
+    (fast,) = engine.generate([request])
+    (reference,) = reference_engine.generate([request])
+    assert fast.token_ids == reference.token_ids and len(fast.logprobs) == len(fast.token_ids)
+    assert np.allclose(fast.logprobs, reference.logprobs, atol=1e-3)
+    assert all(p <= 0 for p in fast.logprobs)
+
+
+def test_threads_share_one_batch_and_get_their_own_tokens(engine):
+    requests = [crop_request(seed=s) for s in range(4)]
+    expected = [r.token_ids for r in engine.generate(requests)]
+    got: dict[int, list[int]] = {}
+
+    def worker(i: int) -> None:
+        got[i] = engine.generate([requests[i]])[0].token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert [got[i] for i in range(4)] == expected
+
+
+def cycling_tokens(n: int, period: int = 5, ngram: int = 100) -> list[int]:
+    """What a looping model emits under the no-repeat-n-gram ban: it follows a cycle and takes
+    its second choice whenever the cycle's next token is banned."""
+    blocker, out = NGramBlocker(ngram), []
+    for step in range(n):
+        token = 100 + step % period
+        if token in blocker.banned():
+            token = 999
+        blocker.append(token)
+        out.append(token)
+    return out
+
+
+def test_loop_period_finds_loops_broken_by_the_ngram_ban_and_spares_real_text(tiny_model):
+    from transformers import AutoTokenizer
+
+    looping = cycling_tokens(600)
+    assert 999 in looping  # the ban did break the cycle
+    assert loop_period(looping, 512) == 5
+    assert loop_period([7] * 512, 512) == 1 and loop_period([7, 8] * 256, 512) == 2
+    assert loop_period(looping[:500], 512) is None  # fewer tokens than the window
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    rows = "".join(f"<fcel>{i * 37 % 1000}<fcel>{i * 91 % 997}.{i % 10}<fcel>{2000 + i}<nl>" for i in range(120))
+    prose = " ".join(f"Sentence {i} describes item {i * 13 % 97} of the list." for i in range(80))
+    for text in (rows, prose):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) >= 512 and loop_period(ids, 512) is None
+
+
+def test_repetition_guard_ends_a_looping_sequence_under_the_ngram_ban(tiny_model):
+    """A model forced into a 5-token cycle (its logits rigged after each real forward) with the
+    default no-repeat-n-gram rule on: the guard ends it with ``"repetition"`` shortly after the
+    window fills, far below its bound. Replay of the same tokens is never cut."""
+    engine = FastEngine(tiny_model, precision="fp32", slots=2, max_seq_len=4096, repetition_window=256)
+    decode = engine.lm.decode
+
+    def looping_decode(tokens, rope, cache):
+        logits = decode(tokens, rope, cache)
+        rigged = torch.linspace(0, -1, logits.shape[1]).repeat(logits.shape[0], 1)
+        rigged[torch.arange(logits.shape[0]), 100 + (tokens - 99) % 5] = 10.0
+        return rigged
+
+    engine.lm.decode = looping_decode
+    (result,) = engine.generate([crop_request(bound=3000)])
+    assert result.finish_reason == "repetition"
+    assert 256 <= len(result.token_ids) <= 256 + 32
+    assert loop_period(result.token_ids, 256) == 5
+    replay = engine.preprocessor.decode(result.token_ids)
+    (replayed,) = engine.generate([crop_request(bound=3000, forced_text=replay)])
+    assert replayed.finish_reason == "stop"

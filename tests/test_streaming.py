@@ -1,0 +1,129 @@
+"""Pages stream: bounded page images in flight, outputs written as pages finish, no silent cut."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+from PIL import Image, ImageDraw
+from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
+
+from mineru_fast import DocumentParser, ParserOptions
+from mineru_fast.cli import main
+from mineru_fast.inputs import OpenedDocument
+from mineru_fast.traces import PageTrace, Trace
+from mineru_fast.writer import DocumentWriter
+
+
+@pytest.fixture(scope="module")
+def parser(tiny_model):
+    return DocumentParser.from_pretrained(tiny_model, ParserOptions.preset("exact", page_window=2))
+
+
+def test_iter_pages_holds_at_most_a_window_of_rendered_pages(parser, tmp_path, monkeypatch):
+    rendered: list[weakref.ref] = []
+    render = OpenedDocument.render
+
+    def tracked(self, index):
+        image = render(self, index)
+        rendered.append(weakref.ref(image))
+        return image
+
+    monkeypatch.setattr(OpenedDocument, "render", tracked)
+    path = tmp_path / "eight.pdf"
+    path.write_bytes(pdf_bytes(8))
+    alive = []
+    for page in parser.iter_pages(path, replay=sample_trace(8)):
+        assert page.image is None and page.status == "success"
+        assert [b.image is not None for b in page.blocks] == [False, False, True, False]  # the image crop
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in rendered))
+    assert len(rendered) == 8 and max(alive) <= parser.options.page_window
+
+
+def test_streamed_outputs_equal_the_in_memory_document_and_exist_before_the_end(parser, tmp_path):
+    path = tmp_path / "three.pdf"
+    path.write_bytes(pdf_bytes(3))
+    trace = sample_trace(3)
+    document = parser.parse(path, replay=trace, keep_page_images=True)
+    document.save(tmp_path / "whole")
+    writer = DocumentWriter(tmp_path / "streamed", "three")
+    for n, page in enumerate(parser.iter_pages(path, replay=trace, keep_page_images=True), start=1):
+        writer.add_page(page)
+        assert page.image is None  # released once written
+        # what is done is on disk while later pages still run
+        assert (tmp_path / "streamed" / "layout" / f"page_{n:04d}.png").is_file()
+        assert len((tmp_path / "streamed" / "three.pages.jsonl").read_text().splitlines()) == n
+    writer.close()
+    for name in ("three.md", "three_content_list.json"):
+        assert (tmp_path / "streamed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+    streamed = json.loads((tmp_path / "streamed" / "three.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "three.json").read_text())
+    for page in streamed["pages"] + whole["pages"]:
+        page.pop("timings")
+    assert streamed["pages"] == whole["pages"] and streamed["status"] == whole["status"] == "success"
+    assert sorted(p.name for p in (tmp_path / "streamed" / "images").iterdir()) == sorted(
+        p.name for p in (tmp_path / "whole" / "images").iterdir()
+    )
+    assert not (tmp_path / "streamed" / "three.pages.jsonl").exists()
+
+
+def table_crop_page() -> Image.Image:
+    """A tall page whose one table crop is ~2000 image tokens (the largest crops MinerU sends)."""
+    page = Image.new("RGB", (1000, 1600), "white")
+    draw = ImageDraw.Draw(page)
+    for row in range(101):
+        draw.line((20, 15 * row + 20, 980, 15 * row + 20), fill="black")
+    return page
+
+
+def test_a_long_table_comes_out_whole_and_a_forced_cut_is_partial(tiny_model, parser, capsys, tmp_path):
+    """A 100-row table (~4,700 output tokens after a ~2,000-token image prompt) used to be cut at
+    the 6,144-position KV buffer; output bounds now count generated tokens only."""
+    rows = "".join(
+        f"<fcel>Row {r} item name<fcel>{r * 7.25:.2f}<fcel>{r * 13 % 97}<fcel>{r}%<fcel>{r * 3.5:.1f} kg"
+        f"<fcel>{2000 + r}<fcel>{r * r}<fcel>{r * 0.125:.3f}<fcel>ok<nl>"
+        for r in range(100)
+    )
+    layout = "<|box_start|>010 010 990 990<|box_end|><|ref_start|>table<|ref_end|><|rotate_up|>"
+    trace = Trace([PageTrace(layout, [rows])])
+    (page,) = parser.parse(table_crop_page(), replay=trace).pages
+    (block,) = page.blocks
+    assert block.finish_reason == "stop" and page.status == "success"
+    assert block.content.count("<tr>") == 100 and len(block.logprobs) > 4500
+
+    image = tmp_path / "table.png"
+    table_crop_page().save(image)
+    trace_path = tmp_path / "table.json"
+    trace.save(trace_path)
+    args = ["parse", str(image), "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--replay", str(trace_path)]
+    assert main([*args, "--preset", "exact", "--max-new-tokens", "table=500", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "block 0 (table) was cut: length" in err
+    saved = json.loads((tmp_path / "out" / "table" / "table.json").read_text())
+    assert saved["status"] == "partial" and saved["pages"][0]["blocks"][0]["finish_reason"] == "length"
+
+
+def test_directory_input_and_progress_lines(tiny_model, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.pdf").write_bytes(pdf_bytes(2))
+    text_page().save(docs / "sub" / "b.png")
+    (docs / "notes.txt").write_text("not a document")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    sample_trace(2).save(traces / "a.json")
+    sample_trace(1).save(traces / "b.json")
+    args = ["parse", str(docs), "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--replay", str(traces)]
+    assert main([*args, "--preset", "exact", "--progress", "lines"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in err] == [
+        "mineru-fast: a.pdf: page 1 success",
+        "mineru-fast: a.pdf: page 2 success",
+        "mineru-fast: b.png: page 1 success",
+    ]
+    assert "ETA" in err[0] and "pages/min" in err[0]
+    md = (tmp_path / "out" / "a" / "a.md").read_text()
+    assert md.count(SAMPLE_CONTENTS[1]) == 2 and SAMPLE_LAYOUT not in md
