@@ -10,10 +10,12 @@ Inputs come from ``preprocess.Preprocessor`` (the checkpoint's tokenizer and ima
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -146,6 +148,7 @@ class ReferenceEngine:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mineru-fast-reference", daemon=True)
                 self._thread.start()
+                atexit.register(_close_at_exit, weakref.ref(self))  # see scheduler._close_at_exit
         self._queue.put(handle)
         return handle
 
@@ -237,6 +240,12 @@ class ReferenceEngine:
             decode_s=total - timer.vision_s - timer.prefill_s,
             logprobs=logprobs,
         )
+
+
+def _close_at_exit(ref: weakref.ref[ReferenceEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 class _HandleStop:

@@ -18,12 +18,14 @@ Failures stay local: a unit that raises ends the requests it carried with ``"err
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -81,6 +83,12 @@ class SequenceState:
     @property
     def prompt_len(self) -> int:
         return len(self.encoded.input_ids)
+
+
+def _close_at_exit(ref: weakref.ref[Scheduler]) -> None:
+    scheduler = ref()
+    if scheduler is not None:
+        scheduler.close(timeout=10)
 
 
 def _chunk(seq: SequenceState, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -172,6 +180,9 @@ class Scheduler:
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name="mineru-fast-engine", daemon=True)
                 self._thread.start()
+                # Stop the loop before the interpreter tears torch down under it (a daemon thread
+                # left in the loop at exit can abort the process from C++ destructors).
+                atexit.register(_close_at_exit, weakref.ref(self))
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the loop; everything not finished ends with ``finish_reason="cancelled"``."""
