@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -159,14 +159,14 @@ class ReferenceEngine:
         already queued; a failing request returns an error result."""
         return generate_with_follow_ups(self.submit, requests, on_result)
 
-    def close(self) -> None:
-        """Stop the worker; queued requests end ``"cancelled"``."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker; the running request and queued ones end ``"cancelled"``."""
         with self._lock:
             self._closed = True
             thread = self._thread
         self._queue.put(None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
         while True:
             try:
                 handle = self._queue.get_nowait()
@@ -208,7 +208,7 @@ class ReferenceEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
-        stop = _HandleStop(handle)
+        stop = _HandleStop(handle, lambda: self._closed)
         timer = _StageTimer(self.model, self.model.model.visual)
         start = time.perf_counter()
         try:
@@ -245,20 +245,20 @@ class ReferenceEngine:
 def _close_at_exit(ref: weakref.ref[ReferenceEngine]) -> None:
     engine = ref()
     if engine is not None:
-        engine.close()
+        engine.close(timeout=10)
 
 
 class _HandleStop:
-    """A transformers stopping criterion that ends generation when the handle is cancelled or
-    the request's deadline passes; ``reason`` says which."""
+    """A transformers stopping criterion that ends generation when the handle is cancelled (or
+    the engine closed) or the request's deadline passes; ``reason`` says which."""
 
-    def __init__(self, handle: RequestHandle) -> None:
-        self.handle = handle
+    def __init__(self, handle: RequestHandle, closed: Callable[[], bool]) -> None:
+        self.handle, self.closed = handle, closed
         self.reason: str | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **_: object) -> torch.BoolTensor:
         deadline = self.handle.request.deadline
-        if self.handle.cancel_requested:
+        if self.handle.cancel_requested or self.closed():
             self.reason = "cancelled"
         elif deadline is not None and time.monotonic() >= deadline:
             self.reason = "timeout"
