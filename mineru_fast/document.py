@@ -1,33 +1,21 @@
 """The parse result: ``Document`` -> ``Page`` -> ``Block``, and its MinerU-format outputs.
 
-Outputs match what MinerU users already consume: ``<stem>.md`` (paratext left out),
-``<stem>_content_list.json`` (one item per body block, bbox as integers on a 0..1000 scale,
-``page_idx``, ``text_level`` for titles, ``img_path``, ``table_body``, captions and footnotes
-grouped with their image or table), ``images/`` with crops of image, table and equation blocks,
-plus ``<stem>.json`` (everything, including timings and errors) and a layout overlay PNG per page.
+Outputs are what official MinerU 4.0.12 writes for the same blocks (see ``writer``): ``<stem>.md``,
+``<stem>_content_list.json`` and ``images/`` crops of image, table, chart and equation blocks, plus
+``<stem>.json`` (everything, including raw outputs, timings and errors) and a layout overlay PNG per
+page.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .protocol import PARATEXT_TYPES
-
 Status = Literal["success", "partial", "failure"]
 
-_CROPPED_TYPES = ("image", "table", "equation")
-_CAPTION_OWNER = {
-    "image_caption": "image",
-    "image_footnote": "image",
-    "table_caption": "table",
-    "table_footnote": "table",
-    "code_caption": "code",
-}
 _OVERLAY_COLORS = {
     "title": (220, 40, 40),
     "text": (40, 90, 220),
@@ -49,6 +37,11 @@ class Block:
         raw: the content step's raw output; None if not read.
         finish_reason: ``"stop"``, ``"length"`` (a bound was hit), ``"repetition"`` (cut by the guard), or None.
         error: why this block has no content although it should, else None.
+        raw_type: the layout type the model gave when the protocol does not know it (the block is
+            then kept as ``text``), else None.
+        merge_prev: for text blocks, the model's "continues the previous block" flag
+            (``txt_contd_tgt``), else None.
+        sub_type: image-analysis class of an image or chart (``natural_image``, ``bar``, ...), else None.
     """
 
     type: str
@@ -58,13 +51,17 @@ class Block:
     raw: str | None = None
     finish_reason: str | None = None
     error: str | None = None
+    raw_type: str | None = None
+    merge_prev: bool | None = None
+    sub_type: str | None = None
 
     def bbox_1000(self) -> list[int]:
         """The bbox as integers on MinerU's 0..1000 scale."""
         return [round(v * 1000) for v in self.bbox]
 
     def to_dict(self) -> dict:
-        return {
+        """JSON-serializable fields; ``raw_type``, ``merge_prev`` and ``sub_type`` only when set."""
+        out = {
             "type": self.type,
             "bbox": list(self.bbox),
             "angle": self.angle,
@@ -73,6 +70,10 @@ class Block:
             "finish_reason": self.finish_reason,
             "error": self.error,
         }
+        for name in ("raw_type", "merge_prev", "sub_type"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 @dataclass
@@ -96,9 +97,6 @@ class Page:
     layout_raw: str | None = None
     image: Image.Image | None = field(default=None, repr=False)
 
-    def crop_name(self, block_idx: int) -> str:
-        return f"page{self.index + 1:04d}_block{block_idx:03d}_{self.blocks[block_idx].type}.jpg"
-
     def to_dict(self) -> dict:
         return {
             "page_idx": self.index,
@@ -110,39 +108,6 @@ class Page:
             "layout_raw": self.layout_raw,
             "blocks": [b.to_dict() for b in self.blocks],
         }
-
-
-def _distance(bbox: tuple[float, float, float, float], point: tuple[float, float]) -> float:
-    """L1 distance from a point to a box (0 inside)."""
-    x1, y1, x2, y2 = bbox
-    x, y = point
-    return max(x1 - x, 0, x - x2) + max(y1 - y, 0, y - y2)
-
-
-def _attach_captions(blocks: list[Block]) -> tuple[list[int], dict[int, list[int]]]:
-    """Group caption/footnote blocks with the nearest body of their kind on the page.
-
-    Returns:
-        ``(items, attached)``: indices of blocks that stand on their own, in reading order, and for
-        each body index the indices of its captions/footnotes (in reading order). A caption with no
-        body of its kind on the page stands on its own.
-    """
-    attached: dict[int, list[int]] = {}
-    items: list[int] = []
-    for i, block in enumerate(blocks):
-        owner_type = _CAPTION_OWNER.get(block.type)
-        owners = [j for j, b in enumerate(blocks) if b.type == owner_type] if owner_type else []
-        if not owners:
-            items.append(i)
-            continue
-        center = ((block.bbox[0] + block.bbox[2]) / 2, (block.bbox[1] + block.bbox[3]) / 2)
-        nearest = min(owners, key=lambda j, c=center: _distance(blocks[j].bbox, c))
-        attached.setdefault(nearest, []).append(i)
-    return items, attached
-
-
-def _texts(blocks: list[Block], indices: list[int], kind: str) -> list[str]:
-    return [blocks[i].content or "" for i in indices if blocks[i].type.endswith(kind)]
 
 
 @dataclass
@@ -171,66 +136,17 @@ class Document:
         return "success"
 
     def to_markdown(self, image_dir: str = "images") -> str:
-        """MinerU-style Markdown: titles as ``#`` headings, equations as ``$$`` blocks, tables as
-        HTML with their captions and footnotes, images as links to ``image_dir`` crops. Paratext
-        (headers, footers, page numbers, side notes, page footnotes) is left out."""
-        parts: list[str] = []
-        for page in self.pages:
-            items, attached = _attach_captions(page.blocks)
-            for i in items:
-                parts.extend(self._markdown_item(page, i, attached.get(i, []), image_dir))
-        return "\n\n".join(p for p in parts if p) + "\n"
+        """MinerU 4 Markdown (see ``writer``): headers, footers, page numbers and side notes left
+        out, images linked under ``image_dir``; no trailing newline, as mineru writes it."""
+        from .writer import join_markdown, render_page
 
-    @staticmethod
-    def _markdown_item(page: Page, i: int, extras: list[int], image_dir: str) -> list[str]:
-        block = page.blocks[i]
-        text = block.content or ""
-        captions = _texts(page.blocks, extras, "_caption")
-        footnotes = _texts(page.blocks, extras, "_footnote")
-        if block.type in PARATEXT_TYPES:
-            return []
-        if block.type == "title":
-            return [f"# {text}" if text else ""]
-        if block.type == "equation":
-            return [f"$$\n{text}\n$$" if text else ""]
-        if block.type == "image":
-            return [f"![]({image_dir}/{page.crop_name(i)})", *captions, *footnotes]
-        if block.type == "table":
-            return [*captions, text, *footnotes]
-        if block.type in ("code", "algorithm"):
-            return [*captions, f"```\n{text}\n```" if text else ""]
-        return [text]
+        return join_markdown([render_page(page, image_dir).markdown for page in self.pages])
 
     def to_content_list(self, image_dir: str = "images") -> list[dict]:
-        """MinerU's ``content_list.json`` items, in reading order, paratext included."""
-        out: list[dict] = []
-        for page in self.pages:
-            items, attached = _attach_captions(page.blocks)
-            for i in items:
-                block, extras = page.blocks[i], attached.get(i, [])
-                item: dict = {"type": block.type}
-                if block.type in ("image", "table"):
-                    item["img_path"] = f"{image_dir}/{page.crop_name(i)}"
-                    item[f"{block.type}_caption"] = _texts(page.blocks, extras, "_caption")
-                    item[f"{block.type}_footnote"] = _texts(page.blocks, extras, "_footnote")
-                    if block.type == "table":
-                        item["table_body"] = block.content or ""
-                elif block.type == "equation":
-                    item.update(img_path=f"{image_dir}/{page.crop_name(i)}", text_format="latex")
-                    item["text"] = f"$$\n{block.content}\n$$" if block.content else ""
-                elif block.type in ("code", "algorithm"):
-                    item.update(type="code", sub_type=block.type, code_body=block.content or "")
-                    item["code_caption"] = _texts(page.blocks, extras, "_caption")
-                else:
-                    if block.type not in PARATEXT_TYPES:
-                        item["type"] = "text"
-                    item["text"] = block.content or ""
-                    if block.type == "title":
-                        item["text_level"] = 1
-                item["bbox"] = block.bbox_1000()
-                item["page_idx"] = page.index
-                out.append(item)
-        return out
+        """MinerU 4 ``content_list.json`` items (content list V1), in reading order, paratext included."""
+        from .writer import render_page
+
+        return [item for page in self.pages for item in render_page(page, image_dir).content_list]
 
     def to_dict(self) -> dict:
         """Everything, JSON-serializable: status, errors, timings, pages with raw outputs."""
@@ -243,42 +159,38 @@ class Document:
         }
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops of
-        image/table/equation blocks and ``layout/page_NNNN.png`` overlays into ``out_dir``.
+        """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops and
+        ``layout/page_NNNN.png`` overlays into ``out_dir``, page by page (``writer.DocumentWriter``).
 
         Returns:
             ``out_dir`` as a Path (created if needed).
         """
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{self.name}.md").write_text(self.to_markdown(), encoding="utf-8")
-        content_list = json.dumps(self.to_content_list(), ensure_ascii=False, indent=2)
-        (out / f"{self.name}_content_list.json").write_text(content_list, encoding="utf-8")
-        (out / f"{self.name}.json").write_text(
-            json.dumps(self.to_dict(), ensure_ascii=False, indent=2), encoding="utf-8"
-        )
-        for page in self.pages:
-            if page.image is None:
-                continue
-            self._save_crops(page, out / "images")
-            (out / "layout").mkdir(exist_ok=True)
-            layout_overlay(page).save(out / "layout" / f"page_{page.index + 1:04d}.png")
-        return out
+        from .writer import DocumentWriter
 
-    @staticmethod
-    def _save_crops(page: Page, image_dir: Path) -> None:
-        assert page.image is not None
-        width, height = page.size
-        for i, block in enumerate(page.blocks):
-            if block.type not in _CROPPED_TYPES:
-                continue
-            x1, y1, x2, y2 = block.bbox
-            image_dir.mkdir(exist_ok=True)
-            crop = page.image.crop((round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height)))
-            crop.save(image_dir / page.crop_name(i), quality=90)
+        writer = DocumentWriter(out_dir, self.name)
+        for page in self.pages:
+            writer.add_page(page)
+        return writer.close(self.to_dict())
 
     def _repr_markdown_(self) -> str:  # Jupyter renders a Document as its Markdown
         return self.to_markdown()
+
+
+def save_crops(page: Page, crops: list[tuple[str, tuple[float, float, float, float]]], image_dir: Path) -> None:
+    """Cut ``(file name, 0..1 bbox)`` crops out of the page image into ``image_dir`` as JPEG.
+
+    Raises:
+        ValueError: the page has no image.
+    """
+    if page.image is None:
+        raise ValueError(f"page {page.index + 1} has no image")
+    width, height = page.size
+    for name, (x1, y1, x2, y2) in crops:
+        box = (round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height))
+        if box[2] <= box[0] or box[3] <= box[1]:
+            continue
+        image_dir.mkdir(parents=True, exist_ok=True)
+        page.image.crop(box).convert("RGB").save(image_dir / name, quality=90)
 
 
 def layout_overlay(page: Page) -> Image.Image:
