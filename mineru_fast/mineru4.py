@@ -237,6 +237,8 @@ def _analysis_blocks(blocks: list[Block]) -> list[dict]:
         if isinstance(content, str):
             if kind in NATURAL_LANGUAGE:
                 item["content"] = to_spans(content)
+            elif kind == "algorithm":
+                item["content"] = to_spans_raw(content, strip=False)
             elif kind == "code":
                 spans = to_spans_raw(content)
                 if any(s["type"] == "equation_inline" for s in spans):
@@ -249,8 +251,8 @@ def _analysis_blocks(blocks: list[Block]) -> list[dict]:
     return out
 
 
-def to_spans_raw(content: str) -> list[dict]:
-    """Spans without half-width normalization (code blocks keep their characters)."""
+def to_spans_raw(content: str, *, strip: bool = True) -> list[dict]:
+    """Spans without half-width normalization (code keeps its characters), optionally stripped."""
     spans: list[dict] = []
     cursor = 0
     for match in re.finditer(r"\\\((.*?)\\\)", content, re.DOTALL):
@@ -261,7 +263,8 @@ def to_spans_raw(content: str) -> list[dict]:
         cursor = match.end()
     if content[cursor:]:
         spans.append({"type": "text", "content": content[cursor:]})
-    return strip_spans(_merge_spans(spans))
+    spans = _merge_spans(spans)
+    return strip_spans(spans) if strip else spans
 
 
 def _merge_formula_numbers(model: list[dict]) -> list[dict]:

@@ -44,14 +44,15 @@ __all__ = [
 # Key under which a block's raw (unknown) layout type travels inside a mineru-vl-utils ContentBlock.
 RAW_TYPE_KEY = "mineru_fast_raw_type"
 _INDEX_KEY = "mineru_fast_index"
-# The layout-line grammar of mineru-vl-utils 2.0.x (``_layout_re``), used here only to find lines
-# whose type the library would drop, so they can be kept.
-_LAYOUT_LINE_RE = re.compile(
-    r"(<\|box_start\|>\d+\s+\d+\s+\d+\s+\d+<\|box_end\|><\|ref_start\|>)(\w+?)(<\|ref_end\|>)", re.DOTALL
-)
 # Types the library treats specially before its type check: "unknown" is read as an image and
 # "inline_formula" lines are skipped (their content is part of the surrounding text).
 _SPECIAL_TYPES = frozenset({"unknown", "inline_formula"})
+_ANGLES = {"<|rotate_up|>": 0, "<|rotate_right|>": 90, "<|rotate_down|>": 180, "<|rotate_left|>": 270}
+_LINE_RE = re.compile(
+    r"<\|box_start\|>(\d+)\s+(\d+)\s+(\d+)\s+(\d+)<\|box_end\|><\|ref_start\|>(\w+?)<\|ref_end\|>"
+    r"(<\|rotate_(?:up|right|down|left)\|>)?",
+    re.DOTALL,
+)
 # Content step task of each prompt key (the ``ContentRequest.task``).
 _TASKS = {"table": "table", "equation": "equation", "image": "image", "chart": "image"}
 
@@ -128,24 +129,25 @@ def read_layout(text: str) -> PageLayout:
     Never raises: garbage yields no blocks and a warning.
     """
     known = official_block_types()
-    unknown: list[str] = []
+    tagged: dict[tuple, str] = {}  # (box, angle) -> raw type of the lines kept as text
 
     def keep_unknown(match: re.Match[str]) -> str:
-        raw_type = match.group(2).lower()
+        raw_type = match.group(5).lower()
         if raw_type in known or raw_type in _SPECIAL_TYPES:
             return match.group(0)
-        unknown.append(raw_type)
-        return f"{match.group(1)}text{match.group(3)}"
+        x1, y1, x2, y2 = (int(v) for v in match.group(1, 2, 3, 4))
+        box = (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))
+        tagged.setdefault((box, _ANGLES[match.group(6)] if match.group(6) else None), raw_type)
+        start, end = match.span(5)
+        return match.group(0)[: start - match.start()] + "text" + match.group(0)[end - match.start() :]
 
-    substituted = _LAYOUT_LINE_RE.sub(keep_unknown, text)
     layout = PageLayout(raw=text)
-    # Positions of the substituted lines among all grammar matches, to tag them after parsing.
-    tagged = _tag_unknown_lines(text, known)
-    layout.blocks = _helper().parse_layout_output(substituted)
+    layout.blocks = _helper().parse_layout_output(_LINE_RE.sub(keep_unknown, text))
     for block in layout.blocks:
         key = (tuple(round(v * 1000) for v in block["bbox"]), block.get("angle"))
         if block["type"] == "text" and key in tagged:
             block[RAW_TYPE_KEY] = tagged[key]
+    unknown = list(tagged.values())
     for raw_type in dict.fromkeys(unknown):
         layout.warnings.append(f"layout block type {raw_type!r} is unknown to the protocol; kept as text")
     if not layout.blocks and text.strip():
@@ -153,28 +155,6 @@ def read_layout(text: str) -> PageLayout:
     for warning in layout.warnings:
         logger.warning(warning)
     return layout
-
-
-_ANGLES = {"<|rotate_up|>": 0, "<|rotate_right|>": 90, "<|rotate_down|>": 180, "<|rotate_left|>": 270}
-_LINE_RE = re.compile(
-    r"<\|box_start\|>(\d+)\s+(\d+)\s+(\d+)\s+(\d+)<\|box_end\|><\|ref_start\|>(\w+?)<\|ref_end\|>"
-    r"(<\|rotate_(?:up|right|down|left)\|>)?",
-    re.DOTALL,
-)
-
-
-def _tag_unknown_lines(text: str, known: frozenset[str]) -> dict[tuple, str]:
-    """``((x1, y1, x2, y2), angle) -> raw type`` of the lines whose type is unknown (boxes normalized
-    as the library does: corners swapped)."""
-    out: dict[tuple, str] = {}
-    for match in _LINE_RE.finditer(text):
-        raw_type = match.group(5).lower()
-        if raw_type in known or raw_type in _SPECIAL_TYPES:
-            continue
-        x1, y1, x2, y2 = (int(v) for v in match.group(1, 2, 3, 4))
-        box = (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))
-        out.setdefault((box, _ANGLES.get(match.group(6)) if match.group(6) else None), raw_type)
-    return out
 
 
 @dataclass(frozen=True)
@@ -211,7 +191,7 @@ def plan_content(page_image: Image.Image, layout: PageLayout, *, image_analysis:
     helper = _helper()
     crops, prompts, _params, indices = helper.prepare_for_extract(page_image, layout.blocks, None, image_analysis)
     requests = []
-    for crop, prompt, index in zip(crops, prompts, indices):
+    for crop, prompt, index in zip(crops, prompts, indices, strict=True):
         block_type = layout.blocks[index]["type"]
         requests.append(ContentRequest(index, crop, _TASKS.get(block_type, "text"), prompt))
     return requests

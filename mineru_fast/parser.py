@@ -17,14 +17,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from .document import Block, Document, Page
+from .document import Document, Page
 from .engine.base import Engine, GenerationRequest, GenerationResult
 from .errors import InputError, TraceError
 from .hub import DEFAULT_MODEL_ID, resolve_model
 from .inputs import OpenedDocument, Source, open_document
 from .options import ParserOptions
-from .postprocess import postprocess_content
-from .protocol import LAYOUT_TASK, NOT_READ_TYPES, crop_block, layout_image, parse_layout, prompt_for, task_of
+from .page_protocol import ContentOutput, PageLayout, finish_blocks, plan_content, read_layout
+from .protocol import LAYOUT_TASK, detect_model_version, layout_image, prompt_for
 from .traces import PageTrace, Trace, load_trace
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class DocumentParser:
         self.engine = engine
         self.options = options
         self.model_dir = model_dir
+        self.model_version = detect_model_version(model_dir, options.model_version)
+        self.image_analysis = options.resolved_image_analysis(self.model_version)
         self._lock = threading.Lock()
 
     @classmethod
@@ -221,6 +223,7 @@ class DocumentParser:
             for page, trace in batch
         ]
         targets: dict[int, tuple[Page, int]] = {}  # engine index of a content request -> block
+        layouts: dict[int, PageLayout] = {}  # id(page) -> its layout, read as its layout result arrives
         next_index = len(layout_requests)
 
         def on_result(index: int, result: GenerationResult) -> list[GenerationRequest]:
@@ -228,24 +231,23 @@ class DocumentParser:
             if index >= len(batch):
                 return []
             page, trace = batch[index]
-            requests = self._content_requests(page, trace, result, targets, next_index)
+            requests = self._content_requests(page, trace, result, targets, next_index, layouts)
             next_index += len(requests)
             return requests
 
         results = self.engine.generate(layout_requests, on_result=on_result)
+        outputs: dict[int, dict[int, ContentOutput]] = {id(page): {} for page, _ in batch}
         for index, (page, i) in targets.items():
             result = results[index]
             _add_timings(page.timings, [result])
-            block = page.blocks[i]
-            block.raw, block.finish_reason = result.text, result.finish_reason
-            if result.finish_reason == "error":
-                block.error = result.error
-            else:
-                block.content = postprocess_content(block.type, result.text)
+            outputs[id(page)][i] = ContentOutput(result.text, result.finish_reason, result.error)
             if result.finish_reason in ("length", "repetition"):
-                page.warnings.append(f"block {i} ({block.type}) was cut: {result.finish_reason}")
+                kind = layouts[id(page)].blocks[i]["type"]
+                page.warnings.append(f"block {i} ({kind}) was cut: {result.finish_reason}")
         for page, _ in batch:
-            if any(b.error for b in page.blocks):
+            layout = layouts[id(page)]
+            page.blocks = finish_blocks(layout, outputs[id(page)])
+            if any(b.error for b in page.blocks) or layout.unknown_types:
                 page.status = "partial"
 
     def _content_requests(
@@ -255,8 +257,9 @@ class DocumentParser:
         layout: GenerationResult,
         targets: dict[int, tuple[Page, int]],
         first_index: int,
+        layouts: dict[int, PageLayout],
     ) -> list[GenerationRequest]:
-        """Read a page's layout result into its blocks; the crop requests of its readable blocks,
+        """Read a page's layout result (``layouts[id(page)]``); the requests of the blocks it reads,
         recorded in ``targets`` from ``first_index`` on.
 
         Raises:
@@ -266,24 +269,18 @@ class DocumentParser:
         if layout.finish_reason == "error":
             raise RuntimeError(f"layout step failed on page {page.index + 1}: {layout.error}")
         page.layout_raw = layout.text
-        blocks, page.warnings = parse_layout(layout.text)
+        layouts[id(page)] = page_layout = read_layout(layout.text)
+        page.warnings = list(page_layout.warnings)
         if layout.finish_reason in ("length", "repetition"):
             page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
-        if trace is not None and len(trace.contents) != len(blocks):
-            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
-        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
         requests = []
-        for i, block in enumerate(blocks):
-            if block.type in NOT_READ_TYPES:
-                continue
-            crop = crop_block(page.image, block)  # type: ignore[arg-type]
-            if crop is None:
-                page.blocks[i].error = "block is smaller than one pixel"
-                continue
-            task = task_of(block.type)
-            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
-            targets[first_index + len(requests)] = (page, i)
-            requests.append(GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced))
+        for request in plan_content(page.image, page_layout, image_analysis=self.image_analysis):  # type: ignore[arg-type]
+            forced = trace.content_for(page_layout.blocks[request.block_index]) if trace is not None else None
+            if trace is not None and forced is None:
+                page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
+            targets[first_index + len(requests)] = (page, request.block_index)
+            sampling = self.options.sampling(request.task)
+            requests.append(GenerationRequest(request.image, request.prompt, sampling, forced))
         return requests
 
     @staticmethod

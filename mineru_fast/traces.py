@@ -23,6 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from .errors import TraceError
+from .protocol import LayoutBlock
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ __all__ = [
     "trace_from_dict",
     "html_to_otsl",
     "build_omnidocbench_traces",
+    "layout_lines",
+    "model_math",
     "OMNIDOCBENCH_TYPES",
 ]
 
@@ -48,6 +51,17 @@ _ROTATE_ANGLES = {"<|rotate_up|>": 0, "<|rotate_right|>": 90, "<|rotate_down|>":
 def layout_line_key(x1: int, y1: int, x2: int, y2: int, block_type: str, angle: int | None) -> tuple:
     """The key that ties a layout line to the block parsed from it: normalized box, type, angle."""
     return (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2), block_type, angle)
+
+
+def layout_lines(layout: str) -> list[LayoutBlock]:
+    """Every line of a layout text that has the line grammar, in order: type (lower case), box as
+    0..1 floats (corners sorted), angle. ``PageTrace.contents`` runs parallel to this list."""
+    lines = []
+    for match in _LAYOUT_LINE_RE.finditer(layout):
+        x1, y1, x2, y2 = layout_line_key(*(int(v) for v in match.group(1, 2, 3, 4)), "", None)[:4]
+        angle = _ROTATE_ANGLES[match.group(6)] if match.group(6) else None
+        lines.append(LayoutBlock(match.group(5).lower(), (x1 / 1000, y1 / 1000, x2 / 1000, y2 / 1000), angle))
+    return lines
 
 
 @dataclass

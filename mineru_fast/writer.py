@@ -328,9 +328,8 @@ class _PageRenderer:
                 return f"![]({source})\n\n{_details(rendered, group.get('sub_type') or 'chart content')}"
             return f"![]({source})"
         # code: plain code in a fence (language not guessed, see README), algorithms with their math
-        if child.get("sub_type") == "algorithm" or group.get("sub_type") == "algorithm":
-            body = _algorithm_html(content)
-            return body
+        if group.get("sub_type") == "algorithm":
+            return _algorithm_html(content)
         return _fenced(content or "", "txt")
 
     # -- content list
@@ -358,7 +357,7 @@ class _PageRenderer:
             item = self.visual_item(block)
         elif kind == "code":
             body = next(c for c in content if c["type"] == "code_body")
-            algorithm = body.get("sub_type") == "algorithm"
+            algorithm = block.get("sub_type") == "algorithm"
             item = {
                 "type": "code",
                 "sub_type": "algorithm" if algorithm else "code",
@@ -388,6 +387,18 @@ class _PageRenderer:
         if visual in ("image", "chart") and group.get("sub_type"):
             item["sub_type"] = group["sub_type"]
         return item
+
+
+def _reference_item(blocks: list[dict], page_idx: int) -> dict:
+    boxes = [b["bbox"] for b in blocks]
+    bbox = [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)]
+    return {
+        "type": "list",
+        "sub_type": "ref_text",
+        "list_items": [render_spans(b["content"]) for b in blocks if b["content"]],
+        "bbox": [int(v * 1000) for v in bbox],
+        "page_idx": page_idx,
+    }
 
 
 def _annotations(group: dict, kind: str) -> list[str]:
@@ -440,8 +451,15 @@ def render_page(page: Page, image_dir: str = "images") -> PageOutput:
         if text and text.strip():
             chunks.append(text.strip("\n"))
     renderer.crops.clear()  # the content list names every crop the page has; collect them once
-    for block in blocks:
-        if (item := renderer.item(block)) is not None:
+    references: list[dict] = []
+    for block in [*blocks, None]:
+        if block is not None and block["type"] == "ref_text":
+            references.append(block)
+            continue
+        if references:  # a run of reference entries is one list item
+            items.append(_reference_item(references, page.index))
+            references = []
+        if block is not None and (item := renderer.item(block)) is not None:
             items.append(item)
     return PageOutput("\n\n".join(chunks), items, list(dict.fromkeys(renderer.crops)))
 

@@ -130,6 +130,7 @@ def fast_page(image: Image.Image, trace: PageTrace, index: int, *, image_analysi
 
 def fast_outputs(images: list[Image.Image], pages: list[PageTrace]) -> tuple[str, str]:
     """``(markdown, content_list JSON text)`` of mineru-fast for the same pages."""
-    rendered = [render_page(fast_page(image, trace, i)) for i, (image, trace) in enumerate(zip(images, pages))]
+    pairs = enumerate(zip(images, pages, strict=True))
+    rendered = [render_page(fast_page(image, trace, i)) for i, (image, trace) in pairs]
     items = [item for page in rendered for item in page.content_list]
     return join_markdown([page.markdown for page in rendered]), json.dumps(items, ensure_ascii=False, indent=2)
