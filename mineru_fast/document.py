@@ -55,10 +55,6 @@ class Block:
     merge_prev: bool | None = None
     sub_type: str | None = None
 
-    def bbox_1000(self) -> list[int]:
-        """The bbox as integers on MinerU's 0..1000 scale."""
-        return [round(v * 1000) for v in self.bbox]
-
     def to_dict(self) -> dict:
         """JSON-serializable fields; ``raw_type``, ``merge_prev`` and ``sub_type`` only when set."""
         out = {

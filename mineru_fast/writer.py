@@ -510,6 +510,13 @@ class DocumentWriter:
                 layout_overlay(page).save(self.out / "layout" / f"page_{page.index + 1:04d}.png")
         return output
 
+    def __enter__(self) -> DocumentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._md.closed:
+            self.close()
+
     def close(self, summary: dict | None = None) -> Path:
         """Finish the files; write ``<stem>.json`` when ``summary`` (the document dict) is given."""
         self._cl.write("\n]" if self._cl_started else "[]")

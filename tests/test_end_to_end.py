@@ -148,16 +148,20 @@ def ground_truth_tables(image_name: str) -> list[str]:
     return [d["html"] for d in tables]
 
 
-def assert_replayed_outputs(doc, trace, image_name: str) -> None:
-    """The engine's replayed parse writes what the protocol functions give for the trace without an
-    engine, and the tables have the ground truth's cells (spans and text)."""
+def expected_outputs(trace, image_name: str) -> tuple[str, list[dict]]:
+    """Markdown and content list that the protocol functions give for a trace without an engine."""
     from official_replay import fast_outputs
 
     with Image.open(WORKLOAD / "images" / image_name) as image:
         markdown, content_list = fast_outputs([image.convert("RGB")], [trace])
-    assert doc.to_markdown() == markdown
-    assert doc.to_content_list() == json.loads(content_list)
-    tables = [item["table_body"] for item in doc.to_content_list() if item["type"] == "table"]
+    return markdown, json.loads(content_list)
+
+
+def assert_replayed_outputs(markdown: str, content_list: list[dict], trace, image_name: str) -> None:
+    """A replayed parse writes what the protocol functions give for the trace without an engine, and
+    its tables have the ground truth's cells (spans and text)."""
+    assert (markdown, content_list) == expected_outputs(trace, image_name)
+    tables = [item["table_body"] for item in content_list if item["type"] == "table"]
     got = [html_table_cells(t.replace("$", "")) for t in tables]
     assert got == [html_table_cells(t.replace("$", "")) for t in ground_truth_tables(image_name)]
 
@@ -180,7 +184,7 @@ def test_replayed_workload_page_gives_expected_markdown(parser, workload_traces,
     assert page.layout_raw == trace.layout
     assert len(layout_lines(trace.layout)) == len(trace.contents)
     assert page.warnings == []
-    assert_replayed_outputs(doc, trace, image_name)
+    assert_replayed_outputs(doc.to_markdown(), doc.to_content_list(), trace, image_name)
 
 
 def test_cli_replay_directory_and_stream_many(tiny_model, workload_traces, tmp_path, capsys):
