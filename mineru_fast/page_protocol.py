@@ -68,7 +68,12 @@ def _helper():
     """A ``MinerUClientHelper`` configured as mineru 4.0.12 configures its client."""
     global _HELPER
     if _HELPER is None:
+        from loguru import logger as loguru_logger
         from mineru_vl_utils.mineru_client import DEFAULT_PROMPTS, DEFAULT_SAMPLING_PARAMS, MinerUClientHelper
+
+        # The library logs every layout line without a rotate token and the like through loguru to
+        # stderr; the problems that matter are page warnings here (and logged with ``logging``).
+        loguru_logger.disable("mineru_vl_utils")
 
         _HELPER = MinerUClientHelper(
             backend="transformers",  # any local backend: crops stay PIL images (not PNG bytes)
