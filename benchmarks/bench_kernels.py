@@ -12,7 +12,7 @@ from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.generate import _Sequence
 from mineru_fast.engine.sampling import BatchLogitsProcessor
 from mineru_fast.inputs import open_document
-from mineru_fast.postprocess import otsl_to_html
+from mineru_fast.page_protocol import ContentOutput, finish_blocks, read_layout
 from mineru_fast.protocol import LAYOUT_TASK, SamplingParams, layout_image, prompt_for, sampling_for
 
 
@@ -74,6 +74,9 @@ def test_pdf_render_200dpi(benchmark):
     benchmark(render)
 
 
-def test_otsl_to_html_large_table(benchmark):
+def test_table_postprocess_large_table(benchmark):
+    """Layout parsing + mineru-vl-utils post-processing (OTSL -> HTML) of one large table block."""
     otsl = ("<fcel>cell" * 12 + "<nl>") * 60 + ("<ucel>" + "<fcel>x" * 11 + "<nl>") * 10
-    benchmark(otsl_to_html, otsl)
+    layout = "<|box_start|>100 100 900 900<|box_end|><|ref_start|>table<|ref_end|><|rotate_up|>"
+    blocks = benchmark(lambda: finish_blocks(read_layout(layout), {0: ContentOutput(otsl)}))
+    assert blocks[0].content.startswith("<table>")

@@ -70,22 +70,21 @@ def timed_parse(parser, pages, label: str) -> dict:
 
 
 def crop_requests(page, limit: int) -> list[dict]:
-    """Chat bodies for the page's read blocks (PNG crop, task prompt), with the block's replayed
-    text under ``_text`` (its token count becomes the request's exact length)."""
-    from mineru_fast.protocol import NOT_READ_TYPES, SYSTEM_PROMPT, crop_block, parse_layout, prompt_for, task_of
+    """Chat bodies for the blocks of the page that MinerU reads (PNG crop, task prompt), with the
+    block's replayed text under ``_text`` (its token count becomes the request's exact length)."""
+    from mineru_fast.page_protocol import plan_content, read_layout
+    from mineru_fast.protocol import SYSTEM_PROMPT
 
-    blocks, _ = parse_layout(page.trace.layout)
+    layout = read_layout(page.trace.layout)
     bodies = []
-    for block, content in zip(blocks, page.trace.contents, strict=False):
-        if block.type in NOT_READ_TYPES or content is None:
+    for request in plan_content(page.image, layout, image_analysis=False):
+        content = page.trace.content_for(layout.blocks[request.block_index])
+        if content is None:
             continue
         buf = io.BytesIO()
-        crop_block(page.image, block).save(buf, format="PNG")
+        request.image.save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        user = [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": prompt_for(task_of(block.type))},
-        ]
+        user = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": request.prompt}]
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
         body = {"model": "m", "messages": messages, "temperature": 0.0, "top_k": 1, "skip_special_tokens": False}
         bodies.append({"_text": content, **body})

@@ -1,36 +1,24 @@
 """The parse result: ``Document`` -> ``Page`` -> ``Block``, and its MinerU-format outputs.
 
-Outputs match what MinerU users already consume: ``<stem>.md`` (paratext left out),
-``<stem>_content_list.json`` (one item per body block, bbox as integers on a 0..1000 scale,
-``page_idx``, ``text_level`` for titles, ``img_path``, ``table_body``, captions and footnotes
-grouped with their image or table), ``images/`` with crops of image, table and equation blocks,
-plus ``<stem>.json`` (everything, including timings and errors) and a layout overlay PNG per page.
+Outputs are what official MinerU 4.0.12 writes for the same blocks (see ``writer``): ``<stem>.md``,
+``<stem>_content_list.json`` and ``images/`` crops of image, table, chart and equation blocks, plus
+``<stem>.json`` (everything, including raw outputs, timings and errors) and a layout overlay PNG per
+page.
 """
 
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .protocol import PARATEXT_TYPES
-
 Status = Literal["success", "partial", "failure"]
 
 NOTEBOOK_MAX_SIDE = 1600  # pixels, long side of a page shown in a notebook (a 200 DPI page is 2200)
-CROPPED_TYPES = ("image", "table", "equation")
-"""Block types whose crop is written to ``images/`` (and kept on ``Block.image`` after parsing)."""
-_CAPTION_OWNER = {
-    "image_caption": "image",
-    "image_footnote": "image",
-    "table_caption": "table",
-    "table_footnote": "table",
-    "code_caption": "code",
-}
+
 _OVERLAY_COLORS = {
     "title": (220, 40, 40),
     "text": (40, 90, 220),
@@ -53,10 +41,13 @@ class Block:
         finish_reason: ``"stop"``, ``"length"`` (a bound was hit), ``"repetition"`` (cut by the
             guard), ``"timeout"``/``"cancelled"`` (ended early), ``"error"``, or None if not read.
         error: why this block has no content although it should, else None.
+        raw_type: the layout type the model gave when the protocol does not know it (the block is
+            then kept as ``text``), else None.
+        merge_prev: for text blocks, the model's "continues the previous block" flag
+            (``txt_contd_tgt``), else None.
+        sub_type: image-analysis class of an image or chart (``natural_image``, ``bar``, ...), else None.
         logprobs: log-probability of each generated token (see ``GenerationResult.logprobs``);
             not serialized.
-        image: the block's crop of the rendered page (``CROPPED_TYPES`` only), kept so the
-            outputs can be written after the page image is gone; not serialized.
     """
 
     type: str
@@ -66,22 +57,14 @@ class Block:
     raw: str | None = None
     finish_reason: str | None = None
     error: str | None = None
+    raw_type: str | None = None
+    merge_prev: bool | None = None
+    sub_type: str | None = None
     logprobs: list[float] | None = field(default=None, repr=False)
-    image: Image.Image | None = field(default=None, repr=False)
-
-    def bbox_1000(self) -> list[int]:
-        """The bbox as integers on MinerU's 0..1000 scale."""
-        return [round(v * 1000) for v in self.bbox]
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Block:
-        """The inverse of ``to_dict`` (images and log-probs are not serialized)."""
-        x1, y1, x2, y2 = data["bbox"]
-        fields = ("angle", "content", "raw", "finish_reason", "error")
-        return cls(data["type"], (x1, y1, x2, y2), **{k: data.get(k) for k in fields})
 
     def to_dict(self) -> dict:
-        return {
+        """JSON-serializable fields; ``raw_type``, ``merge_prev`` and ``sub_type`` only when set."""
+        out = {
             "type": self.type,
             "bbox": list(self.bbox),
             "angle": self.angle,
@@ -90,6 +73,10 @@ class Block:
             "finish_reason": self.finish_reason,
             "error": self.error,
         }
+        for name in ("raw_type", "merge_prev", "sub_type"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 @dataclass
@@ -99,8 +86,10 @@ class Page:
     Attributes:
         index: 0-based page index in the source document.
         size: ``(width, height)`` of the rendered page in pixels (0, 0 if it failed to render).
-        image: the rendered page, kept so ``Document.save`` can write crops and overlays; None
-            after a render failure.
+        image: the rendered page (None after a render failure, and once the parser releases it
+            unless asked to keep page images); the layout overlay needs it.
+        crops: the images the outputs reference (``images/<name>``), cut from the page when the
+            parser releases the page image; not serialized.
     """
 
     index: int
@@ -112,9 +101,7 @@ class Page:
     timings: dict[str, float] = field(default_factory=dict)
     layout_raw: str | None = None
     image: Image.Image | None = field(default=None, repr=False)
-
-    def crop_name(self, block_idx: int) -> str:
-        return f"page{self.index + 1:04d}_block{block_idx:03d}_{self.blocks[block_idx].type}.jpg"
+    crops: dict[str, Image.Image] = field(default_factory=dict, repr=False)
 
     def _repr_png_(self) -> bytes | None:
         """Jupyter shows a page as its layout overlay, long side at most ``NOTEBOOK_MAX_SIDE``
@@ -127,21 +114,6 @@ class Page:
         overlay.save(buffer, format="PNG")
         return buffer.getvalue()
 
-    @classmethod
-    def from_dict(cls, data: dict) -> Page:
-        """The inverse of ``to_dict`` (without the image)."""
-        width, height = data["size"]
-        return cls(
-            data["page_idx"],
-            (width, height),
-            [Block.from_dict(b) for b in data["blocks"]],
-            data["status"],
-            list(data["errors"]),
-            list(data["warnings"]),
-            dict(data["timings"]),
-            data["layout_raw"],
-        )
-
     def to_dict(self) -> dict:
         return {
             "page_idx": self.index,
@@ -153,39 +125,6 @@ class Page:
             "layout_raw": self.layout_raw,
             "blocks": [b.to_dict() for b in self.blocks],
         }
-
-
-def _distance(bbox: tuple[float, float, float, float], point: tuple[float, float]) -> float:
-    """L1 distance from a point to a box (0 inside)."""
-    x1, y1, x2, y2 = bbox
-    x, y = point
-    return max(x1 - x, 0, x - x2) + max(y1 - y, 0, y - y2)
-
-
-def _attach_captions(blocks: list[Block]) -> tuple[list[int], dict[int, list[int]]]:
-    """Group caption/footnote blocks with the nearest body of their kind on the page.
-
-    Returns:
-        ``(items, attached)``: indices of blocks that stand on their own, in reading order, and for
-        each body index the indices of its captions/footnotes (in reading order). A caption with no
-        body of its kind on the page stands on its own.
-    """
-    attached: dict[int, list[int]] = {}
-    items: list[int] = []
-    for i, block in enumerate(blocks):
-        owner_type = _CAPTION_OWNER.get(block.type)
-        owners = [j for j, b in enumerate(blocks) if b.type == owner_type] if owner_type else []
-        if not owners:
-            items.append(i)
-            continue
-        center = ((block.bbox[0] + block.bbox[2]) / 2, (block.bbox[1] + block.bbox[3]) / 2)
-        nearest = min(owners, key=lambda j, c=center: _distance(blocks[j].bbox, c))
-        attached.setdefault(nearest, []).append(i)
-    return items, attached
-
-
-def _texts(blocks: list[Block], indices: list[int], kind: str) -> list[str]:
-    return [blocks[i].content or "" for i in indices if blocks[i].type.endswith(kind)]
 
 
 @dataclass
@@ -207,87 +146,20 @@ class Document:
 
     @property
     def status(self) -> Status:
-        return self.status_of(self.errors, [p.status for p in self.pages])
-
-    @staticmethod
-    def status_of(errors: list[str], page_statuses: list[str]) -> Status:
-        """A document's status from its errors and its pages' statuses."""
-        if errors or (page_statuses and all(s == "failure" for s in page_statuses)):
-            return "failure"
-        if any(s != "success" for s in page_statuses):
-            return "partial"
-        return "success"
+        return status_of(self.errors, [p.status for p in self.pages])
 
     def to_markdown(self, image_dir: str = "images") -> str:
-        """MinerU-style Markdown: titles as ``#`` headings, equations as ``$$`` blocks, tables as
-        HTML with their captions and footnotes, images as links to ``image_dir`` crops. Paratext
-        (headers, footers, page numbers, side notes, page footnotes) is left out."""
-        parts = (self.page_markdown(page, image_dir) for page in self.pages)
-        return "\n\n".join(p for p in parts if p) + "\n"
+        """MinerU 4 Markdown (see ``writer``): headers, footers, page numbers and side notes left
+        out, images linked under ``image_dir``; no trailing newline, as mineru writes it."""
+        from .writer import join_markdown, render_page
 
-    @classmethod
-    def page_markdown(cls, page: Page, image_dir: str = "images") -> str:
-        """One page's part of ``to_markdown`` (without the final newline)."""
-        parts: list[str] = []
-        items, attached = _attach_captions(page.blocks)
-        for i in items:
-            parts.extend(cls._markdown_item(page, i, attached.get(i, []), image_dir))
-        return "\n\n".join(p for p in parts if p)
-
-    @staticmethod
-    def _markdown_item(page: Page, i: int, extras: list[int], image_dir: str) -> list[str]:
-        block = page.blocks[i]
-        text = block.content or ""
-        captions = _texts(page.blocks, extras, "_caption")
-        footnotes = _texts(page.blocks, extras, "_footnote")
-        if block.type in PARATEXT_TYPES:
-            return []
-        if block.type == "title":
-            return [f"# {text}" if text else ""]
-        if block.type == "equation":
-            return [f"$$\n{text}\n$$" if text else ""]
-        if block.type == "image":
-            return [f"![]({image_dir}/{page.crop_name(i)})", *captions, *footnotes]
-        if block.type == "table":
-            return [*captions, text, *footnotes]
-        if block.type in ("code", "algorithm"):
-            return [*captions, f"```\n{text}\n```" if text else ""]
-        return [text]
+        return join_markdown([render_page(page, image_dir).markdown for page in self.pages])
 
     def to_content_list(self, image_dir: str = "images") -> list[dict]:
-        """MinerU's ``content_list.json`` items, in reading order, paratext included."""
-        return [item for page in self.pages for item in self.page_content_list(page, image_dir)]
+        """MinerU 4 ``content_list.json`` items (content list V1), in reading order, paratext included."""
+        from .writer import render_page
 
-    @staticmethod
-    def page_content_list(page: Page, image_dir: str = "images") -> list[dict]:
-        """One page's items of ``to_content_list``."""
-        out: list[dict] = []
-        items, attached = _attach_captions(page.blocks)
-        for i in items:
-            block, extras = page.blocks[i], attached.get(i, [])
-            item: dict = {"type": block.type}
-            if block.type in ("image", "table"):
-                item["img_path"] = f"{image_dir}/{page.crop_name(i)}"
-                item[f"{block.type}_caption"] = _texts(page.blocks, extras, "_caption")
-                item[f"{block.type}_footnote"] = _texts(page.blocks, extras, "_footnote")
-                if block.type == "table":
-                    item["table_body"] = block.content or ""
-            elif block.type == "equation":
-                item.update(img_path=f"{image_dir}/{page.crop_name(i)}", text_format="latex")
-                item["text"] = f"$$\n{block.content}\n$$" if block.content else ""
-            elif block.type in ("code", "algorithm"):
-                item.update(type="code", sub_type=block.type, code_body=block.content or "")
-                item["code_caption"] = _texts(page.blocks, extras, "_caption")
-            else:
-                if block.type not in PARATEXT_TYPES:
-                    item["type"] = "text"
-                item["text"] = block.content or ""
-                if block.type == "title":
-                    item["text_level"] = 1
-            item["bbox"] = block.bbox_1000()
-            item["page_idx"] = page.index
-            out.append(item)
-        return out
+        return [item for page in self.pages for item in render_page(page, image_dir).content_list]
 
     def to_dict(self) -> dict:
         """Everything, JSON-serializable: status, errors, timings, pages with raw outputs."""
@@ -300,45 +172,47 @@ class Document:
         }
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops of
-        image/table/equation blocks and ``layout/page_NNNN.png`` overlays into ``out_dir``.
+        """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops and
+        ``layout/page_NNNN.png`` overlays into ``out_dir``, page by page (``writer.DocumentWriter``).
 
         Returns:
             ``out_dir`` as a Path (created if needed).
         """
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{self.name}.md").write_text(self.to_markdown(), encoding="utf-8")
-        content_list = json.dumps(self.to_content_list(), ensure_ascii=False, indent=2)
-        (out / f"{self.name}_content_list.json").write_text(content_list, encoding="utf-8")
-        (out / f"{self.name}.json").write_text(
-            json.dumps(self.to_dict(), ensure_ascii=False, indent=2), encoding="utf-8"
-        )
-        for page in self.pages:
-            save_page_images(page, out)
-        return out
+        from .writer import DocumentWriter
+
+        with DocumentWriter(out_dir, self.name, release=False) as writer:
+            for page in self.pages:
+                writer.add_page(page)
+            return writer.close(self.errors, self.timings.get("wall"))
 
     def _repr_markdown_(self) -> str:  # Jupyter renders a Document as its Markdown
         return self.to_markdown()
 
 
-def save_page_images(page: Page, out: Path) -> None:
-    """Write a page's block crops to ``out/images/`` and, when the page image is at hand, its
-    layout overlay to ``out/layout/page_NNNN.png``."""
+def status_of(errors: list[str], page_statuses: list[str]) -> Status:
+    """A document's status from its errors and its pages' statuses."""
+    if errors or (page_statuses and all(s == "failure" for s in page_statuses)):
+        return "failure"
+    if any(s != "success" for s in page_statuses):
+        return "partial"
+    return "success"
+
+
+def cut_crops(page: Page, crops: list[tuple[str, tuple[float, float, float, float]]]) -> dict[str, Image.Image]:
+    """Cut ``(file name, 0..1 bbox)`` crops out of the page image (empty boxes skipped).
+
+    Raises:
+        ValueError: the page has no image.
+    """
+    if page.image is None:
+        raise ValueError(f"page {page.index + 1} has no image")
     width, height = page.size
-    for i, block in enumerate(page.blocks):
-        if block.type not in CROPPED_TYPES:
-            continue
-        crop = block.image
-        if crop is None and page.image is not None:
-            x1, y1, x2, y2 = block.bbox
-            crop = page.image.crop((round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height)))
-        if crop is not None:
-            (out / "images").mkdir(exist_ok=True)
-            crop.save(out / "images" / page.crop_name(i), quality=90)
-    if page.image is not None:
-        (out / "layout").mkdir(exist_ok=True)
-        layout_overlay(page).save(out / "layout" / f"page_{page.index + 1:04d}.png")
+    out = {}
+    for name, (x1, y1, x2, y2) in crops:
+        box = (round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height))
+        if box[2] > box[0] and box[3] > box[1]:
+            out[name] = page.image.crop(box).convert("RGB")
+    return out
 
 
 def layout_overlay(page: Page) -> Image.Image:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .inputs import DEFAULT_DPI, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
-from .protocol import LAYOUT_TASK, SamplingParams, sampling_for
+from .protocol import LAYOUT_TASK, MODEL_VERSIONS, SamplingParams, sampling_for
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "bf16")
@@ -56,6 +56,10 @@ class ParserOptions:
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
             ``"text"``, ``"table"``, ``"equation"``.
         progress: show a tqdm progress bar over pages.
+        model_version: ``"auto"`` (from the checkpoint's name, see ``protocol.detect_model_version``),
+            ``"2509"`` (MinerU2.5-2509-1.2B) or ``"pro-2605"`` (MinerU2.5-Pro-2605-1.2B).
+        image_analysis: read image and chart blocks with the "Image Analysis" prompt, as mineru 4
+            does; None = on for MinerU2.5-Pro (trained for it), off for 2509 (which leaves them unread).
     """
 
     engine: str = "fast"
@@ -76,6 +80,8 @@ class ParserOptions:
     max_image_pixels: int = DEFAULT_MAX_PIXELS
     max_new_tokens: dict[str, int] = field(default_factory=dict)
     progress: bool = False
+    model_version: str = "auto"
+    image_analysis: bool | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -91,6 +97,8 @@ class ParserOptions:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.model_version not in ("auto", *MODEL_VERSIONS):
+            raise ValueError(f"model_version must be one of {('auto', *MODEL_VERSIONS)}, got {self.model_version!r}")
         if self.engine == "reference" and self.backend == "ipex":
             raise ValueError("backend 'ipex' applies to the fast engine only")
         if self.threads is not None and self.threads < 1:
@@ -115,6 +123,10 @@ class ParserOptions:
         if key in self.max_new_tokens:
             params = replace(params, max_new_tokens=self.max_new_tokens[key])
         return params
+
+    def resolved_image_analysis(self, model_version: str) -> bool:
+        """Whether images and charts are read, for a resolved model version."""
+        return model_version == "pro-2605" if self.image_analysis is None else self.image_analysis
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ParserOptions:

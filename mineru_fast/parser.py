@@ -20,14 +20,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from .document import CROPPED_TYPES, Block, Document, Page
+from .document import Document, Page, cut_crops
 from .engine.base import Engine, GenerationRequest, GenerationResult, RequestHandle
 from .errors import InputError, TraceError
 from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
 from .inputs import Source, open_document
 from .options import ParserOptions
-from .postprocess import postprocess_content
-from .protocol import LAYOUT_TASK, NOT_READ_TYPES, crop_block, layout_image, parse_layout, prompt_for, task_of
+from .page_protocol import ContentOutput, PageLayout, finish_blocks, plan_content, read_layout
+from .protocol import LAYOUT_TASK, detect_model_version, layout_image, prompt_for
 from .traces import PageTrace, Trace, load_trace
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class _PageWork:
     trace: PageTrace | None
     layout: RequestHandle | None = None
     layout_read: bool = False
+    page_layout: PageLayout | None = None
     contents: dict[int, RequestHandle] = field(default_factory=dict)  # block index -> request
     done: bool = False
 
@@ -100,6 +101,8 @@ class DocumentParser:
         self.options = options
         self.model_dir = model_dir
         self.model_info = model_info if model_info is not None else ModelInfo.from_dir(model_dir)
+        self.model_version = detect_model_version(model_dir, options.model_version)
+        self.image_analysis = options.resolved_image_analysis(self.model_version)
 
     @classmethod
     def from_pretrained(
@@ -170,7 +173,7 @@ class DocumentParser:
             replay: a trace (or its path) whose outputs are forced instead of decoded (benchmarks,
                 pipeline tests); see ``mineru_fast.traces``.
             keep_page_images: keep each rendered page on ``Page.image`` (layout overlays need
-                it); by default only the crops the outputs use are kept (``Block.image``).
+                it); by default only the crops the outputs use are kept (``Page.crops``).
 
         Returns:
             The ``Document``; per-page failures are in ``page.errors`` and ``document.status``.
@@ -334,7 +337,9 @@ class DocumentParser:
                 work.done = True
 
     def _read_layout(self, work: _PageWork) -> None:
-        """The page's layout result -> its blocks and the content requests of readable blocks."""
+        """The page's layout result -> its layout (``page_protocol.read_layout``) and the content
+        requests of the blocks the protocol reads. Garbage, dropped lines, unknown types and a cut
+        layout make the page ``failure`` / ``partial`` with warnings, never a quiet success."""
         page, trace = work.page, work.trace
         assert work.layout is not None and page.image is not None
         layout = work.layout.result()
@@ -342,59 +347,52 @@ class DocumentParser:
         if layout.finish_reason == "error":
             raise RuntimeError(f"layout step failed: {layout.error}")
         page.layout_raw = layout.text
-        blocks, warnings = parse_layout(layout.text)
-        page.warnings.extend(warnings)
+        work.page_layout = page_layout = read_layout(layout.text)
+        page.warnings.extend(page_layout.warnings)
         if layout.finish_reason in CUT_REASONS:
             page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
-            page.status = "partial"
-        if not blocks and layout.text.strip():
+        if not page_layout.blocks and layout.text.strip():
             page.status = "failure"
             page.errors.append("layout output holds no valid block")
-        elif warnings:
+        elif page.warnings:
             page.status = "partial"
-        if trace is not None and len(trace.contents) != len(blocks):
-            page.warnings.append(f"trace has {len(trace.contents)} contents for {len(blocks)} blocks")
-        page.blocks = [Block(b.type, b.bbox, b.angle) for b in blocks]
-        for i, block in enumerate(blocks):
-            if block.type in NOT_READ_TYPES:
-                continue
-            crop = crop_block(page.image, block)
-            if crop is None:
-                page.blocks[i].error = "block is smaller than one pixel"
-                continue
-            task = task_of(block.type)
-            forced = trace.contents[i] if trace is not None and i < len(trace.contents) else None
-            request = GenerationRequest(crop, prompt_for(task), self.options.sampling(task), forced)
-            work.contents[i] = self.engine.submit(request)
+        for request in plan_content(page.image, page_layout, image_analysis=self.image_analysis):
+            forced = None
+            if trace is not None:
+                forced = trace.content_for(page_layout.blocks[request.block_index])
+                if forced is None:
+                    page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
+            sampling = self.options.sampling(request.task)
+            work.contents[request.block_index] = self.engine.submit(
+                GenerationRequest(request.image, request.prompt, sampling, forced)
+            )
 
     def _read_contents(self, work: _PageWork) -> None:
-        """Content results -> block contents; cut or failed blocks make the page ``partial``."""
+        """Content results -> final blocks (``page_protocol.finish_blocks``); cut or failed blocks
+        make the page ``partial``."""
         page = work.page
+        outputs: dict[int, ContentOutput] = {}
+        assert work.page_layout is not None
         for i, handle in work.contents.items():
             result = handle.result()
             _add_timings(page.timings, result)
-            block = page.blocks[i]
-            block.raw, block.finish_reason, block.logprobs = result.text, result.finish_reason, result.logprobs
-            if result.finish_reason == "error":
-                block.error = result.error
-            else:
-                block.content = postprocess_content(block.type, result.text)
+            outputs[i] = ContentOutput(result.text, result.finish_reason, result.error, result.logprobs)
             if result.finish_reason in CUT_REASONS:
-                page.warnings.append(f"block {i} ({block.type}) was cut: {result.finish_reason}")
+                kind = work.page_layout.blocks[i]["type"]
+                page.warnings.append(f"block {i} ({kind}) was cut: {result.finish_reason}")
+        page.blocks = finish_blocks(work.page_layout, outputs)
         if page.status == "success" and any(b.error or b.finish_reason in CUT_REASONS for b in page.blocks):
             page.status = "partial"
 
     def _finish_page(self, work: _PageWork, keep_page_images: bool) -> None:
+        """Cut the crops the outputs reference and, unless asked to keep it, drop the page image."""
+        from .writer import render_page
+
         page = work.page
-        if page.image is not None:
-            width, height = page.size
-            for block in page.blocks:
-                if block.type in CROPPED_TYPES:
-                    x1, y1, x2, y2 = block.bbox
-                    box = (round(x1 * width), round(y1 * height), round(x2 * width), round(y2 * height))
-                    block.image = page.image.crop(box)
-            if not keep_page_images:
-                page.image = None
+        if page.image is not None and page.status != "failure":
+            page.crops = cut_crops(page, render_page(page).crops)
+        if not keep_page_images:
+            page.image = None
         stages = ("render", "vision", "prefill", "decode")
         page.timings["total"] = sum(page.timings.get(k, 0.0) for k in stages)
 

@@ -1,17 +1,20 @@
-"""MinerU2.5's two-step protocol: prompts, sampling tables, layout parsing, crop geometry.
+"""MinerU2.5's two-step protocol: chat format, tokens, prompts, sampling tables, model versions.
 
-Pure Python (Pillow only, no torch). Facts follow opendatalab/mineru-vl-utils 0.1.x, the official
-client of MinerU2.5: the chat format, the task prompts, the per-type sampling parameters, the
-layout line format and the crop rules (rotate by the block angle, pad to an edge ratio of at most
-50, upscale a short edge below 28 pixels).
+Pure Python (Pillow only, no torch). Facts follow opendatalab/mineru-vl-utils 2.0.x, the official
+client of MinerU2.5: the chat format, the task prompts, the per-type sampling parameters and the
+crop rules (rotate by the block angle, pad to an edge ratio of at most 50, upscale a short edge
+below 28 pixels). The per-page steps (layout parsing, filters, crops, post-processing) are in
+``page_protocol``, which calls mineru-vl-utils itself.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from PIL import Image
 
@@ -61,16 +64,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-BLOCK_TYPES: frozenset[str] = frozenset(
-    {
-        "text", "title", "table", "image", "code", "algorithm", "header", "footer", "page_number",
-        "page_footnote", "aside_text", "equation", "equation_block", "ref_text", "list", "phonetic",
-        "table_caption", "image_caption", "code_caption", "table_footnote", "image_footnote",
-        "unknown",
-    }
-)  # fmt: skip
-PARATEXT_TYPES: frozenset[str] = frozenset({"header", "footer", "page_number", "aside_text", "page_footnote"})
-NOT_READ_TYPES: frozenset[str] = frozenset({"image", "list", "equation_block"})
+# Model versions (same architecture, same protocol; Pro was trained for image analysis).
+MODEL_VERSIONS = ("2509", "pro-2605")
 
 LAYOUT_TASK = "layout"
 LAYOUT_IMAGE_SIZE = (1036, 1036)  # 74x74 patches of 14 px -> 37x37 = 1369 image tokens
@@ -78,6 +73,7 @@ PROMPTS: dict[str, str] = {
     LAYOUT_TASK: "\nLayout Detection:",
     "table": "\nTable Recognition:",
     "equation": "\nFormula Recognition:",
+    "image": "\nImage Analysis:",
 }
 DEFAULT_PROMPT = "\nText Recognition:"
 
@@ -120,23 +116,19 @@ class SamplingParams:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 
 
-# mineru-vl-utils DEFAULT_SAMPLING_PARAMS; the max_new_tokens bounds are ours (the official client
-# relies on the server's context limit).
+# mineru-vl-utils 2.0.x DEFAULT_SAMPLING_PARAMS ("image" covers image and chart analysis); the
+# max_new_tokens bounds are ours (the official client relies on the server's context limit).
 SAMPLING: dict[str, SamplingParams] = {
     LAYOUT_TASK: SamplingParams(max_new_tokens=4096),
     "table": SamplingParams(presence_penalty=1.0, frequency_penalty=0.005, max_new_tokens=8192),
     "equation": SamplingParams(presence_penalty=1.0, frequency_penalty=0.05, max_new_tokens=4096),
+    "image": SamplingParams(presence_penalty=1.0, frequency_penalty=0.05, max_new_tokens=4096),
 }
 DEFAULT_SAMPLING = SamplingParams(presence_penalty=1.0, frequency_penalty=0.05, max_new_tokens=4096)
 
 
-def task_of(block_type: str) -> str:
-    """The prompt/sampling key of a block type: ``table``, ``equation`` or ``text``."""
-    return block_type if block_type in ("table", "equation") else "text"
-
-
 def prompt_for(task: str) -> str:
-    """Task prompt of a layout task or block type (``"layout"``, ``"table"``, ``"text"``, ...)."""
+    """Task prompt of a task (``"layout"``, ``"table"``, ``"equation"``, ``"image"``, ``"text"``)."""
     return PROMPTS.get(task, DEFAULT_PROMPT)
 
 
@@ -157,68 +149,42 @@ def build_prompt(task_prompt: str) -> str:
     )
 
 
+def detect_model_version(model_dir: str | Path, requested: str = "auto") -> str:
+    """The MinerU2.5 version of a checkpoint: ``"2509"`` or ``"pro-2605"``.
+
+    ``requested`` other than ``"auto"`` wins. Otherwise the checkpoint's ``config.json``
+    ``_name_or_path`` and its directory path (hub cache folders are named after the repo, e.g.
+    ``models--opendatalab--MinerU2.5-Pro-2605-1.2B``) are searched for "pro" and "2605"; a checkpoint
+    that names neither is taken as 2509 (also the synthetic models, which have 2509 shapes).
+
+    Raises:
+        ValueError: ``requested`` is not "auto" or one of ``MODEL_VERSIONS``.
+    """
+    if requested != "auto":
+        if requested not in MODEL_VERSIONS:
+            raise ValueError(f"model_version must be 'auto' or one of {MODEL_VERSIONS}, got {requested!r}")
+        return requested
+    names = [str(Path(model_dir).resolve())]
+    try:
+        names.append(str(json.loads((Path(model_dir) / "config.json").read_text()).get("_name_or_path", "")))
+    except (OSError, ValueError, AttributeError):
+        pass
+    return "pro-2605" if any(re.search(r"pro.?2605|2605", n, re.IGNORECASE) for n in names) else "2509"
+
+
 @dataclass(frozen=True)
 class LayoutBlock:
-    """One block of the layout step.
+    """A block box for ``crop_block`` (engine tests and benchmarks cut crops without a layout).
 
     Attributes:
-        type: a MinerU2.5 block type (see ``BLOCK_TYPES``).
+        type: a block type.
         bbox: ``(x1, y1, x2, y2)`` normalized to 0..1 of the page, x1 < x2, y1 < y2.
-        angle: text rotation in degrees counter-clockwise (0, 90, 180, 270), None when the model
-            gave no rotate token.
+        angle: text rotation in degrees counter-clockwise (0, 90, 180, 270) or None.
     """
 
     type: str
     bbox: tuple[float, float, float, float]
     angle: int | None = None
-
-
-_LAYOUT_RE = re.compile(
-    r"<\|box_start\|>\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*<\|box_end\|>"
-    r"<\|ref_start\|>\s*(\w+?)\s*<\|ref_end\|>(.*?)(?=<\|box_start\|>|$)",
-    re.DOTALL,
-)
-
-
-def _bbox(coords: tuple[str, str, str, str]) -> tuple[float, float, float, float] | None:
-    x1, y1, x2, y2 = (int(c) for c in coords)
-    if any(c < 0 or c > 1000 for c in (x1, y1, x2, y2)):
-        return None
-    x1, x2 = min(x1, x2), max(x1, x2)
-    y1, y2 = min(y1, y2), max(y1, y2)
-    if x1 == x2 or y1 == y2:
-        return None
-    return (x1 / 1000, y1 / 1000, x2 / 1000, y2 / 1000)
-
-
-def parse_layout(text: str) -> tuple[list[LayoutBlock], list[str]]:
-    """Parse the layout step's output into blocks, in the model's (reading) order.
-
-    Lines look like ``<|box_start|>x1 y1 x2 y2<|box_end|><|ref_start|>type<|ref_end|><|rotate_up|>``
-    with integer coordinates 0..1000. Out-of-range or empty boxes and unknown types are dropped;
-    inverted corners are swapped. Never raises: garbage yields no blocks and a warning.
-
-    Returns:
-        ``(blocks, warnings)``; warnings are human-readable strings (also logged).
-    """
-    blocks: list[LayoutBlock] = []
-    warnings: list[str] = []
-    for match in _LAYOUT_RE.finditer(text):
-        *coords, block_type, tail = match.groups()
-        bbox = _bbox(tuple(coords))
-        block_type = block_type.lower()
-        if bbox is None:
-            warnings.append(f"dropped layout block with invalid box {' '.join(coords)}")
-        elif block_type not in BLOCK_TYPES:
-            warnings.append(f"dropped layout block of unknown type {block_type!r}")
-        else:
-            angle = next((a for tok, a in ROTATE_TOKENS.items() if tok in tail), None)
-            blocks.append(LayoutBlock(block_type, bbox, angle))
-    if not blocks and text.strip():
-        warnings.append(f"layout output has no valid block ({len(text)} characters)")
-    for w in warnings:
-        logger.warning(w)
-    return blocks, warnings
 
 
 def layout_image(page: Image.Image) -> Image.Image:

@@ -23,7 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from .errors import TraceError
-from .protocol import NOT_READ_TYPES
+from .protocol import LayoutBlock
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +34,72 @@ __all__ = [
     "trace_from_dict",
     "html_to_otsl",
     "build_omnidocbench_traces",
+    "layout_lines",
+    "model_math",
     "OMNIDOCBENCH_TYPES",
 ]
 
 
+# One layout line: box, type and optional rotate token (mineru-vl-utils 2.0.x grammar).
+_LAYOUT_LINE_RE = re.compile(
+    r"<\|box_start\|>(\d+)\s+(\d+)\s+(\d+)\s+(\d+)<\|box_end\|><\|ref_start\|>(\w+?)<\|ref_end\|>"
+    r"(<\|rotate_(?:up|right|down|left)\|>)?"
+)
+_ROTATE_ANGLES = {"<|rotate_up|>": 0, "<|rotate_right|>": 90, "<|rotate_down|>": 180, "<|rotate_left|>": 270}
+
+
+def layout_line_key(x1: int, y1: int, x2: int, y2: int, block_type: str, angle: int | None) -> tuple:
+    """The key that ties a layout line to the block parsed from it: normalized box, type, angle."""
+    return (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2), block_type, angle)
+
+
+def layout_lines(layout: str) -> list[LayoutBlock]:
+    """Every line of a layout text that has the line grammar, in order: type (lower case), box as
+    0..1 floats (corners sorted), angle. ``PageTrace.contents`` runs parallel to this list."""
+    lines = []
+    for match in _LAYOUT_LINE_RE.finditer(layout):
+        x1, y1, x2, y2 = layout_line_key(*(int(v) for v in match.group(1, 2, 3, 4)), "", None)[:4]
+        angle = _ROTATE_ANGLES[match.group(6)] if match.group(6) else None
+        lines.append(LayoutBlock(match.group(5).lower(), (x1 / 1000, y1 / 1000, x2 / 1000, y2 / 1000), angle))
+    return lines
+
+
 @dataclass
 class PageTrace:
-    """Outputs of one page: the layout text and one content text (or None) per parsed block."""
+    """Outputs of one page: the layout text and one content text (or None) per layout line.
+
+    ``contents[j]`` belongs to the j-th line of ``layout`` that has the line grammar (whatever its
+    type or box), so it stays valid whatever filters the protocol applies to the lines.
+    """
 
     layout: str
     contents: list[str | None] = field(default_factory=list)
+
+    def content_for(self, block: dict) -> str | None:
+        """The recorded content of a layout block (a ``page_protocol.PageLayout`` block), or None.
+
+        The block is matched to its line by box, type and angle; a block kept as text for an unknown
+        type matches its raw type, and an ``image`` also matches an ``unknown`` line (read as image).
+        """
+        from .page_protocol import RAW_TYPE_KEY
+
+        box = [round(v * 1000) for v in block["bbox"]]
+        table = self._by_key()
+        types = [block.get(RAW_TYPE_KEY) or block["type"]] + (["unknown"] if block["type"] == "image" else [])
+        for block_type in types:
+            if (content := table.get(layout_line_key(*box, block_type, block.get("angle")))) is not None:
+                return content
+        return None
+
+    def _by_key(self) -> dict[tuple, str]:
+        table: dict[tuple, str] = {}
+        for match, content in zip(_LAYOUT_LINE_RE.finditer(self.layout), self.contents, strict=False):
+            if content is None:
+                continue
+            x1, y1, x2, y2 = (int(v) for v in match.group(1, 2, 3, 4))
+            angle = _ROTATE_ANGLES[match.group(6)] if match.group(6) else None
+            table.setdefault(layout_line_key(x1, y1, x2, y2, match.group(5).lower(), angle), content)
+        return table
 
 
 @dataclass
@@ -204,16 +260,29 @@ def _box_1000(poly: list[float], width: int, height: int) -> tuple[int, int, int
     return x1, y1, x2, y2
 
 
+_NOT_READ = frozenset({"image", "list", "equation_block"})
+_DISPLAY_DOLLARS_RE = re.compile(r"\$\$(.+?)\$\$", re.DOTALL)
+# An inline "$...$" whose opening dollar is not an amount of money ("$10 or $20").
+_INLINE_DOLLARS_RE = re.compile(r"(?<!\\)\$(?!\d[\d,.]*(?:[\s,.;:!?)]|$))([^$]+?)(?<!\\)\$")
+
+
+def model_math(text: str) -> str:
+    """Dollar-delimited math as MinerU2.5 writes it in text: ``$$..$$`` -> ``\\[..\\]``,
+    ``$..$`` -> ``\\(..\\)``. An escaped ``\\$`` and a dollar before an amount (``$10``) stay."""
+    text = _DISPLAY_DOLLARS_RE.sub(lambda m: f"\\[{m.group(1)}\\]", text)
+    return _INLINE_DOLLARS_RE.sub(lambda m: f"\\({m.group(1)}\\)", text)
+
+
 def _content(block_type: str, det: dict) -> str | None:
-    if block_type in NOT_READ_TYPES:
+    if block_type in _NOT_READ:
         return None
     if block_type == "table":
-        return html_to_otsl(det.get("html") or "")
+        return html_to_otsl(model_math(det.get("html") or ""))
     if block_type == "equation":
         latex = (det.get("latex") or "").strip()
         latex = latex[2:-2].strip() if latex.startswith("$$") and latex.endswith("$$") else latex
         return f"\\[\n{latex}\n\\]"
-    return det.get("text") or ""
+    return model_math(det.get("text") or "")
 
 
 def _reading_key(det: dict, height: int) -> tuple[float, float]:
@@ -229,7 +298,8 @@ def page_trace_from_omnidocbench(page: dict, width: int, height: int) -> PageTra
 
     Boxes are scaled from the image's pixel size to 0..1000 (``page_info`` sizes are unreliable),
     categories mapped with ``OMNIDOCBENCH_TYPES``, tables converted HTML -> OTSL, isolated
-    equations wrapped in ``\\[ \\]`` as the model writes them.
+    equations wrapped in ``\\[ \\]`` and inline math in text and table cells written ``\\( \\)``, as
+    the model writes them.
     """
     dets = [d for d in page["layout_dets"] if OMNIDOCBENCH_TYPES.get(d["category_type"]) and not d.get("ignore")]
     dets.sort(key=lambda d: _reading_key(d, height))

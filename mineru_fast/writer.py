@@ -1,22 +1,473 @@
-"""Write a document's outputs page by page, so memory stays flat however long the document is.
+"""MinerU 4 Markdown and ``content_list.json``, rendered page by page.
 
-``DocumentWriter.add_page`` writes a finished page's crops and layout overlay at once, appends the
-page (without images) to ``<name>.pages.jsonl``, and lets the page go. ``close`` assembles
-``<name>.md``, ``<name>_content_list.json`` and ``<name>.json`` from that file, reading one page at
-a time, then removes it. While a long document runs, the pages already done are on disk.
+Facts follow mineru 4.0.12's writer (docvortex's Markdown renderer and mineru's content list V1):
+text escaped conservatively (``* _ ` ~ $`` and a leading block marker), inline math as ``$..$``,
+display math as ``$$`` blocks, headings from title levels, simple tables as pipe tables and the rest
+as HTML, page footnotes as small HTML spans, headers / footers / page numbers / side notes only in
+the content list, images named ``images/page_<page>_<kind>_<index>.jpg``.
+
+``render_page`` is all a streaming writer needs: one finished ``Page`` in, its Markdown chunk, its
+content-list items and its crops out; ``DocumentWriter`` writes a document that way, keeping no page
+image after the page is written.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import textwrap
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import IO
 
-from .document import Document, Page, save_page_images
+from .document import Page
+from .mineru4 import page_model, plain_text
 
-__all__ = ["DocumentWriter"]
+__all__ = ["PageOutput", "render_page", "join_markdown", "DocumentWriter", "render_spans"]
+
+_AUXILIARY = {"header", "footer", "page_number", "aside_text"}
+
+
+@dataclass
+class PageOutput:
+    """What one page contributes to a document's outputs.
+
+    Attributes:
+        markdown: the page's Markdown ("" when it has nothing to show).
+        content_list: its ``content_list.json`` items.
+        crops: ``(file name under images/, bbox as 0..1 floats)`` of the crops it references.
+    """
+
+    markdown: str
+    content_list: list[dict] = field(default_factory=list)
+    crops: list[tuple[str, tuple[float, float, float, float]]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- inline text
+
+
+_HTML_LIKE = re.compile(r"</?[A-Za-z][^<>\n]*>|<!--.*?-->|<![A-Za-z][^<>\n]*>|<\?[^<>\n]*\?>")
+_ENTITY_LIKE = re.compile(r"&(?:#[xX][0-9A-Fa-f]+|#[0-9]+|[A-Za-z][A-Za-z0-9]+);?")
+_BLOCK_PREFIX = re.compile(r"^(?P<indent>[ \t]{0,3})(?P<marker>#{1,6}|[+-])(?=[ \t])")
+
+
+def _escape_markdown_chars(text: str) -> str:
+    """Backslash before ``* _ ` ~ $`` unless already escaped by an odd run of backslashes."""
+    out, backslashes = [], 0
+    for char in text:
+        if char == "\\":
+            out.append(char)
+            backslashes += 1
+            continue
+        if char in "*_`~$" and backslashes % 2 == 0:
+            out.append("\\")
+        out.append(char)
+        backslashes = 0
+    return "".join(out)
+
+
+def _escape_entities(text: str) -> str:
+    return _ENTITY_LIKE.sub(
+        lambda m: f"&amp;{m.group(0)[1:]}" if html.unescape(m.group(0)) != m.group(0) else m.group(0), text
+    )
+
+
+def _escape_text(text: str) -> str:
+    parts, cursor = [], 0
+    for match in _HTML_LIKE.finditer(text):
+        parts.append(_escape_entities(_escape_markdown_chars(text[cursor : match.start()])))
+        parts.append(html.escape(match.group(0), quote=False))
+        cursor = match.end()
+    parts.append(_escape_entities(_escape_markdown_chars(text[cursor:])))
+    return "".join(parts)
+
+
+def render_spans(spans: list[dict]) -> str:
+    """Markdown of text / inline-equation spans: text escaped, equations as ``$..$``."""
+    return "".join(_escape_text(s["content"]) if s["type"] == "text" else f"${s['content']}$" for s in spans)
+
+
+def _escape_prefix(text: str) -> str:
+    match = _BLOCK_PREFIX.match(text)
+    return f"{text[: match.start('marker')]}\\{text[match.start('marker') :]}" if match else text
+
+
+def _escape_rule(text: str) -> str:
+    return f"\\{text}" if text and (set(text) == {"_"} or set(text) == {"-"}) else text
+
+
+# ---------------------------------------------------------------- tables
+
+
+class _Node:
+    def __init__(self, tag: str, attrs: dict) -> None:
+        self.tag, self.attrs, self.children = tag, attrs, []  # children: _Node or str
+
+
+class _Tree(HTMLParser):
+    """A minimal DOM of an HTML fragment (void elements closed at once)."""
+
+    _VOID = {"br", "img", "hr", "input", "meta", "link", "col", "area", "base", "wbr", "source"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.root = _Node("#root", {})
+        self.stack = [self.root]
+
+    def handle_starttag(self, tag, attrs):
+        node = _Node(tag, dict(attrs))
+        self.stack[-1].children.append(node)
+        if tag not in self._VOID:
+            self.stack.append(node)
+
+    def handle_startendtag(self, tag, attrs):
+        self.stack[-1].children.append(_Node(tag, dict(attrs)))
+
+    def handle_endtag(self, tag):
+        for i in range(len(self.stack) - 1, 0, -1):
+            if self.stack[i].tag == tag:
+                del self.stack[i:]
+                return
+
+    def handle_data(self, data):
+        self.stack[-1].children.append(data)
+
+
+def _find_all(node: _Node, tags: set[str], recursive: bool = True) -> list[_Node]:
+    out = []
+    for child in node.children:
+        if isinstance(child, _Node):
+            if child.tag in tags:
+                out.append(child)
+            if recursive:
+                out.extend(_find_all(child, tags))
+    return out
+
+
+def _descendants(node: _Node):
+    for child in node.children:
+        if isinstance(child, _Node):
+            yield child
+            yield from _descendants(child)
+
+
+_COMPLEX_TAGS = {"blockquote", "div", "dl", "figure", "h1", "h2", "h3", "h4", "h5", "h6", "img", "li", "math"}
+_COMPLEX_TAGS |= {"object", "ol", "pre", "svg", "table", "ul"}
+_INLINE_TAGS = {"a", "b", "br", "code", "em", "eq", "i", "p", "s", "span", "strong", "sub", "sup", "u"}
+_STYLE_TAGS = {"b", "strong", "em", "i", "u", "s", "sup", "sub"}
+_EQ_RE = re.compile(r"<eq>(?P<latex>.*?)</eq>", re.IGNORECASE | re.DOTALL)
+
+
+def _format_embedded_html(markup: str) -> str:
+    return _EQ_RE.sub(lambda m: f" ${html.unescape(m.group('latex')).strip()}$ ", markup)
+
+
+def _is_complex(table: _Node) -> bool:
+    if _find_all(table, {"table"}):
+        return True
+    theads = _find_all(table, {"thead"})
+    if theads and len(_find_all(theads[0], {"tr"}, recursive=False)) > 1:
+        return True
+    for cell in _find_all(table, {"td", "th"}):
+        if "rowspan" in cell.attrs or "colspan" in cell.attrs or len(_find_all(cell, {"p"})) > 1:
+            return True
+        for node in _descendants(cell):
+            if node.tag in _COMPLEX_TAGS or node.tag not in _INLINE_TAGS or (node.tag == "span" and node.attrs):
+                return True
+    return False
+
+
+def _cell_text(node: _Node) -> str:
+    parts = []
+    for child in node.children:
+        if isinstance(child, str):
+            parts.append(child.replace("&", "&amp;").replace("<", "&lt;").replace("\\", "\\\\").replace("|", r"\|"))
+        elif child.tag == "br":
+            parts.append("<br>")
+        elif child.tag == "eq":
+            latex = re.sub(r"(\\*)\|", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "|", _text_of(child).strip())
+            parts.append(f"${latex}$" if latex else "")
+        elif child.tag in _STYLE_TAGS or child.tag in ("p", "span", "a", "code"):
+            # Simple tables from the model carry no styles; nested inline markup keeps its text.
+            parts.append(_cell_text(child))
+    return "".join(parts)
+
+
+def _text_of(node: _Node) -> str:
+    return "".join(c if isinstance(c, str) else _text_of(c) for c in node.children)
+
+
+def _normalize_cell(text: str) -> str:
+    text = re.sub(r"[ \t\r\f\v]+", " ", text)
+    text = re.sub(r" *\n+ *", " ", text)
+    return re.sub(r" *<br> *", "<br>", text).strip()
+
+
+def render_table(markup: str) -> str | None:
+    """A table body as Markdown: a pipe table when GFM can hold it without loss, else its HTML
+    (inline ``<eq>`` formulas as ``$..$``); None when the markup holds no table."""
+    tree = _Tree()
+    tree.feed(markup)
+    tree.close()
+    tables = _find_all(tree.root, {"table"})
+    if not tables:
+        return None
+    if len(tables) != 1 or _is_complex(tables[0]):
+        return _format_embedded_html(markup).strip()
+    rows = _find_all(tables[0], {"tr"})
+    rendered, flags = [], []
+    for row in rows:
+        cells = _find_all(row, {"td", "th"}, recursive=False)
+        if not cells:
+            return _format_embedded_html(markup).strip()
+        rendered.append([_normalize_cell(_cell_text(c)) for c in cells])
+        flags.append([c.tag == "th" for c in cells])
+    if not rendered:
+        return _format_embedded_html(markup).strip()
+    width = max(len(r) for r in rendered)
+    for row in rendered:
+        row.extend([""] * (width - len(row)))
+    header = 0
+    if not (_find_all(tables[0], {"thead"}) and _find_all(_find_all(tables[0], {"thead"})[0], {"tr"}, False)):
+        header = next((i for i, f in enumerate(flags) if f and all(f)), 0)
+    body = rendered[:header] + rendered[header + 1 :]
+    lines = [rendered[header], ["---"] * width, *body]
+    return "\n".join(f"| {' | '.join(row)} |" for row in lines)
+
+
+# ---------------------------------------------------------------- blocks
+
+
+def _image_name(page_idx: int, kind: str, index: int) -> str:
+    return f"page_{page_idx}_{kind}_{index}.jpg"
+
+
+def _join(parts: list[str]) -> str:
+    return "\n\n".join(p.strip("\n") for p in parts if p and p.strip())
+
+
+def _details(content: str, summary: str) -> str:
+    return f"<details>\n<summary>{html.escape(summary, quote=False)}</summary>\n\n{content.strip()}\n</details>"
+
+
+class _PageRenderer:
+    def __init__(self, page: Page, image_dir: str) -> None:
+        self.page, self.image_dir = page, image_dir
+        self.crops: list[tuple[str, tuple[float, float, float, float]]] = []
+
+    def image(self, kind: str, block: dict) -> str:
+        name = _image_name(self.page.index, kind, block["index"])
+        self.crops.append((name, tuple(block["bbox"])))
+        return f"{self.image_dir}/{name}"
+
+    # -- markdown
+    def markdown(self, block: dict) -> str:
+        kind, content = block["type"], block.get("content")
+        if kind in _AUXILIARY:
+            return ""
+        if kind in ("text", "ref_text"):
+            return _escape_rule(_escape_prefix(render_spans(content)) if kind == "text" else render_spans(content))
+        if kind in ("doc_title", "paragraph_title"):
+            return f"{'#' * min(max(block['level'], 1), 6)} {render_spans(content)}"
+        if kind == "page_footnote":
+            text = _escape_rule(_escape_prefix(render_spans(content)))
+            if not text.strip():
+                return ""
+            text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "<br>")
+            attrs = 'class="docvortex-page-footnote" data-block-type="page_footnote" style="color:#6b7280"'
+            return f"<small><span {attrs}>{text}</span></small>"
+        if kind == "equation":
+            latex = (content or "").strip()
+            return f"$$\n{latex}\n$$" if latex else f"![]({self.image('equation', block)})"
+        if kind == "list":
+            return self.list_markdown(block)
+        if kind == "index":
+            lines = [render_spans(child["content"]).strip() for child in content]
+            return "\n".join(f"- {line}" for line in lines if line)
+        if kind in ("image", "table", "chart", "code"):
+            return _join([self.visual_child(block, child) for child in content])
+        return render_spans(content) if isinstance(content, list) else ""
+
+    def list_markdown(self, block: dict) -> str:
+        children = block["content"]
+        bullets = block.get("sub_type") == "ref_text" and _needs_bullets(children)
+        lines = []
+        for child in children:
+            item = render_spans(child["content"])
+            if not item:
+                continue
+            item_lines = _escape_rule(item).splitlines() or [item]
+            if bullets and not re.match(r"^\s*-\s", plain_text(child["content"])):
+                lines.append(f"- {item_lines[0]}")
+                lines.extend(f"  {line}" for line in item_lines[1:])
+            else:
+                lines.extend(item_lines)
+        return "\n".join(lines)
+
+    def visual_child(self, group: dict, child: dict) -> str:
+        kind = child["type"]
+        if not kind.endswith("_body"):
+            return _escape_rule(render_spans(child["content"]))
+        visual, content = group["type"], child.get("content")
+        if visual == "table":
+            rendered = render_table(content) if content else None
+            if rendered is None and content:
+                rendered = _fenced(content)
+            return rendered or f"![]({self.image('table', group)})"
+        if visual == "image":
+            parts = [f"![]({self.image('image', group)})"]
+            if content and content.strip():
+                parts.append(_details(_format_embedded_html(content.strip()), group.get("sub_type") or "image content"))
+            return "\n\n".join(parts)
+        if visual == "chart":
+            source = self.image("chart", group)
+            if content and content.strip():
+                rendered = render_table(content.strip()) or _format_embedded_html(content.strip())
+                return f"![]({source})\n\n{_details(rendered, group.get('sub_type') or 'chart content')}"
+            return f"![]({source})"
+        # code: plain code in a fence (language not guessed, see README), algorithms with their math
+        if group.get("sub_type") == "algorithm":
+            return _algorithm_html(content)
+        return _fenced(content or "", "txt")
+
+    # -- content list
+    def item(self, block: dict) -> dict | None:
+        kind, content = block["type"], block.get("content")
+        if kind == "text":
+            item: dict = {"type": "text", "text": render_spans(content)}
+        elif kind in ("doc_title", "paragraph_title"):
+            item = {"type": "text", "text": render_spans(content), "text_level": block["level"]}
+        elif kind == "page_footnote":
+            item = {"type": "page_footnote", "text": render_spans(content)}
+        elif kind in _AUXILIARY:
+            item = {"type": kind, "text": render_spans(content)}
+        elif kind == "equation":
+            item = {"type": "equation", "img_path": self.image("equation", block)}
+            if latex := (content or "").strip():
+                item.update(text=latex, text_format="latex")
+        elif kind == "list":
+            items = [render_spans(child["content"]) for child in content if child["content"]]
+            item = {"type": "list", "sub_type": block.get("sub_type") or "text", "list_items": items}
+        elif kind == "index":
+            lines = [render_spans(child["content"]).strip() for child in content]
+            item = {"type": "index", "list_items": [f"- {line}" for line in lines if line]}
+        elif kind in ("image", "table", "chart"):
+            item = self.visual_item(block)
+        elif kind == "code":
+            body = next(c for c in content if c["type"] == "code_body")
+            algorithm = block.get("sub_type") == "algorithm"
+            item = {
+                "type": "code",
+                "sub_type": "algorithm" if algorithm else "code",
+                "code_body": render_spans(body["content"]) if algorithm else body["content"],
+                "code_caption": _annotations(block, "code_caption"),
+                "code_footnote": _annotations(block, "code_footnote"),
+            }
+        else:
+            return None
+        item["bbox"] = [int(v * 1000) for v in block["bbox"]]
+        item["page_idx"] = self.page.index
+        return item
+
+    def visual_item(self, group: dict) -> dict:
+        visual = group["type"]
+        body = next(c for c in group["content"] if c["type"] == f"{visual}_body")
+        content = _format_embedded_html(body.get("content") or "").strip()
+        item = {"type": visual, "img_path": self.image(visual, group)}
+        if visual == "chart":
+            item["content"] = content
+        item[f"{visual}_caption"] = _annotations(group, f"{visual}_caption")
+        item[f"{visual}_footnote"] = _annotations(group, f"{visual}_footnote")
+        if visual == "image" and content:
+            item["content"] = content
+        if visual == "table" and content:
+            item["table_body"] = content
+        if visual in ("image", "chart") and group.get("sub_type"):
+            item["sub_type"] = group["sub_type"]
+        return item
+
+
+def _reference_item(blocks: list[dict], page_idx: int) -> dict:
+    boxes = [b["bbox"] for b in blocks]
+    bbox = [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)]
+    return {
+        "type": "list",
+        "sub_type": "ref_text",
+        "list_items": [render_spans(b["content"]) for b in blocks if b["content"]],
+        "bbox": [int(v * 1000) for v in bbox],
+        "page_idx": page_idx,
+    }
+
+
+def _annotations(group: dict, kind: str) -> list[str]:
+    return [render_spans(c["content"]) for c in sorted(group["content"], key=lambda c: c["index"]) if c["type"] == kind]
+
+
+def _needs_bullets(children: list[dict]) -> bool:
+    visible = [plain_text(c["content"]).lstrip() for c in children]
+    visible = [v for v in visible if v]
+    numbered = sum(1 for v in visible if re.match(r"^(?:\[\d+\]|\(\d+\)|\d+[.)])", v))
+    return bool(visible) and numbered * 2 <= len(visible)
+
+
+def _fenced(content: str, language: str = "") -> str:
+    longest = max((len(m.group(0)) for m in re.finditer(r"`+", content)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{content}{'' if content.endswith(chr(10)) else chr(10)}{fence}"
+
+
+def _algorithm_html(spans: list[dict]) -> str:
+    parts, previous_eq = [], False
+    for span in spans:
+        is_eq = span["type"] == "equation_inline"
+        if previous_eq and is_eq:
+            parts.append(" ")
+        text = f"${span['content']}$" if is_eq else span["content"]
+        parts.append(html.escape(text, quote=False))
+        previous_eq = is_eq
+    body = "".join(parts)
+    if not body.strip():
+        return ""
+    return f'<div class="docvortex-algorithm" style="white-space: pre-wrap; font-family:monospace;">\n{body}\n</div>'
+
+
+def render_page(page: Page, image_dir: str = "images") -> PageOutput:
+    """Render one finished page as mineru 4.0.12 would (see the module docstring).
+
+    Args:
+        page: a parsed page (its image is not needed here; crops are only named).
+        image_dir: the folder that image paths in the outputs point into.
+
+    Returns:
+        The page's Markdown chunk, content-list items and the crops they reference.
+    """
+    renderer = _PageRenderer(page, image_dir)
+    blocks = page_model(page.blocks)
+    chunks, items = [], []
+    for block in blocks:
+        text = renderer.markdown(block)
+        if text and text.strip():
+            chunks.append(text.strip("\n"))
+    renderer.crops.clear()  # the content list names every crop the page has; collect them once
+    references: list[dict] = []
+    for block in [*blocks, None]:
+        if block is not None and block["type"] == "ref_text":
+            references.append(block)
+            continue
+        if references:  # a run of reference entries is one list item
+            items.append(_reference_item(references, page.index))
+            references = []
+        if block is not None and (item := renderer.item(block)) is not None:
+            items.append(item)
+    return PageOutput("\n\n".join(chunks), items, list(dict.fromkeys(renderer.crops)))
+
+
+def join_markdown(chunks: list[str]) -> str:
+    """A document's Markdown from its pages' chunks (empty pages contribute nothing)."""
+    return "\n\n".join(chunk for chunk in chunks if chunk)
 
 
 def _write_json_array(out: IO[str], items: Iterable[object], indent: int, level: int = 0) -> None:
@@ -32,42 +483,75 @@ def _write_json_array(out: IO[str], items: Iterable[object], indent: int, level:
 
 
 class DocumentWriter:
-    """Streams one document's outputs into ``out_dir`` (created if needed).
+    """Writes ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` and
+    ``layout/`` page by page, so memory stays flat however long the document is.
+
+    Each ``add_page`` renders the page, writes its crops and overlay at once, appends its Markdown
+    and content-list items to the open output files and its full record to ``<stem>.pages.jsonl``,
+    then (``release``) drops the page's images. While a long document runs, the pages already done
+    are on disk. ``close`` finishes the files and assembles ``<stem>.json`` from the recorded pages,
+    one page at a time, then removes the ``.jsonl``.
 
     Args:
-        out_dir: the document's output directory (``OUT/<stem>`` in the CLI).
-        name: the file stem of the outputs.
+        out_dir: output directory (created).
+        name: the file stem.
+        overlays: also write ``layout/page_NNNN.png`` (needs the page image).
+        release: drop each page's image and crops once written (a caller keeping the pages, as
+            ``Document.save`` does, passes False).
     """
 
-    def __init__(self, out_dir: str | Path, name: str) -> None:
+    def __init__(self, out_dir: str | Path, name: str, *, overlays: bool = True, release: bool = True) -> None:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.name = name
+        self.name, self.overlays, self.release = name, overlays, release
+        self._md: IO[str] = (self.out / f"{name}.md").open("w", encoding="utf-8")
+        self._cl: IO[str] = (self.out / f"{name}_content_list.json").open("w", encoding="utf-8")
         self._pages_path = self.out / f"{name}.pages.jsonl"
-        self._pages = self._pages_path.open("w", encoding="utf-8")
+        self._pages: IO[str] = self._pages_path.open("w", encoding="utf-8")
+        self._md_started = self._cl_started = False
         self.statuses: list[str] = []
         self.timings: dict[str, float] = {}
         self.document_status: str | None = None  # set by close
 
-    def add_page(self, page: Page) -> None:
-        """Write the page's crops and overlay, record it, and drop its images."""
-        save_page_images(page, self.out)
-        page.image = None
-        for block in page.blocks:
-            block.image = None
+    def add_page(self, page: Page) -> PageOutput:
+        """Render and write one finished page; returns what it contributed."""
+        from .document import cut_crops, layout_overlay
+
+        output = render_page(page)
+        if output.markdown:
+            self._md.write(("\n\n" if self._md_started else "") + output.markdown)
+            self._md_started = True
+        for item in output.content_list:
+            text = textwrap.indent(json.dumps(item, ensure_ascii=False, indent=2), "  ")
+            self._cl.write((",\n" if self._cl_started else "[\n") + text)
+            self._cl_started = True
+        self._md.flush()
+        self._cl.flush()
+        crops = page.crops if page.image is None else cut_crops(page, output.crops)
+        for file_name, crop in crops.items():
+            (self.out / "images").mkdir(exist_ok=True)
+            crop.save(self.out / "images" / file_name, quality=90)
+        if page.image is not None and self.overlays:
+            (self.out / "layout").mkdir(exist_ok=True)
+            layout_overlay(page).save(self.out / "layout" / f"page_{page.index + 1:04d}.png")
         self._pages.write(json.dumps(page.to_dict(), ensure_ascii=False) + "\n")
         self._pages.flush()
         self.statuses.append(page.status)
         for key, value in page.timings.items():
             self.timings[key] = self.timings.get(key, 0.0) + value
+        if self.release:
+            page.image, page.crops = None, {}
+        return output
 
-    def _read_pages(self) -> Iterator[Page]:
-        with self._pages_path.open(encoding="utf-8") as lines:
-            for line in lines:
-                yield Page.from_dict(json.loads(line))
+    def __enter__(self) -> DocumentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._md.closed:
+            self.close()
 
     def close(self, errors: list[str] | None = None, wall_s: float | None = None) -> Path:
-        """Assemble the Markdown, content list and full JSON from the recorded pages.
+        """Finish the files and assemble ``<stem>.json`` (``Document.to_dict``'s layout).
 
         Args:
             errors: document-level errors to record.
@@ -76,22 +560,20 @@ class DocumentWriter:
         Returns:
             The output directory.
         """
-        self._pages.close()
+        from .document import status_of
+
+        self._cl.write("\n]" if self._cl_started else "[]")
+        for handle in (self._md, self._cl, self._pages):
+            handle.close()
         errors = list(errors or [])
         timings = dict(self.timings)
         if wall_s is not None:
             timings["wall"] = wall_s
-        status = self.document_status = Document.status_of(errors, self.statuses)
-        with (self.out / f"{self.name}.md").open("w", encoding="utf-8") as md:
-            parts = (Document.page_markdown(page) for page in self._read_pages())
-            md.write("\n\n".join(part for part in parts if part) + "\n")
-        with (self.out / f"{self.name}_content_list.json").open("w", encoding="utf-8") as cl:
-            items = (item for page in self._read_pages() for item in Document.page_content_list(page))
-            _write_json_array(cl, items, indent=2)
-        with (self.out / f"{self.name}.json").open("w", encoding="utf-8") as full:
-            head = {"name": self.name, "status": status, "errors": errors, "timings": timings}
+        self.document_status = status_of(errors, self.statuses)
+        head = {"name": self.name, "status": self.document_status, "errors": errors, "timings": timings}
+        with (self.out / f"{self.name}.json").open("w", encoding="utf-8") as full, self._pages_path.open() as lines:
             full.write(json.dumps(head, ensure_ascii=False, indent=2)[:-2] + ',\n  "pages": ')
-            _write_json_array(full, (page.to_dict() for page in self._read_pages()), indent=2, level=1)
+            _write_json_array(full, (json.loads(line) for line in lines), indent=2, level=1)
             full.write("\n}")
         self._pages_path.unlink()
         return self.out

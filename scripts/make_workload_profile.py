@@ -16,9 +16,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mineru_fast.protocol import parse_layout
 from mineru_fast.synthetic import make_synthetic_model
-from mineru_fast.traces import build_omnidocbench_traces, load_trace
+from mineru_fast.traces import build_omnidocbench_traces, layout_lines, load_trace
 
 OUT = Path(__file__).resolve().parents[1] / "mineru_fast" / "assets" / "workload_profile.json"
 
@@ -35,7 +34,7 @@ def main(workload: Path) -> None:
             with Image.open(image_path) as im:
                 width, height = im.size
             trace = load_trace(path).pages[0]
-            blocks, _ = parse_layout(trace.layout)
+            blocks = layout_lines(trace.layout)
             pages.append(
                 {
                     "name": path.stem,

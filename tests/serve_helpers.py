@@ -129,8 +129,7 @@ def workload_page_with_text(traces_dir: Path, max_bytes: int):
     Returns:
         ``(image_path, trace_path, blocks, page_trace)``, or None if there is none.
     """
-    from mineru_fast.protocol import parse_layout
-    from mineru_fast.traces import load_trace
+    from mineru_fast.traces import layout_lines, load_trace
 
     candidates = []
     for image in sorted((WORKLOAD / "images").iterdir()):
@@ -138,7 +137,7 @@ def workload_page_with_text(traces_dir: Path, max_bytes: int):
             continue
         trace_path = traces_dir / f"{image.name.rsplit('.', 1)[0]}.json"
         trace = load_trace(trace_path).pages[0]
-        blocks, _ = parse_layout(trace.layout)
+        blocks = layout_lines(trace.layout)
         if any(b.type in ("text", "title") and c and c.strip() for b, c in zip(blocks, trace.contents, strict=True)):
             cost = len(trace.layout) + sum(len(c or "") for c in trace.contents)
             candidates.append((cost, image.name, (image, trace_path, blocks, trace)))

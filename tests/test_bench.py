@@ -7,7 +7,7 @@ import json
 from transformers import AutoTokenizer
 
 from mineru_fast.bench.workload import load_profile, load_workload, median_first, synthesize
-from mineru_fast.protocol import parse_layout
+from mineru_fast.traces import layout_lines
 
 
 def test_synthetic_pages_have_the_profiled_shape(tiny_model):
@@ -15,8 +15,7 @@ def test_synthetic_pages_have_the_profiled_shape(tiny_model):
     for profile in load_profile():
         page = synthesize(profile)
         assert page.image.size == (profile["width"], profile["height"])
-        blocks, warnings = parse_layout(page.trace.layout)
-        assert warnings == []
+        blocks = layout_lines(page.trace.layout)
         assert [b.type for b in blocks] == [b["type"] for b in profile["blocks"]]
         assert [[round(v * 1000) for v in b.bbox] for b in blocks] == [b["bbox"] for b in profile["blocks"]]
         assert abs(len(tokenizer.encode(page.trace.layout)) - profile["layout_tokens"]) <= 2

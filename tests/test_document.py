@@ -19,7 +19,7 @@ def sample_document() -> Document:
         Block("text", (0.1, 0.1, 0.9, 0.2), 0, "First paragraph."),
         Block("table_caption", (0.1, 0.21, 0.9, 0.23), 0, "Table 1: numbers"),
         Block("table", (0.1, 0.24, 0.9, 0.4), 0, "<table><tr><td>1</td></tr></table>"),
-        Block("equation", (0.2, 0.45, 0.8, 0.5), 0, "E = mc^2"),
+        Block("equation", (0.2, 0.45, 0.8, 0.5), 0, "\\[\nE = mc^2\n\\]"),
         Block("image", (0.1, 0.55, 0.5, 0.8)),
         Block("image_caption", (0.1, 0.81, 0.5, 0.83), 0, "Figure 1: a cat"),
         Block("page_number", (0.45, 0.97, 0.55, 0.99), 0, "7"),
@@ -28,24 +28,31 @@ def sample_document() -> Document:
     return Document("paper", pages=[page])
 
 
-def test_markdown_follows_mineru_conventions_and_drops_paratext():
+def test_markdown_follows_mineru_4_and_drops_paratext():
     md = sample_document().to_markdown()
     assert md == (
-        "# Results\n\nFirst paragraph.\n\nTable 1: numbers\n\n<table><tr><td>1</td></tr></table>\n\n"
-        "$$\nE = mc^2\n$$\n\n![](images/page0001_block006_image.jpg)\n\nFigure 1: a cat\n"
+        "## Results\n\nFirst paragraph.\n\nTable 1: numbers\n\n| 1 |\n| --- |\n\n$$\nE = mc^2\n$$\n\n"
+        "![](images/page_0_image_6.jpg)\n\nFigure 1: a cat"
     )
 
 
-def test_content_list_matches_mineru_format():
+def test_content_list_matches_mineru_4_format():
     items = sample_document().to_content_list()
     assert [i["type"] for i in items] == ["header", "text", "text", "table", "equation", "image", "page_number"]
     title, table, equation, image = items[1], items[3], items[4], items[5]
-    assert title == {"type": "text", "text": "Results", "text_level": 1, "bbox": [100, 50, 900, 80], "page_idx": 0}
-    assert table["table_caption"] == ["Table 1: numbers"] and table["table_footnote"] == []
-    assert table["table_body"] == "<table><tr><td>1</td></tr></table>"
-    assert table["img_path"] == "images/page0001_block004_table.jpg"
-    assert equation["text"] == "$$\nE = mc^2\n$$" and equation["text_format"] == "latex"
-    assert image["image_caption"] == ["Figure 1: a cat"]
+    assert title == {"type": "text", "text": "Results", "text_level": 2, "bbox": [100, 50, 900, 80], "page_idx": 0}
+    assert table == {
+        "type": "table",
+        "img_path": "images/page_0_table_4.jpg",
+        "table_caption": ["Table 1: numbers"],
+        "table_footnote": [],
+        "table_body": "<table><tr><td>1</td></tr></table>",
+        "bbox": [100, 240, 900, 400],
+        "page_idx": 0,
+    }
+    assert equation["text"] == "E = mc^2" and equation["text_format"] == "latex"
+    assert equation["img_path"] == "images/page_0_equation_5.jpg"
+    assert image["image_caption"] == ["Figure 1: a cat"] and image["image_footnote"] == []
     assert items[0]["text"] == "Journal of Tests"
 
 
@@ -54,11 +61,34 @@ def test_save_writes_markdown_json_crops_and_overlay(tmp_path):
     out = doc.save(tmp_path / "paper")
     assert (out / "paper.md").read_text() == doc.to_markdown()
     assert json.loads((out / "paper_content_list.json").read_text()) == doc.to_content_list()
+    assert (out / "paper_content_list.json").read_text() == json.dumps(
+        doc.to_content_list(), ensure_ascii=False, indent=2
+    )
     assert json.loads((out / "paper.json").read_text())["status"] == "success"
     crops = sorted(p.name for p in (out / "images").iterdir())
-    assert crops == ["page0001_block004_table.jpg", "page0001_block005_equation.jpg", "page0001_block006_image.jpg"]
-    assert Image.open(out / "images" / "page0001_block004_table.jpg").size == (800, 320)
+    assert crops == ["page_0_equation_5.jpg", "page_0_image_6.jpg", "page_0_table_4.jpg"]
+    assert Image.open(out / "images" / "page_0_table_4.jpg").size == (800, 320)
     assert Image.open(out / "layout" / "page_0001.png").size == (1000, 2000)
+
+
+def test_streaming_writer_releases_pages_and_matches_the_whole_document(tmp_path):
+    from mineru_fast.writer import DocumentWriter
+
+    doc = Document("two", pages=[sample_document().pages[0], Page(1, (10, 10))])
+    writer = DocumentWriter(tmp_path, "two")
+    for page in doc.pages:
+        writer.add_page(page)
+        page.image = None  # written: the writer needs it no longer
+    writer.close()
+    assert (tmp_path / "two.md").read_text() == doc.to_markdown()
+    assert json.loads((tmp_path / "two_content_list.json").read_text()) == doc.to_content_list()
+    assert len(list((tmp_path / "images").iterdir())) == 3
+
+
+def test_empty_document_writes_empty_outputs(tmp_path):
+    Document("empty").save(tmp_path)
+    assert (tmp_path / "empty.md").read_text() == ""
+    assert (tmp_path / "empty_content_list.json").read_text() == "[]"
 
 
 def test_overlay_draws_boxes_on_the_page():
@@ -93,6 +123,7 @@ def test_options_validate_and_presets_apply():
         {"precision": "fp8"},
         {"threads": 0},
         {"max_new_tokens": {"chart": 3}},
+        {"model_version": "2511"},
         {"engine": "vllm"},
         {"kv_dtype": "int4"},
     ):
@@ -100,3 +131,9 @@ def test_options_validate_and_presets_apply():
             ParserOptions(**bad)
     with pytest.raises(ValueError, match="unknown preset"):
         ParserOptions.preset("turbo")
+
+
+def test_image_analysis_follows_the_model_version_unless_set():
+    assert ParserOptions().resolved_image_analysis("pro-2605") is True
+    assert ParserOptions().resolved_image_analysis("2509") is False
+    assert ParserOptions(image_analysis=True).resolved_image_analysis("2509") is True

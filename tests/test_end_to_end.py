@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
 
 import pytest
 from conftest import CORPUS, WORKLOAD, need
+from PIL import Image
 from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
 
 from mineru_fast import DocumentParser, ParserOptions
 from mineru_fast.cli import main
 from mineru_fast.engine.base import GenerationResult, RequestHandle
 from mineru_fast.inputs import open_document
-from mineru_fast.protocol import PARATEXT_TYPES, layout_image, parse_layout
-from mineru_fast.traces import PageTrace, Trace, html_table_cells, load_trace
+from mineru_fast.mineru4 import normalize_text
+from mineru_fast.protocol import layout_image
+from mineru_fast.traces import PageTrace, Trace, html_table_cells, layout_lines, load_trace
 
 # Random weights never emit a valid layout and read crops endlessly: bounds keep free-running pages
 # short; replayed ones fit (SAMPLE_LAYOUT is ~90 tokens).
@@ -159,10 +160,6 @@ def test_bad_page_fails_alone(tiny_model, tmp_path):
     assert "engine blew up" in doc.pages[0].errors[0] and doc.status == "partial"
 
 
-def markdown_tables(markdown: str) -> list[str]:
-    return re.findall(r"<table>.*?</table>", markdown, flags=re.DOTALL)
-
-
 def ground_truth_tables(image_name: str) -> list[str]:
     pages = json.loads((WORKLOAD / "annotations.json").read_text())
     (page,) = [p for p in pages if p["page_info"]["image_path"] == image_name]
@@ -170,21 +167,25 @@ def ground_truth_tables(image_name: str) -> list[str]:
     return [d["html"] for d in tables]
 
 
-def assert_replayed_markdown(markdown: str, trace, image_name: str) -> None:
-    """Every text/title content of the trace appears in reading order, no paratext paragraph
-    appears, and the tables have the ground truth's cells (spans and text)."""
-    blocks, _ = parse_layout(trace.layout)
-    paragraphs = [p.strip() for p in markdown.split("\n\n")]
-    position = 0
-    for block, content in zip(blocks, trace.contents, strict=True):
-        if block.type in ("text", "title") and content and content.strip():
-            found = markdown.find(content.strip(), position)
-            assert found >= 0, f"missing or out of order: {content[:60]!r}"
-            position = found + len(content.strip())
-        if block.type in PARATEXT_TYPES and content and content.strip():
-            assert content.strip() not in paragraphs, f"paratext in markdown: {content!r}"
-    got = [html_table_cells(t) for t in markdown_tables(markdown)]
-    assert got == [html_table_cells(t) for t in ground_truth_tables(image_name)]
+def expected_outputs(trace, image_name: str) -> tuple[str, list[dict]]:
+    """Markdown and content list that the protocol functions give for a trace without an engine."""
+    from official_replay import fast_outputs
+
+    with Image.open(WORKLOAD / "images" / image_name) as image:
+        markdown, content_list = fast_outputs([image.convert("RGB")], [trace])
+    return markdown, json.loads(content_list)
+
+
+def assert_replayed_outputs(markdown: str, content_list: list[dict], trace, image_name: str) -> None:
+    """A replayed parse writes what the protocol functions give for the trace without an engine, and
+    its tables have the ground truth's cells (spans and text)."""
+    assert (markdown, content_list) == expected_outputs(trace, image_name)
+
+    def cells(html_text: str) -> list:  # text compared after MinerU 4's half-width normalization
+        return [[(r, c, normalize_text(t)) for r, c, t in row] for row in html_table_cells(html_text.replace("$", ""))]
+
+    tables = [item["table_body"] for item in content_list if item["type"] == "table"]
+    assert [cells(t) for t in tables] == [cells(t) for t in ground_truth_tables(image_name)]
 
 
 def workload_images() -> list[str]:
@@ -203,10 +204,9 @@ def test_replayed_workload_page_gives_expected_markdown(parser, workload_traces,
     (page,) = doc.pages
     assert page.status == "success", page.errors
     assert page.layout_raw == trace.layout
-    blocks, _ = parse_layout(trace.layout)
-    assert len(page.blocks) == len(blocks) == len(trace.contents)
-
-    assert_replayed_markdown(doc.to_markdown(), trace, image_name)
+    assert len(layout_lines(trace.layout)) == len(trace.contents)
+    assert page.warnings == []
+    assert_replayed_outputs(doc.to_markdown(), doc.to_content_list(), trace, image_name)
 
 
 def test_cli_replay_directory_and_stream_many(tiny_model, workload_traces, tmp_path, capsys):

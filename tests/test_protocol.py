@@ -10,68 +10,19 @@ from mineru_fast.protocol import (
     SamplingParams,
     build_prompt,
     crop_block,
+    detect_model_version,
     layout_image,
-    parse_layout,
     prompt_for,
     sampling_for,
-    task_of,
 )
-
-
-def line(box: str, kind: str, rotate: str = "<|rotate_up|>") -> str:
-    return f"<|box_start|>{box}<|box_end|><|ref_start|>{kind}<|ref_end|>{rotate}"
-
-
-def test_parse_layout_reads_boxes_types_angles_in_order():
-    text = "\n".join(
-        [
-            line("010 020 500 080", "title"),
-            line("010 100 990 400", "text", "<|rotate_right|>"),
-            line("100 500 900 950", "table", "<|rotate_left|>"),
-            line("100 960 200 990", "page_number", ""),
-        ]
-    )
-    blocks, warnings = parse_layout(text)
-    assert warnings == []
-    assert blocks == [
-        LayoutBlock("title", (0.01, 0.02, 0.5, 0.08), 0),
-        LayoutBlock("text", (0.01, 0.1, 0.99, 0.4), 90),
-        LayoutBlock("table", (0.1, 0.5, 0.9, 0.95), 270),
-        LayoutBlock("page_number", (0.1, 0.96, 0.2, 0.99), None),
-    ]
-
-
-def test_parse_layout_swaps_inverted_and_drops_invalid():
-    text = "".join(
-        [
-            line("500 600 100 200", "text"),  # inverted -> swapped
-            line("100 100 100 300", "text"),  # empty width -> dropped
-            line("100 100 1001 300", "text"),  # out of range -> dropped
-            line("100 100 300 300", "sticker"),  # unknown type -> dropped
-            line("100 100 300 300", "Image_Caption"),  # case-insensitive type
-        ]
-    )
-    blocks, warnings = parse_layout(text)
-    assert blocks == [
-        LayoutBlock("text", (0.1, 0.2, 0.5, 0.6), 0),
-        LayoutBlock("image_caption", (0.1, 0.1, 0.3, 0.3), 0),
-    ]
-    assert len(warnings) == 3
-
-
-def test_parse_layout_garbage_gives_zero_blocks_and_a_warning():
-    garbage = "<|txtMask fill:#>\n" * 500
-    blocks, warnings = parse_layout(garbage)
-    assert blocks == []
-    assert len(warnings) == 1 and "no valid block" in warnings[0]
-    assert parse_layout("") == ([], [])
 
 
 def test_prompts_and_sampling_tables_follow_mineru():
     assert prompt_for("layout") == "\nLayout Detection:"
-    assert prompt_for(task_of("table")) == "\nTable Recognition:"
-    assert prompt_for(task_of("equation")) == "\nFormula Recognition:"
-    assert prompt_for(task_of("title")) == "\nText Recognition:"
+    assert prompt_for("table") == "\nTable Recognition:"
+    assert prompt_for("equation") == "\nFormula Recognition:"
+    assert prompt_for("image") == "\nImage Analysis:"
+    assert prompt_for("text") == "\nText Recognition:"
     assert sampling_for("layout") == SamplingParams(0.0, 0.0, 100, 4096)
     assert (sampling_for("table").presence_penalty, sampling_for("table").frequency_penalty) == (1.0, 0.005)
     assert (sampling_for("equation").presence_penalty, sampling_for("equation").frequency_penalty) == (1.0, 0.05)
@@ -128,3 +79,33 @@ def test_crop_pads_extreme_ratio_to_50_and_upscales_short_edge():
 
 def test_crop_below_one_pixel_is_none():
     assert crop_block(Image.new("RGB", (100, 100)), LayoutBlock("text", (0.5, 0.5, 0.501, 0.6))) is None
+
+
+def test_sampling_table_equals_mineru_vl_utils():
+    from mineru_vl_utils.mineru_client import DEFAULT_PROMPTS, DEFAULT_SAMPLING_PARAMS
+
+    pairs = {"layout": "[layout]", "table": "table", "equation": "equation", "image": "image", "text": "[default]"}
+    for ours, theirs in pairs.items():
+        official = DEFAULT_SAMPLING_PARAMS[theirs]
+        mine = sampling_for(ours)
+        assert (mine.presence_penalty, mine.frequency_penalty) == (
+            official.presence_penalty,
+            official.frequency_penalty,
+        )
+        assert mine.no_repeat_ngram_size == official.no_repeat_ngram_size
+        assert prompt_for(ours) == DEFAULT_PROMPTS[theirs]
+    assert DEFAULT_SAMPLING_PARAMS["chart"] == DEFAULT_SAMPLING_PARAMS["image"]
+
+
+def test_model_version_from_checkpoint_name_config_or_option(tmp_path):
+    pro = tmp_path / "models--opendatalab--MinerU2.5-Pro-2605-1.2B" / "snapshots" / "abc"
+    pro.mkdir(parents=True)
+    plain = tmp_path / "ckpt"
+    plain.mkdir()
+    assert detect_model_version(pro) == "pro-2605"
+    assert detect_model_version(plain) == "2509"
+    (plain / "config.json").write_text('{"_name_or_path": "opendatalab/MinerU2.5-Pro-2605-1.2B"}')
+    assert detect_model_version(plain) == "pro-2605"
+    assert detect_model_version(pro, "2509") == "2509"
+    with pytest.raises(ValueError):
+        detect_model_version(plain, "2511")

@@ -321,7 +321,7 @@ def test_sync_parse_returns_markdown_content_list_and_layout(client):
 
 
 def test_replayed_workload_page_returns_expected_markdown(client, workload_traces):
-    from test_end_to_end import assert_replayed_markdown
+    from test_end_to_end import assert_replayed_outputs
 
     need(WORKLOAD)
     found = workload_page_with_text(workload_traces, MAX_UPLOAD_MB * 1024 * 1024 - 100_000)
@@ -337,9 +337,9 @@ def test_replayed_workload_page_returns_expected_markdown(client, workload_trace
     result = response.json()
     assert result["status"] == "success", result["pages"]
     (page,) = result["document"]["pages"]
-    assert page["layout_raw"] == trace.layout and len(page["blocks"]) == len(blocks)
+    assert page["layout_raw"] == trace.layout and len(blocks) == len(trace.contents)
 
-    assert_replayed_markdown(result["markdown"], trace, image.name)
+    assert_replayed_outputs(result["markdown"], result["content_list"], trace, image.name)
     assert result["content_list"] and all(0 <= v <= 1000 for item in result["content_list"] for v in item["bbox"])
 
 

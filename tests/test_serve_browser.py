@@ -69,7 +69,9 @@ def test_web_page_uploads_a_document_and_shows_markdown_and_layout(tiny_model, t
         assert found is not None
         document, trace_path, blocks, trace = found
         texts = [c.strip() for b, c in zip(blocks, trace.contents, strict=True) if b.type in ("text", "title") and c]
-        expected = texts[0].splitlines()[0][:40].strip()
+        firsts = [t.splitlines()[0][:40].strip() for t in texts]
+        plain = [f for f in firsts if not set(f) & set("*_`~$\\<>&#+-")]
+        expected = plain[0] if plain else None  # text the Markdown writer leaves as it is
     else:  # a one-page PDF with a replayed text block of our own: the random-weight model's text is empty
         if (CORPUS / "academic_fig_eq_table_1p.pdf").exists():
             document = CORPUS / "academic_fig_eq_table_1p.pdf"

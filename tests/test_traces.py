@@ -8,8 +8,7 @@ import pytest
 from conftest import WORKLOAD, need
 
 from mineru_fast.errors import TraceError
-from mineru_fast.protocol import NOT_READ_TYPES, parse_layout
-from mineru_fast.traces import OMNIDOCBENCH_TYPES, load_trace, page_trace_from_omnidocbench
+from mineru_fast.traces import OMNIDOCBENCH_TYPES, layout_lines, load_trace, page_trace_from_omnidocbench
 
 
 def test_builder_maps_types_scales_boxes_and_orders_blocks():
@@ -41,8 +40,7 @@ def test_builder_maps_types_scales_boxes_and_orders_blocks():
         ]
     }
     trace = page_trace_from_omnidocbench(page, width=1000, height=2000)
-    blocks, warnings = parse_layout(trace.layout)
-    assert warnings == []
+    blocks = layout_lines(trace.layout)
     assert [b.type for b in blocks] == ["header", "title", "text", "image", "equation", "table", "page_number"]
     assert blocks[1].bbox == (0.1, 0.05, 0.9, 0.1)
     assert (
@@ -65,11 +63,11 @@ def test_workload_traces_cover_every_page(workload_traces):
     assert len(list(workload_traces.glob("*.json"))) == len(annotations) == 14
     for page in annotations:
         trace = load_trace(workload_traces / (page["page_info"]["image_path"].rsplit(".", 1)[0] + ".json"))
-        blocks, warnings = parse_layout(trace.pages[0].layout)
+        blocks = layout_lines(trace.pages[0].layout)
         kept = [d for d in page["layout_dets"] if OMNIDOCBENCH_TYPES.get(d["category_type"]) and not d.get("ignore")]
-        assert warnings == [] and len(blocks) == len(kept)
+        assert len(blocks) == len(kept)
         for block, content in zip(blocks, trace.pages[0].contents, strict=True):
-            assert (content is None) == (block.type in NOT_READ_TYPES)
+            assert (content is None) == (block.type == "image")
 
 
 @pytest.mark.parametrize(
