@@ -100,10 +100,10 @@ class SamplingParams:
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 100
     max_new_tokens: int = 4096
     min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
