@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -33,3 +34,25 @@ def image_bytes(image: Image.Image, fmt: str, **kwargs: object) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt, **kwargs)
     return buf.getvalue()
+
+
+def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int]) -> bytes:
+    """A multi-frame TIFF of ``frames`` whose frame ``index`` header claims ``size`` (width, height).
+
+    Only the ImageWidth/ImageLength tags change, so the file stays a few KB however large the
+    claimed frame is (its pixel data is the small original's: decoding it would fail).
+    """
+    data = bytearray(image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:]))
+    order = "<" if data[:2] == b"II" else ">"
+    (ifd,) = struct.unpack_from(order + "I", data, 4)
+    for _ in range(index):
+        (count,) = struct.unpack_from(order + "H", data, ifd)
+        (ifd,) = struct.unpack_from(order + "I", data, ifd + 2 + 12 * count)
+    (count,) = struct.unpack_from(order + "H", data, ifd)
+    for entry in range(ifd + 2, ifd + 2 + 12 * count, 12):
+        tag, kind = struct.unpack_from(order + "HH", data, entry)
+        if tag in (256, 257):  # ImageWidth, ImageLength
+            value = size[0] if tag == 256 else size[1]
+            fmt = order + ("H" if kind == 3 else "I")
+            struct.pack_into(fmt, data, entry + 8, value)
+    return bytes(data)
