@@ -36,13 +36,13 @@ def image_bytes(image: Image.Image, fmt: str, **kwargs: object) -> bytes:
     return buf.getvalue()
 
 
-def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int]) -> bytes:
+def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int], **kwargs: object) -> bytes:
     """A multi-frame TIFF of ``frames`` whose frame ``index`` header claims ``size`` (width, height).
 
     Only the ImageWidth/ImageLength tags change, so the file stays a few KB however large the
     claimed frame is (its pixel data is the small original's: decoding it would fail).
     """
-    data = bytearray(image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:]))
+    data = bytearray(image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:], **kwargs))
     order = "<" if data[:2] == b"II" else ">"
     (ifd,) = struct.unpack_from(order + "I", data, 4)
     for _ in range(index):
