@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import zlib
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -56,3 +57,19 @@ def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int,
             fmt = order + ("H" if kind == 3 else "I")
             struct.pack_into(fmt, data, entry + 8, value)
     return bytes(data)
+
+
+def blank_png(width: int, height: int) -> bytes:
+    """A fully transparent RGBA PNG of any size, made row by row (never held decoded in memory).
+
+    A 12000x12000 image is about 0.6 MB of file and 576 MB once decoded.
+    """
+    row = bytes(1 + 4 * width)  # filter byte 0, then transparent black pixels
+    compressor = zlib.compressobj(9)
+    idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)  # 8-bit RGBA
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

@@ -6,6 +6,7 @@ Every request loop here is bounded in count and time; all traffic stays on the l
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import socket
 import threading
@@ -62,7 +63,7 @@ def test_token_bucket_allows_burst_then_refills():
 
 def test_api_key_file(tmp_path):
     path = tmp_path / "keys.txt"
-    path.write_text("# service keys\nalpha:alpha-secret-0123\n\nbeta : beta-secret-4567 : 30  # slow key\n")
+    path.write_text("# service keys\nalpha:alpha-secret-0123\n\n  beta : beta-secret-4567 : 30 \n# slow key above\n")
     alpha, beta = load_api_keys(path)
     assert (alpha.name, alpha.rate, beta.name, beta.rate) == ("alpha", None, "beta", 30.0)
     assert b"alpha-secret" not in alpha.digest
@@ -74,6 +75,42 @@ def test_api_key_file(tmp_path):
     path.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no key"):
         load_api_keys(path)
+
+
+def test_api_key_file_grammar_is_strict(tmp_path):
+    """A '#' inside a secret cut it short (its 8-character prefix authenticated), and a rate of
+    'nan' was accepted and switched that key's limit off."""
+    path = tmp_path / "keys.txt"
+    path.write_text("alpha:abc#defgh-1234\nbeta:beta-secret-4567:0.5\ngamma:gamma-secret-89:0\n")
+    alpha, beta, gamma = load_api_keys(path)
+    assert alpha.digest == hashlib.sha256(b"abc#defgh-1234").digest()  # '#' belongs to the secret
+    assert (beta.rate, gamma.rate) == (0.5, 0.0)
+    refused = {
+        "alpha:zqxw-secret-77 # a remark": "line 2: SECRET",
+        "alpha:zqxw-secret-77:30 # slow": "line 2: RATE",
+        "alpha:zqxw-secret-77:nan": "line 2: RATE",
+        "alpha:zqxw-secret-77:inf": "line 2: RATE",
+        "alpha:zqxw-secret-77:-1": "line 2: RATE",
+        "alpha:zqxw-secret-77:1e3": "line 2: RATE",
+        "alpha:zqxw-secret-77:": "line 2: RATE",
+        "al pha:zqxw-secret-77": "line 2: NAME",
+        "alpha:zqxw:secret-77:3:4": "line 2: expected NAME:SECRET",
+        "alpha:zqxwé-secret-77": "line 2: SECRET",
+    }
+    for line, message in refused.items():
+        path.write_text(f"# header\n{line}\n")
+        with pytest.raises(ValueError, match=message) as info:
+            load_api_keys(path)
+        assert "zqxw" not in str(info.value) and "remark" not in str(info.value)  # no line text echoed
+
+
+def test_serve_settings_refuse_non_finite_numbers(tmp_path):
+    from mineru_fast.serve.config import ServeConfig
+
+    for name in ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "pixel_budget"):
+        for value in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(ValueError, match=name):
+                ServeConfig(**{name: value})
 
 
 def test_error_mapping_and_request_fields():
