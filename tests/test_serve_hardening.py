@@ -75,12 +75,17 @@ def test_job_manager_drain_waits_until_jobs_are_done_and_collected():
     manager = JobManager([lambda job: gate.wait(10) and {}], max_queued=4, result_ttl=60)
     manager.start()
     try:
+        gate.set()
+        finished_earlier = manager.submit(Job("x"))  # finished before the drain: not waited for
+        assert wait_for(lambda: finished_earlier.status == "done", 10)
+        gate.clear()
         done_before = manager.submit(Job("a"))
         running = manager.submit(Job("b"))
         manager.stop_accepting()
         with pytest.raises(ShuttingDown):
             manager.submit(Job("late"))
         assert not manager.wait_drained(0.2)  # running and queued
+        assert not finished_earlier.collected
         gate.set()
         assert wait_for(lambda: running.status == "done", 10)
         assert not manager.drained()  # finished, but nobody has fetched the results yet

@@ -173,6 +173,7 @@ class JobManager:
         self._cond = threading.Condition()
         self._running = 0
         self._accepting = False
+        self._awaited: list[Job] = []  # stored jobs unfinished when accepting stopped: drain waits for them
         self._stopping = False
         self._stopped = threading.Event()  # wakes the sweeper at shutdown
         self._threads: list[threading.Thread] = []
@@ -196,20 +197,26 @@ class JobManager:
         sweeper.start()
 
     def stop_accepting(self) -> None:
-        """Refuse new jobs from now on (``submit`` raises ``ShuttingDown``); the workers go on."""
+        """Refuse new jobs from now on (``submit`` raises ``ShuttingDown``); the workers go on.
+
+        The stored jobs queued or running now are those ``drained`` waits to see collected.
+        """
         with self._cond:
+            if self._accepting:
+                self._awaited = [job for job in self._jobs.values() if job.status not in FINISHED]
             self._accepting = False
             self._cond.notify_all()
 
     def drained(self) -> bool:
-        """True when no job is queued or running and every stored finished job has been collected."""
+        """True when no job is queued or running, and each job that was unfinished when accepting
+        stopped has been collected (or has expired)."""
         with self._cond:
             return self._drained_locked()
 
     def _drained_locked(self) -> bool:
         if self._queue or self._running:
             return False
-        return all(job.collected for job in self._jobs.values())
+        return all(job.collected or job.id not in self._jobs for job in self._awaited)
 
     def wait_drained(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until ``drained()``; returns whether it is."""
