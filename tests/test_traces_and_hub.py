@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from conftest import WORKLOAD, need
@@ -86,12 +85,17 @@ def test_malformed_traces_raise_trace_error(tmp_path, text):
 
 
 def test_model_resolution_errors_say_how_to_fix(tmp_path, monkeypatch):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("resolving a model offline must not touch the network")
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    start = time.monotonic()
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
     with pytest.raises(ModelLoadError, match="--model DIR"):
         resolve_model("opendatalab/MinerU2.5-2509-1.2B")
-    assert time.monotonic() - start < 10
     with pytest.raises(ModelLoadError, match="no config.json"):
         resolve_model(tmp_path)
     with pytest.raises(ModelLoadError, match="no such model directory"):
