@@ -36,6 +36,7 @@ _PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
 _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
 MAX_PAGE_RANGE_CHARS = 4096
+MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
 _RANGE_PART = re.compile(r"(\d{1,9})?\s*(?:(-)\s*(\d{1,9})?)?")
 
 
@@ -287,7 +288,9 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, *
 
 def _open_image(name: str, image: Image.Image, pages: str | None, owned: bool = True, **limits: int) -> OpenedDocument:
     try:
-        frames = getattr(image, "n_frames", 1) if image.format in _MULTI_FRAME_FORMATS else 1  # reads every header
+        frames = _count_frames(name, image) if image.format in _MULTI_FRAME_FORMATS else 1
+    except InputError:
+        raise
     except Exception as exc:  # a damaged frame chain
         raise CorruptDocument(f"{name}: cannot read the image's frames: {_describe(exc)}") from exc
     opened = OpenedDocument(name, image.format or "image", frames, [], _image=image, _owns_image=owned, **limits)
@@ -298,6 +301,27 @@ def _open_image(name: str, image: Image.Image, pages: str | None, owned: bool = 
         opened.close()
         raise
     return opened
+
+
+def _count_frames(name: str, image: Image.Image) -> int:
+    """Frames of a multi-frame image, reading at most ``MAX_IMAGE_FRAMES + 1`` frame headers.
+
+    Raises:
+        ImageTooLarge: more than ``MAX_IMAGE_FRAMES`` frames (a small TIFF can chain millions of
+            tiny frames, and reading each header takes Pillow tens of microseconds).
+    """
+    frames = 0
+    try:
+        for index in range(MAX_IMAGE_FRAMES + 1):  # one header at a time, nothing decoded
+            image.seek(index)
+            frames = index + 1
+    except EOFError:
+        pass
+    finally:
+        image.seek(0)
+    if frames > MAX_IMAGE_FRAMES:
+        raise ImageTooLarge(f"{name}: the image has more than {MAX_IMAGE_FRAMES:,} frames")
+    return frames
 
 
 def _describe(exc: BaseException, limit: int = 200) -> str:

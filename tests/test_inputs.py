@@ -148,6 +148,20 @@ def test_every_tiff_frame_is_checked_against_the_pixel_limit_before_it_is_decode
             doc.render(1)
 
 
+def test_frame_count_is_bounded(monkeypatch):
+    """Counting frames reads every frame header: a small TIFF can chain millions of them."""
+    import mineru_fast.inputs as inputs
+
+    frames = [Image.new("L", (8, 8), v) for v in (0, 100, 200)]
+    data = image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    monkeypatch.setattr(inputs, "MAX_IMAGE_FRAMES", 3)
+    with open_document(data) as doc:
+        assert doc.page_count == 3 and doc.render(2).getpixel((0, 0)) == (200, 200, 200)
+    monkeypatch.setattr(inputs, "MAX_IMAGE_FRAMES", 2)
+    with pytest.raises(ImageTooLarge, match="more than 2 frames"):
+        open_document(data)
+
+
 def test_pillow_decompression_bomb_errors_become_image_too_large(monkeypatch):
     """Pillow's own guard raised ``DecompressionBombError``, which is no ``InputError``."""
     data = _two_frame_tiff((64, 64))
