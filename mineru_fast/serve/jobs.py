@@ -7,7 +7,8 @@ off the event loop and at most ``len(runners)`` at a time. A submission to a ful
 raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Finished jobs keep
 their result for ``result_ttl`` seconds, then a sweeper thread deletes them; jobs submitted with
 ``retain=False`` (synchronous calls) are never stored. ``stop_accepting`` and ``wait_drained``
-make a graceful drain (no new jobs; wait until every job has finished and been collected);
+make a graceful drain (no new jobs; wait until the jobs unfinished at that moment have finished
+and their outcomes have been collected);
 ``shutdown`` stops the workers, letting queued and running jobs finish within a time limit and
 cancelling what is left.
 """
