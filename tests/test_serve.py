@@ -108,7 +108,8 @@ def test_api_key_file_grammar_is_strict(tmp_path):
 def test_serve_settings_refuse_non_finite_numbers(tmp_path):
     from mineru_fast.serve.config import ServeConfig
 
-    for name in ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "pixel_budget"):
+    names = ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "min_body_rate")
+    for name in (*names, "pixel_budget", "body_timeout"):
         for value in (float("nan"), float("inf"), -1.0):
             with pytest.raises(ValueError, match=name):
                 ServeConfig(**{name: value})

@@ -257,7 +257,7 @@ def open_server(tiny_model, tmp_path_factory):
         "--pixel-budget",
         "60",
         "--header-timeout",
-        "2",
+        "20",  # long enough to hold the connections of the cap test open while they are counted
         "--body-timeout",
         "2",
         "--max-connections",
@@ -295,31 +295,44 @@ def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
     raise AssertionError(f"the server kept the connection open for {timeout} s; got {data[:200]!r}")
 
 
+def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
+    """Send ``data`` one byte every 0.5 s (well within any pause limit) until ``stop`` or an error."""
+    for byte in data:
+        if stop.wait(0.5):
+            return
+        try:
+            sock.send(bytes([byte]))
+        except OSError:
+            return
+
+
 def test_slow_headers_and_stalled_bodies_are_cut_off(open_server):
     """Connections trickling a byte at a time stayed open indefinitely."""
     port = _port(open_server)
-    trickling = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
+    body_head = (
+        b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
+    headers = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    bodies = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    for sock in bodies:
+        sock.sendall(body_head)  # complete headers, then a body of a byte every 0.5 s
     stop = threading.Event()
-
-    def trickle(sock: socket.socket) -> None:
-        for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"x" * 500:
-            if stop.wait(0.5):
-                return
-            try:
-                sock.send(bytes([byte]))
-            except OSError:
-                return
-
-    threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in trickling]
+    slow_header = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"x" * 500
+    threads = [threading.Thread(target=_trickle, args=(s, slow_header, stop), daemon=True) for s in headers]
+    threads += [threading.Thread(target=_trickle, args=(s, b"--b\r\n" + b"y" * 500, stop), daemon=True) for s in bodies]
     for t in threads:
         t.start()
     try:
-        for sock in trickling:
-            reply = _read_until_closed(sock, timeout=60)  # --header-timeout 2
+        for sock in headers:
+            reply = _read_until_closed(sock, timeout=90)  # --header-timeout 20
             assert reply == b"" or reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        for sock in bodies:
+            reply = _read_until_closed(sock, timeout=90)  # 2 s grace, then 1024 bytes/s
+            assert reply.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in reply, reply[:200]
     finally:
         stop.set()
-        for sock in trickling:
+        for sock in headers + bodies:
             sock.close()
 
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -328,7 +341,7 @@ def test_slow_headers_and_stalled_bodies_are_cut_off(open_server):
             "Content-Length: 100000\r\n\r\n--b\r\n"
         )
         sock.sendall(head.encode())  # then nothing: the body stalls
-        reply = _read_until_closed(sock, timeout=60)  # --body-timeout 2
+        reply = _read_until_closed(sock, timeout=90)  # --body-timeout 2
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b'"body_timeout"' in reply
     assert httpx.get(f"{open_server.url}/health", timeout=30).status_code == 200
@@ -342,7 +355,7 @@ def test_connections_are_capped_below_the_file_limit_without_accept_errors(open_
     try:
         for _ in range(2 * OPEN_FILES):  # more connections than the server has file descriptors
             sockets.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-        replies = [_read_until_closed(sock, timeout=60) for sock in sockets]  # refused, or cut at 2 s
+        replies = [_read_until_closed(sock, timeout=90) for sock in sockets]  # refused, or cut at 20 s
     finally:
         for sock in sockets:
             sock.close()

@@ -90,8 +90,13 @@ def test_model_resolution_errors_say_how_to_fix(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("resolving a model offline must not touch the network")
 
+    import huggingface_hub.constants as hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    # huggingface_hub reads both variables once, at import: set what it read too.
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.setattr(socket.socket, "connect", no_network)
     with pytest.raises(ModelLoadError, match="--model DIR"):

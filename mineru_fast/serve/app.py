@@ -132,6 +132,7 @@ def create_app(
         limiter=limiter,
         max_body=config.max_upload_bytes,
         body_timeout=config.body_timeout,
+        min_body_rate=config.min_body_rate,
     )
     allowed_hosts = config.host_allow_list()
     if allowed_hosts is not None:

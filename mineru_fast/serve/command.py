@@ -48,6 +48,13 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument(
         "--body-timeout", type=float, default=30.0, help="longest pause while a body is read, seconds (default: 30)"
     )
+    v.add_argument(
+        "--min-body-rate",
+        type=float,
+        default=1024.0,
+        metavar="BYTES_PER_S",
+        help="average a body must keep after --body-timeout seconds (default: 1024)",
+    )
     v.add_argument("--max-connections", type=int, default=128, help="open connections at most (default: 128)")
     v.add_argument(
         "--pixel-budget",
@@ -93,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             drain_timeout=args.drain_timeout,
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
+            min_body_rate=args.min_body_rate,
             max_connections=args.max_connections,
             pixel_budget=args.pixel_budget,
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,

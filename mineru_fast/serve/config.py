@@ -35,6 +35,8 @@ class ServeConfig:
         header_timeout: seconds a connection may take to send a request's line and headers
             (from connecting, or from the previous response); then it is closed.
         body_timeout: longest pause, in seconds, while a request body is read; then ``408``.
+        min_body_rate: bytes per second a request body must average once ``body_timeout`` seconds
+            have passed since the request began; slower bodies get ``408``.
         max_connections: open connections at most; more are answered ``503`` and closed at once
             (also kept below the process's open-file limit).
         pixel_budget: megapixels that admitted jobs (queued and running) may decode at once, each
@@ -62,6 +64,7 @@ class ServeConfig:
     drain_timeout: float = 60.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    min_body_rate: float = 1024.0
     max_connections: int = 128
     pixel_budget: float = 600.0
     allowed_hosts: tuple[str, ...] | None = None
@@ -75,7 +78,8 @@ class ServeConfig:
         for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_upload_mb", "result_ttl", "header_timeout", "body_timeout", "pixel_budget"):
+        positive = ("max_upload_mb", "result_ttl", "header_timeout", "body_timeout", "min_body_rate", "pixel_budget")
+        for name in positive:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")

@@ -23,7 +23,8 @@ compared in constant time and never logged; logs and metrics name the key by ``N
 is refused before its body is read: wrong or missing key -> ``401``, over the rate -> ``429`` with
 ``Retry-After``, a declared ``Content-Length`` over the limit -> ``413`` at once, a streamed
 body that passes the limit -> ``413`` as soon as it does, and a body that pauses longer than the
-read timeout -> ``408`` (the connection is then closed, so the rest of the body is never read).
+read timeout, or that after that long still averages less than the minimum rate, -> ``408``
+(the connection is then closed, so the rest of the body is never read).
 """
 
 from __future__ import annotations
@@ -277,14 +278,23 @@ class GuardMiddleware:
         keyring: accepted keys (empty = open service).
         limiter: per-identity rate limiter.
         max_body: largest request body in bytes.
-        body_timeout: longest pause in seconds while the body is read.
+        body_timeout: longest pause in seconds while the body is read; also the grace period
+            before ``min_body_rate`` applies.
+        min_body_rate: bytes per second the body must average from ``body_timeout`` seconds after
+            its request began (a client trickling bytes just within the pause limit is cut off).
     """
 
     def __init__(
-        self, app: ASGIApp, keyring: KeyRing, limiter: RateLimiter, max_body: int, body_timeout: float
+        self,
+        app: ASGIApp,
+        keyring: KeyRing,
+        limiter: RateLimiter,
+        max_body: int,
+        body_timeout: float,
+        min_body_rate: float,
     ) -> None:
         self.app, self.keyring, self.limiter, self.max_body = app, keyring, limiter, max_body
-        self.body_timeout = body_timeout
+        self.body_timeout, self.min_body_rate = body_timeout, min_body_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -340,16 +350,27 @@ class GuardMiddleware:
         body_done = False
         refused: BodyRefused | None = None
         started = False
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
 
         async def limited_receive() -> Message:
             nonlocal received, body_done, refused
             if body_done:  # after the body only a disconnect can come: no timeout
                 return await receive()
+            # The next chunk must come within the pause limit, and before the average rate since
+            # the grace period ended falls under the minimum.
+            rate_deadline = begun + self.body_timeout + received / self.min_body_rate
+            wait = min(self.body_timeout, rate_deadline - loop.time())
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
+                if wait <= 0:
+                    raise asyncio.TimeoutError
+                message = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
                 refused = BodyRefused(
-                    408, "body_timeout", f"the request body paused for more than {self.body_timeout:g} s"
+                    408,
+                    "body_timeout",
+                    f"the request body paused for more than {self.body_timeout:g} s or came slower than "
+                    f"{self.min_body_rate:g} bytes/s",
                 )
                 raise refused from None
             if message["type"] == "http.request":
