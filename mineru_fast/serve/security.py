@@ -359,11 +359,10 @@ class GuardMiddleware:
                 return await receive()
             # The next chunk must come within the pause limit, and before the average rate since
             # the grace period ended falls under the minimum.
+            # (At least a moment: a chunk already buffered by the server is taken, not refused.)
             rate_deadline = begun + self.body_timeout + received / self.min_body_rate
-            wait = min(self.body_timeout, rate_deadline - loop.time())
+            wait = max(0.05, min(self.body_timeout, rate_deadline - loop.time()))
             try:
-                if wait <= 0:
-                    raise asyncio.TimeoutError
                 message = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
                 refused = BodyRefused(
