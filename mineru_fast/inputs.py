@@ -9,10 +9,14 @@ at a time, so a long PDF never sits in memory as images.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import math
+import re
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,33 +34,49 @@ DEFAULT_MAX_SIDE = 3500
 DEFAULT_MAX_PIXELS = 150_000_000  # Pillow refuses images above 2 * 89,478,485 pixels regardless.
 _PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
 _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
-_MULTI_FRAME_FORMATS = {"TIFF", "MPO"}
+_MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
+MAX_PAGE_RANGE_CHARS = 4096
+MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
+_RANGE_PART = re.compile(r"(\d{1,9})?\s*(?:(-)\s*(\d{1,9})?)?")
 
 
 def parse_page_range(spec: str | None, page_count: int) -> list[int]:
     """Turn ``"1-3,5"`` (1-based, inclusive; ``"7-"`` means to the end) into sorted 0-based indices.
 
+    The text is read as intervals (merged, never expanded one page at a time) and refused beyond
+    ``MAX_PAGE_RANGE_CHARS`` characters, so a huge value costs nothing; error messages quote at
+    most a few characters of it.
+
     Raises:
-        PageRangeError: malformed text, a page outside ``1..page_count``, or an empty selection.
+        PageRangeError: too long or malformed text, a page outside ``1..page_count``, or an empty
+            selection.
     """
     if spec is None or not spec.strip():
         return list(range(page_count))
-    selected: set[int] = set()
+    if len(spec) > MAX_PAGE_RANGE_CHARS:
+        raise PageRangeError(f"the page range is {len(spec):,} characters long; the limit is {MAX_PAGE_RANGE_CHARS:,}")
+    intervals: list[tuple[int, int]] = []
     for part in spec.split(","):
         part = part.strip()
-        try:
-            if "-" in part:
-                lo_s, hi_s = part.split("-", 1)
-                lo = int(lo_s) if lo_s.strip() else 1
-                hi = int(hi_s) if hi_s.strip() else page_count
-            else:
-                lo = hi = int(part)
-        except ValueError:
-            raise PageRangeError(f"bad page range {spec!r}: expected e.g. '1-3,5'") from None
+        match = _RANGE_PART.fullmatch(part)
+        if match is None or not (match.group(1) or match.group(2)):
+            raise PageRangeError(f"bad page range part {_quote(part)}: expected e.g. '1-3,5'")
+        lo_s, dash, hi_s = match.groups()
+        lo = int(lo_s) if lo_s else 1
+        hi = (int(hi_s) if hi_s else page_count) if dash else lo
         if lo < 1 or hi > page_count or lo > hi:
-            raise PageRangeError(f"page range {part!r} is outside 1-{page_count}")
-        selected.update(range(lo - 1, hi))
-    return sorted(selected)
+            raise PageRangeError(f"page range {_quote(part)} is outside 1-{page_count}")
+        intervals.append((lo - 1, hi))
+    selected: list[int] = []
+    for lo, hi in sorted(intervals):  # merged: each page is listed once, in order
+        start = max(lo, selected[-1] + 1) if selected else lo
+        selected.extend(range(start, hi))
+    return selected
+
+
+def _quote(text: str, limit: int = 24) -> str:
+    """``repr`` of a user-supplied fragment, cut to ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _white_background(image: Image.Image) -> Image.Image:
@@ -123,20 +143,77 @@ class OpenedDocument:
     def render(self, index: int) -> Image.Image:
         """The RGB image of page ``index`` (0-based), long side at most ``max_side`` pixels.
 
+        The page's size is read from its header (PDF page box, image frame header) and checked
+        against ``max_pixels`` before anything is decoded.
+
         Raises:
             CorruptDocument: the page cannot be rendered or decoded.
-            ImageTooLarge: the page has more than ``max_pixels`` pixels.
+            ImageTooLarge: the page has more than ``max_pixels`` pixels (or Pillow's own
+                decompression-bomb limit refuses it).
         """
         if self._pdf is not None:
             return self._render_pdf_page(index)
-        assert self._image is not None
+        with self._decoding(index):
+            self.page_size(index)  # checks the limit from the frame header
+            frame = to_rgb(self._image)  # type: ignore[arg-type]
+            return _limit_side(frame, self.max_side)
+
+    def page_size(self, index: int) -> tuple[int, int]:
+        """Width and height in pixels that page ``index`` decodes to, read from headers only.
+
+        For an image, the frame's full resolution (before the ``max_side`` cap); for a PDF page,
+        its render size at ``dpi`` with the long side capped at ``max_side``. Nothing is decoded,
+        so this is cheap for any page.
+
+        Raises:
+            CorruptDocument: the page's header cannot be read.
+            ImageTooLarge: the page has more than ``max_pixels`` pixels.
+        """
+        if self._pdf is not None:
+            import pypdfium2 as pdfium
+
+            with _PDFIUM_LOCK:
+                try:
+                    width_pt, height_pt = self._pdf.get_page_size(index)  # type: ignore[attr-defined]
+                except pdfium.PdfiumError as exc:
+                    raise CorruptDocument(f"{self.name}: cannot read page {index + 1}: {exc}") from exc
+            size = self._pdf_render_size(width_pt, height_pt, index)
+        else:
+            with self._decoding(index):
+                self._image.seek(index)  # type: ignore[union-attr]  # reads the frame header, decodes nothing
+                size = self._image.size  # type: ignore[union-attr]
+        self._check_pixels(size, index)
+        return size
+
+    def _pdf_render_size(self, width_pt: float, height_pt: float, index: int) -> tuple[int, int]:
+        if not (math.isfinite(width_pt) and math.isfinite(height_pt) and width_pt > 0 and height_pt > 0):
+            raise CorruptDocument(f"{self.name}: page {index + 1} has no usable size ({width_pt} x {height_pt} pt)")
+        scale = min(self.dpi / 72.0, self.max_side / max(width_pt, height_pt))
+        return max(1, math.ceil(width_pt * scale)), max(1, math.ceil(height_pt * scale))
+
+    def _check_pixels(self, size: tuple[int, int], index: int) -> None:
+        if size[0] * size[1] > self.max_pixels:
+            what = f"page {index + 1}" if self._pdf is not None else f"frame {index + 1}"
+            raise ImageTooLarge(
+                f"{self.name}: {what} is {size[0]}x{size[1]} pixels, over the limit of {self.max_pixels:,} "
+                "(max_image_pixels option)"
+            )
+
+    @contextlib.contextmanager
+    def _decoding(self, index: int) -> Iterator[None]:
+        """Map whatever Pillow raises on a damaged frame to this package's errors."""
         try:
-            if index:
-                self._image.seek(index)
-            frame = to_rgb(self._image)
-        except (OSError, ValueError, EOFError) as exc:
-            raise CorruptDocument(f"{self.name}: cannot decode image frame {index + 1}: {exc}") from exc
-        return _limit_side(frame, self.max_side)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies
+                yield
+        except InputError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ImageTooLarge(f"{self.name}: frame {index + 1}: {exc}") from exc
+        except MemoryError as exc:
+            raise ImageTooLarge(f"{self.name}: frame {index + 1} does not fit in memory") from exc
+        except Exception as exc:  # Pillow's decoders raise many types on malformed data
+            raise CorruptDocument(f"{self.name}: cannot decode image frame {index + 1}: {_describe(exc)}") from exc
 
     def _render_pdf_page(self, index: int) -> Image.Image:
         import pypdfium2 as pdfium
@@ -145,10 +222,8 @@ class OpenedDocument:
             try:
                 page = self._pdf[index]  # type: ignore[index]
                 width_pt, height_pt = page.get_size()  # displayed size, /Rotate applied
-                scale = min(self.dpi / 72.0, self.max_side / max(width_pt, height_pt, 1e-6))
-                pixels = width_pt * height_pt * scale * scale
-                if pixels > self.max_pixels:
-                    raise ImageTooLarge(f"{self.name}: page {index + 1} would render to {pixels:,.0f} pixels")
+                self._check_pixels(self._pdf_render_size(width_pt, height_pt, index), index)
+                scale = min(self.dpi / 72.0, self.max_side / max(width_pt, height_pt))
                 image = page.render(scale=scale, may_draw_forms=True).to_pil()
             except pdfium.PdfiumError as exc:
                 raise CorruptDocument(f"{self.name}: cannot render page {index + 1}: {exc}") from exc
@@ -212,16 +287,46 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, *
 
 
 def _open_image(name: str, image: Image.Image, pages: str | None, owned: bool = True, **limits: int) -> OpenedDocument:
-    max_pixels = limits["max_pixels"]
-    if image.width * image.height > max_pixels:
-        if owned:
-            image.close()
-        raise ImageTooLarge(
-            f"{name}: {image.width}x{image.height} pixels exceeds the limit of {max_pixels:,} (max_image_pixels option)"
-        )
-    frames = getattr(image, "n_frames", 1) if image.format in _MULTI_FRAME_FORMATS else 1
-    indices = parse_page_range(pages, frames)
-    return OpenedDocument(name, image.format or "image", frames, indices, _image=image, _owns_image=owned, **limits)
+    try:
+        frames = _count_frames(name, image) if image.format in _MULTI_FRAME_FORMATS else 1
+    except InputError:
+        raise
+    except Exception as exc:  # a damaged frame chain
+        raise CorruptDocument(f"{name}: cannot read the image's frames: {_describe(exc)}") from exc
+    opened = OpenedDocument(name, image.format or "image", frames, [], _image=image, _owns_image=owned, **limits)
+    try:
+        opened.page_indices = parse_page_range(pages, frames)
+        opened._check_pixels(image.size, 0)
+    except InputError:
+        opened.close()
+        raise
+    return opened
+
+
+def _count_frames(name: str, image: Image.Image) -> int:
+    """Frames of a multi-frame image, reading at most ``MAX_IMAGE_FRAMES + 1`` frame headers.
+
+    Raises:
+        ImageTooLarge: more than ``MAX_IMAGE_FRAMES`` frames (a small TIFF can chain millions of
+            tiny frames, and reading each header takes Pillow tens of microseconds).
+    """
+    frames = 0
+    try:
+        for index in range(MAX_IMAGE_FRAMES + 1):  # one header at a time, nothing decoded
+            image.seek(index)
+            frames = index + 1
+    except EOFError:
+        pass
+    finally:
+        image.seek(0)
+    if frames > MAX_IMAGE_FRAMES:
+        raise ImageTooLarge(f"{name}: the image has more than {MAX_IMAGE_FRAMES:,} frames")
+    return frames
+
+
+def _describe(exc: BaseException, limit: int = 200) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def open_document(
@@ -232,6 +337,7 @@ def open_document(
     dpi: int = DEFAULT_DPI,
     max_side: int = DEFAULT_MAX_SIDE,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    decode_first: bool = True,
 ) -> OpenedDocument:
     """Open a PDF or image from a path, bytes or a PIL image.
 
@@ -241,7 +347,10 @@ def open_document(
         pages: 1-based page range such as ``"1-3,5"``; None selects every page.
         dpi: PDF render resolution in dots per inch.
         max_side: longest side of a page image in pixels (PDF scale and images are capped).
-        max_pixels: refuse images (or PDF pages at render size) with more pixels than this.
+        max_pixels: refuse images, image frames or PDF pages (at render size) with more pixels
+            than this; each is checked from its header before it is decoded.
+        decode_first: decode an image's first frame now, so that a truncated file fails here;
+            False reads headers only (then nothing is decoded before ``render``).
 
     Returns:
         An ``OpenedDocument``; close it (or use it as a context manager) when done.
@@ -249,7 +358,8 @@ def open_document(
     Raises:
         InputError: unreadable path. UnsupportedFormat: neither PDF nor image. CorruptDocument:
         empty or damaged. PasswordRequired: encrypted PDF without the right password.
-        ImageTooLarge: over ``max_pixels``. PageRangeError: bad ``pages``.
+        ImageTooLarge: the first frame is over ``max_pixels`` (later frames fail at ``render``).
+        PageRangeError: bad ``pages``.
     """
     limits = {"dpi": dpi, "max_side": max_side, "max_pixels": max_pixels}
     if isinstance(source, Image.Image):
@@ -263,12 +373,24 @@ def open_document(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-        if image.width * image.height <= max_pixels:
-            image.load()  # decode the first frame now: a truncated file fails here, typed
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{name}: {exc}") from exc
     except UnidentifiedImageError:
         raise UnsupportedFormat(f"{name}: not a PDF or a supported image format") from None
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise CorruptDocument(f"{name}: cannot decode image: {exc}") from exc
-    return _open_image(name, image, pages, **limits)
+    except Exception as exc:  # Pillow's format plugins raise many types on malformed headers
+        raise CorruptDocument(f"{name}: cannot decode image: {_describe(exc)}") from exc
+    with _closing_on_error(image):
+        opened = _open_image(name, image, pages, **limits)
+    if decode_first:
+        with _closing_on_error(opened), opened._decoding(0):
+            image.load()  # decode the first frame now: a truncated file fails here, typed
+    return opened
+
+
+@contextlib.contextmanager
+def _closing_on_error(resource: Image.Image | OpenedDocument) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        resource.close()
+        raise

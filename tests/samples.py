@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -49,3 +51,41 @@ def sample_trace(n_pages: int):
     from mineru_fast.traces import PageTrace, Trace
 
     return Trace([PageTrace(SAMPLE_LAYOUT, list(SAMPLE_CONTENTS)) for _ in range(n_pages)])
+
+
+def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int], **kwargs: object) -> bytes:
+    """A multi-frame TIFF of ``frames`` whose frame ``index`` header claims ``size`` (width, height).
+
+    Only the ImageWidth/ImageLength tags change, so the file stays a few KB however large the
+    claimed frame is (its pixel data is the small original's: decoding it would fail).
+    """
+    data = bytearray(image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:], **kwargs))
+    order = "<" if data[:2] == b"II" else ">"
+    (ifd,) = struct.unpack_from(order + "I", data, 4)
+    for _ in range(index):
+        (count,) = struct.unpack_from(order + "H", data, ifd)
+        (ifd,) = struct.unpack_from(order + "I", data, ifd + 2 + 12 * count)
+    (count,) = struct.unpack_from(order + "H", data, ifd)
+    for entry in range(ifd + 2, ifd + 2 + 12 * count, 12):
+        tag, kind = struct.unpack_from(order + "HH", data, entry)
+        if tag in (256, 257):  # ImageWidth, ImageLength
+            value = size[0] if tag == 256 else size[1]
+            fmt = order + ("H" if kind == 3 else "I")
+            struct.pack_into(fmt, data, entry + 8, value)
+    return bytes(data)
+
+
+def blank_png(width: int, height: int) -> bytes:
+    """A fully transparent RGBA PNG of any size, made row by row (never held decoded in memory).
+
+    A 12000x12000 image is about 0.6 MB of file and 576 MB once decoded.
+    """
+    row = bytes(1 + 4 * width)  # filter byte 0, then transparent black pixels
+    compressor = zlib.compressobj(9)
+    idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)  # 8-bit RGBA
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

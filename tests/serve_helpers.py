@@ -84,7 +84,9 @@ def wait_ready(server: Server, timeout: float) -> dict:
 
 
 @contextmanager
-def running_server(model: Path, log_dir: Path, *args: str, ready_timeout: float = 180.0) -> Iterator[Server]:
+def running_server(
+    model: Path, log_dir: Path, *args: str, ready_timeout: float = 180.0, open_files: int | None = None
+) -> Iterator[Server]:
     """Run ``mineru-fast serve`` on a free loopback port until the block exits.
 
     Args:
@@ -92,7 +94,18 @@ def running_server(model: Path, log_dir: Path, *args: str, ready_timeout: float 
         log_dir: where ``server.log`` (the server's stderr) goes.
         args: extra ``serve`` arguments.
         ready_timeout: seconds to wait for ``/ready``.
+        open_files: the server process's open-file limit (soft and hard), if given.
     """
+    server = start_server(model, log_dir, *args, open_files=open_files)
+    try:
+        wait_ready(server, ready_timeout)
+        yield server
+    finally:
+        server.stop()
+
+
+def start_server(model: Path, log_dir: Path, *args: str, open_files: int | None = None) -> Server:
+    """Start ``mineru-fast serve`` on a free loopback port (not waiting for it); see ``running_server``."""
     port = free_port()
     command = [
         sys.executable,
@@ -113,14 +126,22 @@ def running_server(model: Path, log_dir: Path, *args: str, ready_timeout: float 
     ]
     log_path = log_dir / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def limit_files() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        wait_ready(server, ready_timeout)
-        yield server
-    finally:
-        server.stop()
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            preexec_fn=limit_files if open_files else None,
+        )
+    return Server(f"http://127.0.0.1:{port}", process, log_path)
 
 
 def workload_page_with_text(traces_dir: Path, max_bytes: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import AutoTokenizer
 
 from mineru_fast.bench.workload import load_profile, load_workload, median_first, synthesize
@@ -35,13 +36,29 @@ def test_median_page_comes_first():
     assert [p.name for p in load_workload(2)] == [p["name"] for p in median_first(profiles)[:2]]
 
 
-def test_quick_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
+@pytest.fixture
+def tiny_profile(tmp_path):
+    """A one-page workload profile of a few tokens: the harness end to end in seconds (the shipped
+    pages replay ~1,500 tokens each, minutes per row on 2 cores)."""
+    blocks = [
+        {"type": "title", "bbox": [100, 100, 900, 200], "tokens": 4},
+        {"type": "text", "bbox": [100, 300, 900, 700], "tokens": 8},
+        {"type": "image", "bbox": [100, 750, 500, 950], "tokens": None},
+    ]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"pages": [{"name": "tiny", "width": 400, "height": 300, "layout_tokens": 90,
+                                           "blocks": blocks}]}))  # fmt: skip
+    return path
+
+
+def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
 
-    assert main(str(tiny_model), quick=True, pages=1, workload=None, threads=2, out_dir=tmp_path, plot=False) == 0
+    assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     rows = results["rows"]
     assert [r["label"] for r in rows] == ["reference bf16", "+ continuous batching"]
+    assert rows[0]["pages"] == ["tiny"] and "data data data data" in rows[0]["markdown"]
     assert all(r["markdown_equal_first_row"] and r["pages_per_min"] > 0 and r["peak_rss_gb"] > 0 for r in rows)
     assert rows[0]["speedup"] == 1.0 and len(rows[0]["page_seconds"]) == 1
     assert [c["concurrency"] for c in results["concurrency"]] == [1, 2]
@@ -55,10 +72,10 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert "Not a full-size model" in out
 
 
-def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tmp_path, capsys):
+def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
 
-    assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, only=["continuous"]) == 0
+    assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, only=["continuous"], profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["label"] for r in results["rows"]] == ["+ continuous batching"]
     assert "concurrency" not in results and "roofline" not in results
@@ -67,8 +84,6 @@ def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tmp_path, 
 
 
 def test_bad_requests_fail_before_any_row_runs(tmp_path):
-    import pytest
-
     from mineru_fast.bench.run import main
     from mineru_fast.errors import BenchmarkError, ModelLoadError, TraceError
 
@@ -107,9 +122,7 @@ def test_row_selection_and_unavailable_rows():
     assert ({"label": "+ IPEX backend", "reason": status.reason} in unavailable) == (not status.usable)
 
 
-def test_two_pinned_instances_row_on_the_tiny_model(tiny_model):
-    import pytest
-
+def test_two_pinned_instances_row_on_the_tiny_model(tiny_model, tiny_profile):
     from mineru_fast.bench.rows import ROWS
     from mineru_fast.bench.run import run_rows, summarize
     from mineru_fast.cpu import read_topology
@@ -117,7 +130,7 @@ def test_two_pinned_instances_row_on_the_tiny_model(tiny_model):
     if read_topology().usable_cores < 2:
         pytest.skip("needs 2 usable cores")
     rows = [r for r in ROWS if r.label in ("+ continuous batching", "+ 2 pinned instances")]
-    results = run_rows(rows, str(tiny_model), pages=1, workload=None, threads=2)
+    results = run_rows(rows, str(tiny_model), pages=1, workload=None, threads=2, profile=tiny_profile)
     summarize(results)
     single, multi = results
     assert multi["label"] == "+ 2 pinned instances x 1 core(s)"

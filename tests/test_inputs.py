@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import CORPUS, need
 from PIL import Image
-from samples import image_bytes, pdf_bytes, text_page
+from samples import image_bytes, pdf_bytes, text_page, tiff_with_frame_size
 
 from mineru_fast.errors import (
     CorruptDocument,
@@ -18,7 +18,7 @@ from mineru_fast.errors import (
     PasswordRequired,
     UnsupportedFormat,
 )
-from mineru_fast.inputs import open_document, parse_page_range, to_rgb
+from mineru_fast.inputs import MAX_PAGE_RANGE_CHARS, open_document, parse_page_range, to_rgb
 
 
 def test_page_ranges():
@@ -26,9 +26,26 @@ def test_page_ranges():
     assert parse_page_range("3,1,3", 4) == [0, 2]
     assert parse_page_range("8-", 10) == [7, 8, 9]
     assert parse_page_range(None, 3) == [0, 1, 2]
-    for bad in ("0", "4", "2-1", "a-b", "1,,x"):
+    assert parse_page_range("-", 3) == [0, 1, 2] and parse_page_range(" 2 - ", 3) == [1, 2]
+    for bad in ("0", "4", "2-1", "a-b", "1,,x", "1,,3", "1-2-3", "+1", "1e3"):
         with pytest.raises(PageRangeError):
             parse_page_range(bad, 3)
+
+
+def test_long_page_ranges_are_refused_at_once_with_a_short_message():
+    """A megabyte of page-range text cost 15 s of CPU and came back whole in the error."""
+    many = ",".join(["1-500"] * 2000)  # 11,999 characters, each part the whole document
+    assert len(many) > MAX_PAGE_RANGE_CHARS
+    with pytest.raises(PageRangeError, match="characters long; the limit is 4,096"):
+        parse_page_range(many, 500)
+    huge = "9" * 1_000_000
+    for spec in (huge, "1," + huge[:3000], "x" * 4000):
+        with pytest.raises(PageRangeError) as info:
+            parse_page_range(spec, 500)
+        assert len(str(info.value)) < 120, str(info.value)[:200]
+    under_cap = ",".join(["1-500"] * 680)  # 4,079 characters: merged intervals, each page once
+    assert parse_page_range(under_cap, 500) == list(range(500))
+    assert parse_page_range("5-7,1-6,9", 10) == [0, 1, 2, 3, 4, 5, 6, 8]
 
 
 def test_pdf_renders_at_200_dpi_with_page_selection(tmp_path):
@@ -103,6 +120,74 @@ def test_multi_frame_tiff_gives_one_page_per_frame():
     with open_document(data, pages="2-3") as doc:
         assert doc.page_count == 3
         assert [doc.render(i).getpixel((5, 5)) for i in doc.page_indices] == [(0, 128, 0), (0, 0, 255)]
+
+
+def _two_frame_tiff(second_size: tuple[int, int]) -> bytes:
+    frames = [Image.new("RGB", (60, 40), "red"), Image.new("1", (64, 64), 1)]
+    return tiff_with_frame_size(frames, 1, second_size)
+
+
+def test_every_tiff_frame_is_checked_against_the_pixel_limit_before_it_is_decoded(monkeypatch):
+    """Only the first frame was checked: a 20000x20000 second frame reached the decoder."""
+    from PIL import TiffImagePlugin
+
+    decoded = []
+    load = TiffImagePlugin.TiffImageFile.load
+    monkeypatch.setattr(TiffImagePlugin.TiffImageFile, "load", lambda self: decoded.append(self.tell()) or load(self))
+    with open_document(_two_frame_tiff((20000, 20000))) as doc:
+        assert (doc.page_count, doc.page_indices) == (2, [0, 1])
+        with pytest.raises(ImageTooLarge, match="frame 2 is 20000x20000 pixels, over the limit of 150,000,000"):
+            doc.render(1)
+        with pytest.raises(ImageTooLarge, match="frame 2"):
+            doc.page_size(1)
+        assert doc.render(0).getpixel((0, 0)) == (255, 0, 0)  # back on frame 1 after frame 2's header
+    assert 1 not in decoded and 0 in decoded
+    with open_document(_two_frame_tiff((64, 64)), max_pixels=3000) as doc:  # the option, not only the default
+        assert doc.page_size(0) == (60, 40) and doc.render(0).size == (60, 40)
+        with pytest.raises(ImageTooLarge, match="64x64 pixels, over the limit of 3,000"):
+            doc.render(1)
+
+
+def test_frame_count_is_bounded(monkeypatch):
+    """Counting frames reads every frame header: a small TIFF can chain millions of them."""
+    import mineru_fast.inputs as inputs
+
+    frames = [Image.new("L", (8, 8), v) for v in (0, 100, 200)]
+    data = image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    monkeypatch.setattr(inputs, "MAX_IMAGE_FRAMES", 3)
+    with open_document(data) as doc:
+        assert doc.page_count == 3 and doc.render(2).getpixel((0, 0)) == (200, 200, 200)
+    monkeypatch.setattr(inputs, "MAX_IMAGE_FRAMES", 2)
+    with pytest.raises(ImageTooLarge, match="more than 2 frames"):
+        open_document(data)
+
+
+def test_pillow_decompression_bomb_errors_become_image_too_large(monkeypatch):
+    """Pillow's own guard raised ``DecompressionBombError``, which is no ``InputError``."""
+    data = _two_frame_tiff((64, 64))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1500)  # frame 2 (4,096 px) is over 2x: Pillow refuses it
+    with open_document(data) as doc:
+        assert doc.render(0).size == (60, 40)  # 2,400 px: over 1x only, a warning, ignored
+        with pytest.raises(ImageTooLarge, match="frame 2"):
+            doc.render(1)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(ImageTooLarge):
+        open_document(data)
+
+
+def test_damaged_frame_is_a_typed_error():
+    data = bytearray(_two_frame_tiff((64, 64)))
+    data[-40:] = b"\xff" * 40  # the end of the file (the last frame's header) is garbage
+    try:
+        doc = open_document(bytes(data))
+    except CorruptDocument:
+        return
+    with doc:
+        for index in doc.page_indices:
+            try:
+                doc.render(index)
+            except InputError:
+                pass
 
 
 def test_cmyk_converts_to_rgb():

@@ -6,7 +6,9 @@ Every request loop here is bounded in count and time; all traffic stays on the l
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+import signal
 import socket
 import threading
 import time
@@ -62,7 +64,7 @@ def test_token_bucket_allows_burst_then_refills():
 
 def test_api_key_file(tmp_path):
     path = tmp_path / "keys.txt"
-    path.write_text("# service keys\nalpha:alpha-secret-0123\n\nbeta : beta-secret-4567 : 30  # slow key\n")
+    path.write_text("# service keys\nalpha:alpha-secret-0123\n\n  beta : beta-secret-4567 : 30 \n# slow key above\n")
     alpha, beta = load_api_keys(path)
     assert (alpha.name, alpha.rate, beta.name, beta.rate) == ("alpha", None, "beta", 30.0)
     assert b"alpha-secret" not in alpha.digest
@@ -74,6 +76,43 @@ def test_api_key_file(tmp_path):
     path.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no key"):
         load_api_keys(path)
+
+
+def test_api_key_file_grammar_is_strict(tmp_path):
+    """A '#' inside a secret cut it short (its 8-character prefix authenticated), and a rate of
+    'nan' was accepted and switched that key's limit off."""
+    path = tmp_path / "keys.txt"
+    path.write_text("alpha:abc#defgh-1234\nbeta:beta-secret-4567:0.5\ngamma:gamma-secret-89:0\n")
+    alpha, beta, gamma = load_api_keys(path)
+    assert alpha.digest == hashlib.sha256(b"abc#defgh-1234").digest()  # '#' belongs to the secret
+    assert (beta.rate, gamma.rate) == (0.5, 0.0)
+    refused = {
+        "alpha:zqxw-secret-77 # a remark": "line 2: SECRET",
+        "alpha:zqxw-secret-77:30 # slow": "line 2: RATE",
+        "alpha:zqxw-secret-77:nan": "line 2: RATE",
+        "alpha:zqxw-secret-77:inf": "line 2: RATE",
+        "alpha:zqxw-secret-77:-1": "line 2: RATE",
+        "alpha:zqxw-secret-77:1e3": "line 2: RATE",
+        "alpha:zqxw-secret-77:": "line 2: RATE",
+        "al pha:zqxw-secret-77": "line 2: NAME",
+        "alpha:zqxw:secret-77:3:4": "line 2: expected NAME:SECRET",
+        "alpha:zqxwé-secret-77": "line 2: SECRET",
+    }
+    for line, message in refused.items():
+        path.write_text(f"# header\n{line}\n")
+        with pytest.raises(ValueError, match=message) as info:
+            load_api_keys(path)
+        assert "zqxw" not in str(info.value) and "remark" not in str(info.value)  # no line text echoed
+
+
+def test_serve_settings_refuse_non_finite_numbers(tmp_path):
+    from mineru_fast.serve.config import ServeConfig
+
+    names = ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "min_body_rate")
+    for name in (*names, "pixel_budget", "body_timeout"):
+        for value in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(ValueError, match=name):
+                ServeConfig(**{name: value})
 
 
 def test_error_mapping_and_request_fields():
@@ -160,9 +199,8 @@ def test_job_manager_failures_and_shutdown():
 
     running, waiting = manager.submit(Job("slow")), manager.submit(Job("slow"))
     assert wait_for(lambda: running.status == "running", 5)
-    start = time.monotonic()
     cancelled = manager.shutdown(drain_timeout=0.3)  # the running job outlives the drain time
-    assert time.monotonic() - start < 5
+    assert running.status == "running"  # shutdown returned without waiting for it
     assert cancelled == [waiting] and waiting.status == "cancelled" and waiting.error.code == "shutting_down"
     with pytest.raises(ShuttingDown):
         manager.submit(Job("late"))
@@ -246,6 +284,8 @@ def test_health_ready_page_metrics_and_request_ids(server, client):
     assert len(health.headers["x-request-id"]) == 32
     ready = client.get("/ready").json()
     assert ready["status"] == "ready" and ready["workers"] == 1 and ready["engine"] == "fast"
+    assert ready["model"] == server_model_name(server)  # the directory's name, never its path
+    assert "/" not in client.get("/ready").text.replace("\\/", "")
     assert ready["canary"]["status"] == "success" and ready["canary"]["seconds"] > 0
 
     page = httpx.get(f"{server.url}/")
@@ -262,6 +302,48 @@ def test_health_ready_page_metrics_and_request_ids(server, client):
     assert metric(values, "mineru_fast_ready") == 1.0
     assert metric(values, "mineru_fast_model_load_seconds") > 0 and metric(values, "mineru_fast_canary_seconds") > 0
     assert metric(values, "mineru_fast_requests_total", route="/health", method="GET", status="200") >= 3
+
+
+def server_model_name(server) -> str:
+    command = server.process.args
+    return command[command.index("--model") + 1].rstrip("/").rsplit("/", 1)[-1]
+
+
+def test_metric_labels_stay_bounded_whatever_the_method(server, client):
+    """Requests were labelled by their raw method: 5,000 made-up methods grew /metrics to 2.9 MB."""
+    before = client.get("/metrics").content
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # one kept-alive connection
+        for n in range(200):
+            sock.sendall(f"FOO{n} /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            reply = b""
+            while not reply.endswith(b"}"):  # each answer is a short JSON body
+                chunk = sock.recv(4096)
+                assert chunk, reply
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 405"), reply[:100]
+    values = metrics(client)
+    assert metric(values, "mineru_fast_requests_total", route="/health", method="other", status="405") == 200
+    assert not [labels for (_, labels) in values if any(v.startswith("FOO") for _, v in labels)]
+    assert len(client.get("/metrics").content) < len(before) + 2000  # one new series, not 200
+
+
+def test_long_page_range_is_refused_at_once_with_a_short_answer(client):
+    """A 1 MB page range cost 15 s of CPU before its 422, which echoed the whole value (500 KB)."""
+    pages = "1-1," * 250_000
+    response = client.post("/v1/jobs", **upload(pdf_bytes(1), pages=pages))
+    error = assert_error(response, 422, "bad_page_range")
+    assert "1,000,000 characters long; the limit is 4,096" in error["message"]
+    assert len(response.content) < 500
+
+
+def test_sync_parse_results_are_not_kept(server, client):
+    """A synchronous call's result stayed stored for --result-ttl and could be fetched by its id."""
+    response = client.post("/v1/document/parse", headers={"X-Request-ID": "sync-not-kept-1"}, **upload(pdf_bytes(1)))
+    assert response.status_code == 200, response.text
+    (queued,) = [r for r in server.log_records() if r.get("request_id") == "sync-not-kept-1" and "job_id" in r][:1]
+    assert_error(client.get(f"/v1/jobs/{queued['job_id']}"), 404, "job_not_found")
+    assert_error(client.get(f"/v1/jobs/{queued['job_id']}/result"), 404, "job_not_found")
 
 
 def test_wrong_api_key_is_401_and_rate_limits_per_key(server, client):
@@ -285,8 +367,8 @@ def test_wrong_api_key_is_401_and_rate_limits_per_key(server, client):
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/document/parse", "/v1/jobs"])
-def test_broken_or_unsupported_documents_are_422(client, endpoint):
-    start = time.monotonic()
+def test_broken_or_unsupported_documents_are_422(server, client, endpoint):
+    queued_before = sum(r["message"] == "job queued" for r in server.log_records())
     truncated = assert_error(client.post(endpoint, **upload(pdf_bytes(2)[:600])), 422, "corrupt_document")
     assert "not a readable PDF" in truncated["message"]
     assert UPLOAD_NAME not in truncated["message"]
@@ -301,7 +383,7 @@ def test_broken_or_unsupported_documents_are_422(client, endpoint):
     trace = {"replay": ("t.json", b"{not json", "application/json")}
     bad_trace = client.post(endpoint, files={"file": ("a.pdf", pdf_bytes(1)), **trace})
     assert_error(bad_trace, 422, "bad_replay_trace")
-    assert time.monotonic() - start < 30  # refused up front, without a parse
+    assert sum(r["message"] == "job queued" for r in server.log_records()) == queued_before  # refused up front
 
 
 def test_sync_parse_returns_markdown_content_list_and_layout(client):
@@ -387,14 +469,11 @@ def test_oversize_upload_is_413_before_it_is_read(server):
             sent += len(chunk)
             yield chunk
 
-    start = time.monotonic()
     headers = {"X-API-Key": ALPHA, "Content-Type": "multipart/form-data; boundary=xyz"}
     response = httpx.post(f"{server.url}/v1/document/parse", content=body(), headers=headers, timeout=60)
-    elapsed = time.monotonic() - start
     error = assert_error(response, 413, "payload_too_large")
     assert f"{MAX_UPLOAD_MB} MiB" in error["message"]
     assert limit < sent < total // 4, f"sent {sent} bytes of {total}"  # answered early, the rest never sent
-    assert elapsed < 30
 
     # A declared Content-Length over the limit is refused from the headers alone.
     port = int(server.url.rsplit(":", 1)[1])
@@ -464,15 +543,16 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
     assert metric(after, "mineru_fast_parse_duration_seconds_count") >= len(accepted)
 
 
-def test_graceful_shutdown_finishes_in_flight_jobs_and_logs_json_lines(server, client):
-    """Runs last: it stops the module's server."""
+def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(server, client):
+    """Runs last: it stops the module's server. On SIGTERM the listener closed at once while queued
+    jobs were still parsed, and their results were thrown away at exit."""
     queued = client.post("/v1/jobs", **upload(pdf_bytes(2))).json()
     sync_result = {}
 
     def parse_during_shutdown():
         response = httpx.post(
             f"{server.url}/v1/document/parse",
-            headers={"X-API-Key": ALPHA, "X-Request-ID": "shutdown-sync-1"},
+            headers={"X-Request-ID": "shutdown-sync-1", "X-API-Key": ALPHA},
             timeout=120,
             **upload(pdf_bytes(1), password=PASSWORD),
         )
@@ -482,13 +562,29 @@ def test_graceful_shutdown_finishes_in_flight_jobs_and_logs_json_lines(server, c
     thread = threading.Thread(target=parse_during_shutdown)
     thread.start()
 
-    def sync_job_queued() -> bool:
+    def logged(message: str, request_id: str | None = None) -> bool:
         return any(
-            r.get("request_id") == "shutdown-sync-1" and r["message"] == "job queued" for r in server.log_records()
+            r["message"] == message and (request_id is None or r.get("request_id") == request_id)
+            for r in server.log_records()
         )
 
-    assert wait_for(sync_job_queued, 30, interval=0.05)
-    code = server.stop(timeout=120)  # SIGTERM while both jobs are queued or running
+    assert wait_for(lambda: logged("job queued", "shutdown-sync-1"), 30)
+    server.process.send_signal(signal.SIGTERM)  # while both jobs are queued or running
+    assert wait_for(lambda: logged("draining"), 30)
+
+    assert_error(client.post("/v1/jobs", **upload(pdf_bytes(1))), 503, "shutting_down")  # no new work
+    assert_error(client.post("/v1/document/parse", **upload(pdf_bytes(1))), 503, "shutting_down")
+    assert_error(httpx.get(f"{server.url}/ready"), 503, "shutting_down")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+    def queued_job_done() -> bool:
+        return client.get(queued["status_url"]).json()["status"] == "done"  # status served while draining
+
+    assert wait_for(queued_job_done, 120, interval=0.1)
+    assert server.process.poll() is None  # its result has not been fetched yet: still serving
+    result = client.get(queued["result_url"])
+    assert result.status_code == 200 and result.json()["status"] == "success"
+    code = server.process.wait(timeout=120)  # all collected: the server stops by itself
     thread.join(timeout=120)
     assert code == 0
     assert sync_result.get("status") == 200 and sync_result["body"]["status"] == "success"
@@ -499,7 +595,8 @@ def test_graceful_shutdown_finishes_in_flight_jobs_and_logs_json_lines(server, c
     finished = {r["job_id"]: r["status"] for r in records if r["message"] == "job finished"}
     assert finished[queued["job_id"]] == "done"
     messages = [r["message"] for r in records]
-    assert {"model loaded", "canary page parsed", "ready", "draining", "stopped"} <= set(messages)
+    assert {"model loaded", "canary page parsed", "ready", "draining", "drained", "stopped"} <= set(messages)
+    assert messages.index("drained") < messages.index("stopped")
     requests = [r for r in records if r["message"] == "request"]
     assert all(r.get("request_id") and r.get("status") for r in requests)
     assert any(r["request_id"] == "shutdown-sync-1" and r["status"] == 200 for r in requests)

@@ -43,8 +43,8 @@ def _roofline(rf: dict) -> list[str]:
         []
         if rf["full_size"]
         else [
-            "- Not a full-size model: the achieved figures use its smaller shapes, so the",
-            "  fractions of the full-size peaks below are not efficiencies.",
+            "- Not a full-size model: peaks and achieved figures use its small shapes, which measure",
+            "  call overheads more than this CPU's ceilings; the fractions below are not efficiencies.",
             "",
         ]
     )

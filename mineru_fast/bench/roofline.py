@@ -1,10 +1,12 @@
 """This CPU's ceilings and how close the engine gets to them.
 
 Peaks are measured here, never assumed: the best GEMM throughput for float32, bfloat16 and int8
-(``torch._int_mm`` or the engine's dynamic INT8 linear) on the vision MLP's two shapes for one
-1036x1036 page, and memory bandwidth from a large copy. Achieved figures come from timing the fast
-engine's own modules on the same page: the vision linears of one block, the vision attention of
-one block, and one batch-1 decode step (bytes of weights read per step over its time).
+(``torch._int_mm`` or the engine's dynamic INT8 linear) on the engine's own vision MLP shapes for
+one 1036x1036 page (MinerU2.5's for the full-size model, the small ones of a test model, so a unit
+test measures in seconds), and memory bandwidth from a copy much larger than the caches.
+Achieved figures come from timing the fast engine's own modules on the same page: the vision
+linears of one block, the vision attention of one block, and one batch-1 decode step (bytes of
+weights read per step over its time).
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ def _best_seconds(fn: Callable[[], object], repeat: int = 3) -> float:
     return best
 
 
-def gemm_peaks() -> dict[str, float]:
-    """Best GFLOP/s (GOP/s for int8) per dtype over the two vision-MLP products, 5476x1280 @
-    1280x5120 and 5476x5120 @ 5120x1280 (the deeper reduction often runs faster); for int8 the
-    faster of ``torch._int_mm`` and the engine's own dynamic INT8 linear (fbgemm where available,
-    activation quantization included), which can beat it."""
+def gemm_peaks(dim: int = VISION_DIM, mlp: int = VISION_MLP, tokens: int = N_LAYOUT) -> dict[str, float]:
+    """Best GFLOP/s (GOP/s for int8) per dtype over the two vision-MLP products, ``tokens x dim @
+    dim x mlp`` and ``tokens x mlp @ mlp x dim`` (the deeper reduction often runs faster); for int8
+    the faster of ``torch._int_mm`` and the engine's own dynamic INT8 linear (fbgemm where
+    available, activation quantization included), which can beat it. The defaults are
+    MinerU2.5's: 5476x1280 @ 1280x5120 and 5476x5120 @ 5120x1280."""
     from ..engine.quantize import Int8DynamicConfig, quantize_
 
     out = {"fp32": 0.0, "bf16": 0.0, "int8": 0.0}
-    for m, k, n in ((N_LAYOUT, VISION_DIM, VISION_MLP), (N_LAYOUT, VISION_MLP, VISION_DIM)):
+    for m, k, n in ((tokens, dim, mlp), (tokens, mlp, dim)):
         giga = 2 * m * k * n / 1e9
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -52,9 +55,9 @@ def gemm_peaks() -> dict[str, float]:
     return out
 
 
-def memory_bandwidth() -> float:
-    """GB/s of a 512 MiB float32 copy (bytes read + written)."""
-    src = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+def memory_bandwidth(mebibytes: int = 512) -> float:
+    """GB/s of a float32 copy of ``mebibytes`` MiB (bytes read + written)."""
+    src = torch.ones(mebibytes * 1024 * 1024 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     seconds = _best_seconds(lambda: dst.copy_(src))
     return 2 * src.numel() * 4 / seconds / 1e9

@@ -92,7 +92,8 @@ def run_row(spec: dict) -> dict:
     from .workload import load_workload
 
     options = ParserOptions.preset(spec["preset"], threads=spec["threads"], **spec["overrides"])
-    pages = load_workload(spec["pages"], Path(spec["workload"]) if spec["workload"] else None)
+    workload, profile = (Path(spec[k]) if spec.get(k) else None for k in ("workload", "profile"))
+    pages = load_workload(spec["pages"], workload, profile=profile)
     start = time.perf_counter()
     parser = DocumentParser.from_pretrained(spec["model"], options)
     load_s = time.perf_counter() - start

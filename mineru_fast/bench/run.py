@@ -53,12 +53,15 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_rows(rows: list[Row], model: str, pages: int, workload: Path | None, threads: int) -> list[dict]:
+def run_rows(
+    rows: list[Row], model: str, pages: int, workload: Path | None, threads: int, profile: Path | None = None
+) -> list[dict]:
     """Each row in a fresh process; failures are recorded, not raised."""
     results = []
     for row in rows:
         spec = {"label": row.label, "preset": row.preset, "overrides": row.overrides, "model": model,
-                "pages": pages, "workload": str(workload) if workload else None, "threads": threads}  # fmt: skip
+                "pages": pages, "workload": str(workload) if workload else None, "threads": threads,
+                "profile": str(profile) if profile else None}  # fmt: skip
         print(f"[bench] {row.label} ...", file=sys.stderr, flush=True)
         if row.instances > 1:
             from .instances import run_instances
@@ -109,10 +112,15 @@ def roofline(engine) -> dict:
     """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
     from . import roofline as rf
 
-    peaks = {"gemm": rf.gemm_peaks(), "memory_gbps": rf.memory_bandwidth()}
+    vision = engine.vision.config
+    full_size = vision.embed_dim == rf.VISION_DIM  # a test model: small shapes, and fractions of little meaning
+    peaks = {
+        "gemm": rf.gemm_peaks(vision.embed_dim, vision.embed_dim * vision.mlp_ratio),
+        "memory_gbps": rf.memory_bandwidth(512 if full_size else 64),
+    }
     got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
     return {
-        "full_size": engine.vision.config.embed_dim == rf.VISION_DIM,  # else the fractions compare unlike shapes
+        "full_size": full_size,
         "peaks": peaks,
         "achieved": got,
         "fraction": {
@@ -160,11 +168,13 @@ def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[di
 
 
 def main(model: str | None, quick: bool, pages: int | None, workload: Path | None, threads: int | None,
-         out_dir: Path, plot: bool = True, only: list[str] | None = None) -> int:  # fmt: skip
+         out_dir: Path, plot: bool = True, only: list[str] | None = None,
+         profile: Path | None = None) -> int:  # fmt: skip
     """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status.
 
     ``only``: run just the stage rows whose label contains one of these strings (and neither the
-    concurrency table nor the roofline).
+    concurrency table nor the roofline). ``profile``: a page-profile JSON file instead of the
+    shipped one (``workload.load_profile``; tests run a page of a few tokens).
 
     Raises:
         BenchmarkError: ``pages`` outside 1..the workload's page count, or ``only`` matching no row.
@@ -178,11 +188,12 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
 
     threads = threads or physical_cores_available()
     pages = pages or (1 if quick else 4)
-    available = len(load_profile())
+    available = len(load_profile(profile))
     if not 1 <= pages <= available:
         raise BenchmarkError(f"--pages must be between 1 and {available} (the workload's pages), got {pages}")
     rows, unavailable = select_rows(quick, only)
-    median_page = load_workload(pages, workload)[0]  # an unreadable workload fails now, not after the first rows
+    # An unreadable workload fails now, not after the first rows.
+    median_page = load_workload(pages, workload, profile=profile)[0]
     if model is not None:
         model = str(resolve_model(model))
     else:  # made in a child process: this one stays small while the rows run
@@ -201,7 +212,7 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
             "pages": pages,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         },
-        "rows": run_rows(rows, model, pages, workload, threads),
+        "rows": run_rows(rows, model, pages, workload, threads, profile),
     }
     summarize(results["rows"])
     results["extra_rows"] = unavailable

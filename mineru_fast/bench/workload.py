@@ -31,9 +31,13 @@ class WorkloadPage:
     trace: PageTrace
 
 
-def load_profile() -> list[dict]:
-    """The shipped page profiles (see module docstring)."""
-    text = (resources.files("mineru_fast") / "assets" / "workload_profile.json").read_text(encoding="utf-8")
+def load_profile(path: Path | None = None) -> list[dict]:
+    """Page profiles: the shipped ones (see module docstring), or those of a JSON file of the same
+    form (``{"pages": [...]}``; the tests use a one-page profile of a few tokens)."""
+    if path is None:
+        text = (resources.files("mineru_fast") / "assets" / "workload_profile.json").read_text(encoding="utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
     return json.loads(text)["pages"]
 
 
@@ -79,17 +83,21 @@ def median_first(profiles: list[dict]) -> list[dict]:
 
 
 def load_workload(
-    pages: int | None = None, workload_dir: Path | None = None, cache: Path | None = None
+    pages: int | None = None,
+    workload_dir: Path | None = None,
+    cache: Path | None = None,
+    profile: Path | None = None,
 ) -> list[WorkloadPage]:
     """The benchmark pages, median page first.
 
     Args:
-        pages: how many pages (None: all 14).
+        pages: how many pages (None: all of the profile's).
         workload_dir: real OmniDocBench-format pages (``annotations.json`` + ``images/``); None
-            synthesizes them from the shipped profile.
+            synthesizes them from the profile.
         cache: where traces of a real workload are built (default: the package cache, ``hub.cache_dir()``).
+        profile: a page-profile JSON file (``load_profile``); None = the shipped one.
     """
-    profiles = median_first(load_profile())[:pages]
+    profiles = median_first(load_profile(profile))[:pages]
     if workload_dir is None:
         return [synthesize(p) for p in profiles]
     trace_dir = (cache or cache_dir()) / "traces" / workload_dir.name

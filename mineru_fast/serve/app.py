@@ -9,8 +9,10 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
 - ``GET /v1/jobs/{job_id}``: status and per-page progress; ``GET /v1/jobs/{job_id}/result``.
 - ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page).
 
-Uploads are checked (format sniffed from the content, page range, password) before they are
-queued, so a broken document is answered ``422`` at once and never takes a worker.
+Uploads are checked from their headers (format sniffed from the content, page range, password,
+each page's size) before they are queued, so a broken document is answered ``422`` at once and
+never takes a worker; admission counts jobs (``--workers-queue``) and their decoded pixels
+(``--pixel-budget``). Pixels are decoded only in the workers.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ..parser import DocumentParser
 from .config import ServeConfig
 from .context import RequestContextMiddleware
 from .errors import ApiError, error_body, from_exception
-from .jobs import Job, QueueFull, ShuttingDown
+from .hosts import HostCheckMiddleware
+from .jobs import Job, OverBudget, QueueFull, ShuttingDown
 from .metrics import CONTENT_TYPE_LATEST
 from .parsing import ParseRequest, inspect_document, parse_formats, trace_from_json
 from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
@@ -122,8 +125,18 @@ def create_app(
         openapi_url="/openapi.json",
     )
     app.state.service = service
-    # Added last = outermost: the request context wraps the guard, which wraps the routes.
-    app.add_middleware(GuardMiddleware, keyring=keyring, limiter=limiter, max_body=config.max_upload_bytes)
+    # Added last = outermost: request context, then the Host/Origin check, then the guard, then the routes.
+    app.add_middleware(
+        GuardMiddleware,
+        keyring=keyring,
+        limiter=limiter,
+        max_body=config.max_upload_bytes,
+        body_timeout=config.body_timeout,
+        min_body_rate=config.min_body_rate,
+    )
+    allowed_hosts = config.host_allow_list()
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
     app.add_middleware(RequestContextMiddleware, metrics=service.metrics)
     _add_error_handlers(app)
     _add_routes(app, service)
@@ -181,11 +194,15 @@ async def _read_request(
     )
 
 
-async def _check_and_submit(service: Service, request: Request, parse_request: ParseRequest) -> Job:
-    """Inspect the document off the event loop, then queue it.
+async def _check_and_submit(service: Service, request: Request, parse_request: ParseRequest, retain: bool) -> Job:
+    """Inspect the document's headers off the event loop, then queue it.
+
+    Args:
+        retain: keep the job findable by id after it finished (False for synchronous calls).
 
     Raises:
-        ApiError: 422 for a broken or unsupported document, 429 ``queue_full`` with
+        ApiError: 422 for a broken or unsupported document, 413 ``document_too_large`` when its
+            decoded pixels alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
             ``Retry-After``, 503 when not ready or shutting down.
     """
     jobs = service.require_ready()
@@ -198,22 +215,36 @@ async def _check_and_submit(service: Service, request: Request, parse_request: P
         if error.status >= 500:
             logger.exception("document check failed", extra={"request_id": _request_id(request)})
         raise error from exc
+    budget = service.config.pixel_budget_pixels
+    if info.cost > budget:
+        service.metrics.observe_job("rejected", None, None, [])
+        raise ApiError(
+            413,
+            "document_too_large",
+            f"parsing needs {info.cost / 1e6:,.0f} megapixels decoded at once; this server's budget is "
+            f"{budget / 1e6:,.0f}",
+        )
     job = Job(
         payload=parse_request,
         owner=request.state.api_key,
         request_id=_request_id(request),
         pages_total=len(info.selected),
+        cost=info.cost,
+        retain=retain,
     )
     try:
         jobs.submit(job)
     except QueueFull as exc:
         service.metrics.observe_job("rejected", None, None, [])
         retry = str(exc.retry_after)
-        raise ApiError(
-            429, "queue_full", f"the job queue is full; retry in {retry} s", {"Retry-After": retry}
-        ) from None
+        code, what = (
+            ("over_capacity", "the server's pixel budget is in use")
+            if isinstance(exc, OverBudget)
+            else ("queue_full", "the job queue is full")
+        )
+        raise ApiError(429, code, f"{what}; retry in {retry} s", {"Retry-After": retry}) from None
     except ShuttingDown:
-        raise ApiError(503, "shutting_down", "the server is shutting down") from None
+        raise ApiError(503, "shutting_down", "the server is shutting down and takes no new jobs") from None
     logger.info(
         "job queued",
         extra={
@@ -222,6 +253,7 @@ async def _check_and_submit(service: Service, request: Request, parse_request: P
             "format": info.format,
             "page_count": len(info.selected),
             "bytes_in": len(parse_request.data),
+            "pixels": info.cost,
             "queue_length": jobs.queue_length,
         },
     )
@@ -279,7 +311,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     ) -> JSONResponse:
         """Parse a document and wait for the result."""
         parse_request = await _read_request(service, file, pages, password, formats, replay)
-        job = await _check_and_submit(service, request, parse_request)
+        job = await _check_and_submit(service, request, parse_request, retain=False)
         await _wait(job)
         if job.status != "done" or job.result is None:
             raise job.error or ApiError(500, "internal_error", "the job ended without a result")
@@ -296,7 +328,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     ) -> JSONResponse:
         """Queue a document; poll ``/v1/jobs/{job_id}``, then fetch ``/v1/jobs/{job_id}/result``."""
         parse_request = await _read_request(service, file, pages, password, formats, replay)
-        job = await _check_and_submit(service, request, parse_request)
+        job = await _check_and_submit(service, request, parse_request, retain=True)
         body = {
             **job.describe(service.jobs.queue_position(job) if service.jobs else None),
             "status_url": f"/v1/jobs/{job.id}",
@@ -309,7 +341,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """Status and per-page progress of a job."""
         job = _job_or_404(service, request, job_id)
         position = service.jobs.queue_position(job) if service.jobs and job.status == "queued" else None
-        return job.describe(position)
+        description = job.describe(position)
+        if job.status in ("failed", "cancelled") and service.jobs is not None:
+            service.jobs.collect(job)  # the status carries the whole outcome (the error)
+        return description
 
     @app.get("/v1/jobs/{job_id}/result")
     async def job_result(request: Request, job_id: str) -> JSONResponse:
@@ -317,6 +352,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         job = _job_or_404(service, request, job_id)
         if job.status in ("queued", "running"):
             raise ApiError(409, "job_not_finished", f"the job is {job.status}", {"Retry-After": "1"})
+        if service.jobs is not None:
+            service.jobs.collect(job)
         if job.status != "done" or job.result is None:
             raise job.error or ApiError(500, "internal_error", "the job ended without a result")
         return JSONResponse({"job_id": job.id, **job.result})

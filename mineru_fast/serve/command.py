@@ -7,6 +7,10 @@ works without them; running the command checks for them first.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
+import threading
 from pathlib import Path
 
 from ..cli_options import add_options_arguments, options_from_args
@@ -14,6 +18,8 @@ from ..errors import MineruFastError
 from .config import ServeConfig
 
 __all__ = ["add_serve_command", "config_from_args", "run_serve_command"]
+
+_WORK_THREADS = ("model-loader", "parse-worker")  # thread names given in app.py and jobs.py
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +36,38 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--rate-burst", type=int, default=10, help="requests a key may send at once (default: 10)")
     v.add_argument("--max-upload-mb", type=float, default=50.0, help="largest request body in MiB (default: 50)")
     v.add_argument("--result-ttl", type=float, default=600.0, help="seconds job results are kept (default: 600)")
-    v.add_argument("--drain-timeout", type=float, default=60.0, help="seconds shutdown waits for jobs (default: 60)")
+    v.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a SIGTERM waits for jobs to finish and be fetched (default: 60)",
+    )
+    v.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds a request's headers may take (default: 10)"
+    )
+    v.add_argument(
+        "--body-timeout", type=float, default=30.0, help="longest pause while a body is read, seconds (default: 30)"
+    )
+    v.add_argument(
+        "--min-body-rate",
+        type=float,
+        default=1024.0,
+        metavar="BYTES_PER_S",
+        help="average a body must keep after --body-timeout seconds (default: 1024)",
+    )
+    v.add_argument("--max-connections", type=int, default=128, help="open connections at most (default: 128)")
+    v.add_argument(
+        "--pixel-budget",
+        type=float,
+        default=600.0,
+        metavar="MEGAPIXELS",
+        help="decoded pixels of queued and running jobs at most; beyond it 429 (default: 600)",
+    )
+    v.add_argument(
+        "--allowed-hosts",
+        metavar="H1,H2",
+        help="Host header names accepted ('*' = any); default without keys: loopback names and --host",
+    )
     v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -61,6 +98,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             max_upload_mb=args.max_upload_mb,
             result_ttl=args.result_ttl,
             drain_timeout=args.drain_timeout,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            min_body_rate=args.min_body_rate,
+            max_connections=args.max_connections,
+            pixel_budget=args.pixel_budget,
+            allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,
             max_pages=args.max_pages,
             log_level=args.log_level,
@@ -75,6 +118,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def run_serve_command(args: argparse.Namespace) -> int:
     """Run ``mineru-fast serve``; returns the exit status (see ``server.serve``).
 
+    When the server has stopped while a thread still loads the model or parses a page (a signal
+    during start-up, a drain that timed out), the process ends here with ``os._exit``: such a
+    thread cannot be stopped, and the interpreter aborts (status 134) if it finalizes under it.
+
     Raises:
         MineruFastError: the ``serve`` extra is missing (``ServeDependencyError``), or a bad
             setting or key file.
@@ -85,4 +132,12 @@ def run_serve_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     from .server import serve
 
-    return serve(config)
+    status = serve(config)
+    busy = [t.name for t in threading.enumerate() if t.name.startswith(_WORK_THREADS) and t.is_alive()]
+    if busy:
+        logging.getLogger(__name__).info("exiting while threads still work", extra={"status": status})
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

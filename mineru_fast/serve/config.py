@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +11,8 @@ from ..hub import DEFAULT_MODEL_ID
 from ..options import ParserOptions
 
 __all__ = ["ServeConfig"]
+
+_HOST_NAME = re.compile(r"\[?[A-Za-z0-9.:_-]{1,253}\]?")
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,21 @@ class ServeConfig:
         rate_burst: requests a key may make at once before the rate applies.
         max_upload_mb: largest request body in MiB, enforced while it streams in.
         result_ttl: seconds a finished job's result is kept, then deleted.
-        drain_timeout: seconds graceful shutdown waits for queued and running jobs.
+        drain_timeout: seconds a SIGTERM waits for queued and running jobs to finish and their
+            results to be fetched (new jobs are refused meanwhile) before the server stops.
+        header_timeout: seconds a connection may take to send a request's line and headers
+            (from connecting, or from the previous response); then it is closed.
+        body_timeout: longest pause, in seconds, while a request body is read; then ``408``.
+        min_body_rate: bytes per second a request body must average once ``body_timeout`` seconds
+            have passed since the request began; slower bodies get ``408``.
+        max_connections: open connections at most; more are answered ``503`` and closed at once
+            (also kept below the process's open-file limit).
+        pixel_budget: megapixels that admitted jobs (queued and running) may decode at once, each
+            costed from its headers (see ``parsing.inspect_document``); beyond it ``429``.
+        allowed_hosts: host names a request's ``Host`` header may carry (``"*"`` = any); None =
+            the default: without API keys, the loopback names and ``host`` (any host when
+            listening on all interfaces), with API keys no check. When checked, a browser's
+            ``Origin`` must name the same host as ``Host``.
         allow_replay: accept a ``replay`` trace upload (tests and benchmarks only).
         max_pages: most pages one request may select.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
@@ -44,6 +62,12 @@ class ServeConfig:
     max_upload_mb: float = 50.0
     result_ttl: float = 600.0
     drain_timeout: float = 60.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    min_body_rate: float = 1024.0
+    max_connections: int = 128
+    pixel_budget: float = 600.0
+    allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
     max_pages: int = 500
     log_level: str = "info"
@@ -51,17 +75,38 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("workers", "queue_size", "rate_burst", "max_pages"):
+        for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_upload_mb", "result_ttl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        positive = ("max_upload_mb", "result_ttl", "header_timeout", "body_timeout", "min_body_rate", "pixel_budget")
+        for name in positive:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
         for name in ("rate_limit", "drain_timeout"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        for host in self.allowed_hosts or ():
+            if host != "*" and not _HOST_NAME.fullmatch(host):
+                raise ValueError(f"allowed_hosts: {host[:40]!r} is not a host name or address (no port, no scheme)")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    @property
+    def pixel_budget_pixels(self) -> int:
+        """``pixel_budget`` in pixels."""
+        return int(self.pixel_budget * 1_000_000)
+
+    def host_allow_list(self) -> tuple[str, ...] | None:
+        """The ``Host`` names accepted, lower-case (``("*",)`` = any), or None when nothing is checked."""
+        if self.allowed_hosts is not None:
+            return tuple(h.lower().strip("[]") for h in self.allowed_hosts)
+        if self.api_key_file is not None:
+            return None
+        if self.host in ("0.0.0.0", "::", ""):
+            return ("*",)
+        return tuple(dict.fromkeys(("localhost", "127.0.0.1", "::1", self.host.lower().strip("[]"))))
 
     @property
     def max_upload_bytes(self) -> int:

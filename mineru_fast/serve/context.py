@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 
-from .metrics import ServiceMetrics, route_label
+from .metrics import ServiceMetrics, method_label, route_label
 from .security import ASGIApp, Message, Receive, Scope, Send, send_error
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class RequestContextMiddleware:
                 "request",
                 extra={
                     "request_id": request_id,
-                    "method": scope["method"],
+                    "method": method_label(scope["method"]),
                     "route": route_label(scope["path"]),
                     "status": status,
                     "duration_ms": round(seconds * 1000, 2),

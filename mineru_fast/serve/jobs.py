@@ -3,9 +3,14 @@
 A ``Job`` waits in a queue of at most ``max_queued`` entries until one of the worker threads takes
 it; each worker owns one runner (one parser: parsers are not thread-safe), so documents are parsed
 off the event loop and at most ``len(runners)`` at a time. A submission to a full queue raises
-``QueueFull`` (the application answers ``429`` with ``Retry-After``). Finished jobs keep their
-result for ``result_ttl`` seconds, then a sweeper thread deletes them. ``shutdown`` stops
-accepting, lets queued and running jobs finish within a time limit, and cancels what is left.
+``QueueFull``, one whose cost would take the jobs admitted (queued and running) over ``max_cost``
+raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Finished jobs keep
+their result for ``result_ttl`` seconds, then a sweeper thread deletes them; jobs submitted with
+``retain=False`` (synchronous calls) are never stored. ``stop_accepting`` and ``wait_drained``
+make a graceful drain (no new jobs; wait until the jobs unfinished at that moment have finished
+and their outcomes have been collected);
+``shutdown`` stops the workers, letting queued and running jobs finish within a time limit and
+cancelling what is left.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from .errors import ApiError, from_exception
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "JobManager", "QueueFull", "ShuttingDown", "JobStatus"]
+__all__ = ["Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown", "JobStatus"]
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 FINISHED: tuple[JobStatus, ...] = ("done", "failed", "cancelled")
@@ -42,6 +47,10 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class OverBudget(QueueFull):
+    """Admitting the job would take the cost of the admitted jobs over ``max_cost``."""
+
+
 class ShuttingDown(Exception):
     """The manager no longer accepts jobs (graceful shutdown under way)."""
 
@@ -55,6 +64,11 @@ class Job:
         owner: API key name that submitted the job (None without keys); only it may read the job.
         request_id: id of the submitting request, for the logs.
         pages_total / pages_done: per-page progress, reported by the runner.
+        cost: what the job holds while admitted, counted against the manager's ``max_cost``
+            (the service uses decoded pixels).
+        retain: keep the job, findable by id, until ``result_ttl`` after it finished; False for a
+            job whose submitter waits for it (its result goes out once and is not stored).
+        collected: its outcome has been handed to a client (set by ``JobManager.collect``).
         result: the runner's JSON-ready result once ``done``.
         error: the ``ApiError`` once ``failed`` or ``cancelled``.
     """
@@ -63,6 +77,9 @@ class Job:
     owner: str | None = None
     request_id: str | None = None
     pages_total: int | None = None
+    cost: int = 0
+    retain: bool = True
+    collected: bool = False
     id: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     status: JobStatus = "queued"
     pages_done: int = 0
@@ -130,6 +147,7 @@ class JobManager:
             ``job.report_progress``; exceptions it raises become the job's error.
         max_queued: jobs that may wait; a submission beyond it raises ``QueueFull``.
         result_ttl: seconds a finished job is kept.
+        max_cost: most total ``Job.cost`` of the jobs queued and running; None = no limit.
         on_finish: called as ``on_finish(job, run_seconds)`` after each job, cancelled ones included
             (metrics, logs).
         clock: monotonic clock for the TTL (injectable for tests).
@@ -141,18 +159,22 @@ class JobManager:
         *,
         max_queued: int,
         result_ttl: float,
+        max_cost: int | None = None,
         on_finish: Callable[[Job, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not runners or max_queued < 1 or result_ttl <= 0:
             raise ValueError("need at least one runner, max_queued >= 1 and result_ttl > 0")
         self.runners, self.max_queued, self.result_ttl = runners, max_queued, result_ttl
+        self.max_cost = max_cost
+        self._cost = 0  # total cost of the jobs queued and running
         self.on_finish, self.clock = on_finish, clock
         self._queue: deque[Job] = deque()
         self._jobs: dict[str, Job] = {}
         self._cond = threading.Condition()
         self._running = 0
         self._accepting = False
+        self._awaited: list[Job] = []  # stored jobs unfinished when accepting stopped: drain waits for them
         self._stopping = False
         self._stopped = threading.Event()  # wakes the sweeper at shutdown
         self._threads: list[threading.Thread] = []
@@ -175,6 +197,51 @@ class JobManager:
         self._threads.append(sweeper)
         sweeper.start()
 
+    def stop_accepting(self) -> None:
+        """Refuse new jobs from now on (``submit`` raises ``ShuttingDown``); the workers go on.
+
+        The stored jobs queued or running now are those ``drained`` waits to see collected.
+        """
+        with self._cond:
+            if self._accepting:
+                self._awaited = [job for job in self._jobs.values() if job.status not in FINISHED]
+            self._accepting = False
+            self._cond.notify_all()
+
+    def drained(self) -> bool:
+        """True when no job is queued or running, and each job that was unfinished when accepting
+        stopped has been collected (or has expired)."""
+        with self._cond:
+            return self._drained_locked()
+
+    def _drained_locked(self) -> bool:
+        if self._queue or self._running:
+            return False
+        return all(job.collected or job.id not in self._jobs for job in self._awaited)
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until ``drained()``; returns whether it is."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._drained_locked():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(0.5, left))
+            return True
+
+    def collect(self, job: Job) -> None:
+        """Record that a finished job's outcome has been handed to its client (see ``drained``)."""
+        with self._cond:
+            job.collected = True
+            self._cond.notify_all()
+
+    @property
+    def cost(self) -> int:
+        """Total cost of the jobs queued and running."""
+        with self._cond:
+            return self._cost
+
     def shutdown(self, drain_timeout: float) -> list[Job]:
         """Stop accepting, wait up to ``drain_timeout`` s for queued and running jobs, cancel the rest.
 
@@ -188,6 +255,7 @@ class JobManager:
                 self._cond.wait(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             cancelled = list(self._queue)
             self._queue.clear()
+            self._cost -= sum(job.cost for job in cancelled)
             self._stopping = True
             self._cond.notify_all()
         self._stopped.set()
@@ -208,15 +276,20 @@ class JobManager:
         Raises:
             ShuttingDown: the manager is not accepting jobs.
             QueueFull: ``max_queued`` jobs are already waiting.
+            OverBudget: the job's cost does not fit in what ``max_cost`` leaves now.
         """
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is not accepting jobs")
             if len(self._queue) >= self.max_queued:
                 raise QueueFull(self._retry_after_locked())
+            if self.max_cost is not None and self._cost + job.cost > self.max_cost:
+                raise OverBudget(self._retry_after_locked())
             job.queued_mono = time.monotonic()
             self._queue.append(job)
-            self._jobs[job.id] = job
+            self._cost += job.cost
+            if job.retain:
+                self._jobs[job.id] = job
             self._cond.notify_all()
         return job
 
@@ -286,6 +359,7 @@ class JobManager:
             seconds = time.monotonic() - start
             with self._cond:
                 self._running -= 1
+                self._cost -= job.cost
                 self._run_seconds = 0.8 * self._run_seconds + 0.2 * seconds
                 self._cond.notify_all()
             if self.on_finish is not None:

@@ -25,6 +25,7 @@ CONTEXT_FIELDS = (
     "status",
     "duration_ms",
     "bytes_in",
+    "pixels",
     "pages",
     "page_count",
     "format",
@@ -36,6 +37,8 @@ CONTEXT_FIELDS = (
     "host",
     "port",
     "cancelled",
+    "suppressed",
+    "limit",
 )
 
 

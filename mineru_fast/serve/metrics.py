@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["ServiceMetrics", "route_label", "CONTENT_TYPE_LATEST"]
+__all__ = ["ServiceMetrics", "route_label", "method_label", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _JOB_ROUTE = re.compile(r"^/v1/jobs/[^/]+$")
 _RESULT_ROUTE = re.compile(r"^/v1/jobs/[^/]+/result$")
 _ROUTES = {"/", "/health", "/ready", "/metrics", "/v1/document/parse", "/v1/jobs"}
+_METHODS = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"}
 
 
 def route_label(path: str) -> str:
@@ -27,6 +28,11 @@ def route_label(path: str) -> str:
     if _JOB_ROUTE.match(path):
         return "/v1/jobs/{job_id}"
     return "other"
+
+
+def method_label(method: str) -> str:
+    """A bounded label for an HTTP method: the standard ones as they are, anything else ``"other"``."""
+    return method if method in _METHODS else "other"
 
 
 class ServiceMetrics:
@@ -46,7 +52,7 @@ class ServiceMetrics:
         self.in_flight.set_function(lambda: float(in_flight()))
         self.requests = Counter(
             "mineru_fast_requests",
-            "HTTP requests by route, method and status",
+            "HTTP requests by route, method (standard ones, else other) and status",
             ["route", "method", "status"],
             registry=r,
         )
@@ -76,7 +82,7 @@ class ServiceMetrics:
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
         """Count one answered HTTP request and its latency."""
         route = route_label(path)
-        self.requests.labels(route=route, method=method, status=str(status)).inc()
+        self.requests.labels(route=route, method=method_label(method), status=str(status)).inc()
         self.request_seconds.labels(route=route).observe(seconds)
 
     def observe_job(

@@ -1,7 +1,9 @@
 """What the service does with one document: check it, parse it with progress, render the result.
 
-Documents stay in memory from upload to result: nothing a client sends is written to disk under a
-name it chose. The format is sniffed from the content by ``mineru_fast.inputs.open_document``.
+The check before a job is queued reads headers only (format, pages, each page's size): no pixel
+is decoded in the request path; decoding happens in the workers, under the queue bound. Nothing a
+client sends is written to disk under a name it chose. The format is sniffed from the content by
+``mineru_fast.inputs.open_document``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "parse_formats",
     "trace_from_json",
     "inspect_document",
+    "decode_cost",
     "run_parse",
     "render_result",
     "canary_image",
@@ -73,11 +76,13 @@ class DocumentInfo:
         format: ``"pdf"`` or the Pillow format name.
         page_count: pages in the whole document.
         selected: 0-based indices of the pages that will be parsed.
+        cost: pixels a worker holds at once while parsing it (``decode_cost``).
     """
 
     format: str
     page_count: int
     selected: list[int]
+    cost: int
 
 
 def parse_formats(text: str | None) -> frozenset[str]:
@@ -118,31 +123,60 @@ def _limits(parser_options: object) -> dict[str, int]:
     }
 
 
+def decode_cost(sizes: list[tuple[int, int]], page_window: int, max_side: int) -> int:
+    """Pixels a worker holds at once for a document with pages of these decoded ``sizes``.
+
+    A worker decodes one page at full resolution (an image frame before its long side is capped),
+    keeps the pages of its window at page size (long side at most ``max_side``), so the bound is the
+    largest page at full resolution plus ``page_window - 1`` of the largest kept pages.
+
+    Args:
+        sizes: ``(width, height)`` in pixels of each selected page, as decoded.
+        page_window: pages parsed together (``ParserOptions.page_window``).
+        max_side: longest side of a kept page in pixels.
+
+    Returns:
+        The bound in pixels (0 for no page).
+    """
+    if not sizes:
+        return 0
+    full = max(w * h for w, h in sizes)
+    kept = max(w * h * min(1.0, max_side / max(w, h, 1)) ** 2 for w, h in sizes)
+    return int(full + (min(page_window, len(sizes)) - 1) * kept)
+
+
 def inspect_document(request: ParseRequest, parser_options: object, max_pages: int) -> DocumentInfo:
-    """Open the document without rendering it: format, page count, selected pages.
+    """Read a document's headers: format, page count, selected pages, and what decoding will cost.
+
+    No page is rendered or decoded, so this is cheap whatever the upload holds; every selected page
+    is checked against ``max_image_pixels`` from its header.
 
     Args:
         request: the upload and its options.
-        parser_options: the service's ``ParserOptions`` (input limits).
+        parser_options: the service's ``ParserOptions`` (input limits, page window).
         max_pages: most pages one request may select.
 
     Raises:
-        InputError: unsupported format, corrupt, encrypted without the right password, too large,
-            or a bad page range (the ``mineru_fast.errors`` subclasses).
+        InputError: unsupported format, corrupt headers, encrypted without the right password, a
+            page over the pixel limit, or a bad page range (the ``mineru_fast.errors`` subclasses).
         TraceError: the replay trace has fewer pages than the document.
         ApiError: 422 ``too_many_pages`` when more than ``max_pages`` pages are selected.
     """
+    limits = _limits(parser_options)
     with open_document(
-        request.data, pages=request.pages, password=request.password, **_limits(parser_options)
+        request.data, pages=request.pages, password=request.password, decode_first=False, **limits
     ) as opened:
-        info = DocumentInfo(opened.format, opened.page_count, list(opened.page_indices))
-    if len(info.selected) > max_pages:
-        raise ApiError(
-            422, "too_many_pages", f"{len(info.selected)} pages selected; this server parses at most {max_pages}"
-        )
-    if request.trace is not None and len(request.trace.pages) < info.page_count:
-        raise TraceError(f"the replay trace has {len(request.trace.pages)} pages, the document {info.page_count}")
-    return info
+        selected = list(opened.page_indices)
+        if len(selected) > max_pages:
+            raise ApiError(
+                422, "too_many_pages", f"{len(selected)} pages selected; this server parses at most {max_pages}"
+            )
+        sizes = [opened.page_size(index) for index in selected]
+        page_count, format_name = opened.page_count, opened.format
+    if request.trace is not None and len(request.trace.pages) < page_count:
+        raise TraceError(f"the replay trace has {len(request.trace.pages)} pages, the document {page_count}")
+    cost = decode_cost(sizes, parser_options.page_window, limits["max_side"])  # type: ignore[attr-defined]
+    return DocumentInfo(format_name, page_count, selected, cost)
 
 
 def _ranges(indices: list[int]) -> str:

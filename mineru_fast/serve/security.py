@@ -1,26 +1,40 @@
 """API keys, per-key token-bucket rate limits and the streaming upload-size limit.
 
-Key file format, one key per line (blank lines and ``#`` comments ignored)::
+Key file grammar, one entry per line (UTF-8)::
 
-    NAME:SECRET            # uses the server-wide --rate-limit
-    NAME:SECRET:RATE       # RATE requests per minute for this key (0 = unlimited)
+    # a comment: a line whose first non-blank character is '#'
+    NAME:SECRET
+    NAME:SECRET:RATE
+
+- ``NAME``: 1-64 of ``A-Z a-z 0-9 . _ -``; names the key in logs and metrics.
+- ``SECRET``: 8-256 printable ASCII characters other than ``:`` and whitespace; a ``#`` is part
+  of the secret (there are no comments after an entry).
+- ``RATE``: this key's requests per minute, a plain decimal number >= 0 (``30``, ``0.5``; ``0`` =
+  unlimited); without it the server-wide ``--rate-limit`` applies.
+- Spaces and tabs around fields and at the ends of a line are ignored; blank lines too.
+
+Anything else (a wrong field count, a secret with a space, ``nan``, ``inf``, ``-1``, ``1e3``, a
+repeated name or secret) stops the server at start-up with the line number, never the line's text.
 
 Clients send the secret as ``Authorization: Bearer SECRET`` or ``X-API-Key: SECRET``. Secrets are
 compared in constant time and never logged; logs and metrics name the key by ``NAME``.
 
 ``GuardMiddleware`` is a plain ASGI middleware placed in front of the application, so a request
 is refused before its body is read: wrong or missing key -> ``401``, over the rate -> ``429`` with
-``Retry-After``, a declared ``Content-Length`` over the limit -> ``413`` at once, and a streamed
-body that passes the limit -> ``413`` as soon as it does (the connection is then closed, so the
-rest of the body is never read).
+``Retry-After``, a declared ``Content-Length`` over the limit -> ``413`` at once, a streamed
+body that passes the limit -> ``413`` as soon as it does, and a body that pauses longer than the
+read timeout, or that after that long still averages less than the minimum rate, -> ``408``
+(the connection is then closed, so the rest of the body is never read).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import math
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -64,12 +78,17 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode("utf-8")).digest()
 
 
+_KEY_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_KEY_SECRET = re.compile(r"[!-9;-~]{8,256}")  # printable ASCII without space and ':'
+_KEY_RATE = re.compile(r"\d{1,9}(\.\d{1,6})?")
+
+
 def load_api_keys(path: str | Path) -> list[ApiKey]:
-    """Read an API key file (format in the module docstring).
+    """Read an API key file (grammar in the module docstring).
 
     Raises:
-        ValueError: unreadable file, a malformed line (reported by line number, never by content),
-            a duplicate name or secret, or no key at all.
+        ValueError: unreadable file, a line outside the grammar (reported by line number, never
+            by content), a duplicate name or secret, or no key at all.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -77,20 +96,25 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
         raise ValueError(f"cannot read API key file {path}: {exc}") from exc
     keys: list[ApiKey] = []
     for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
+        where = f"{path}, line {number}"
         parts = [p.strip() for p in line.split(":")]
-        if len(parts) not in (2, 3) or not parts[0] or len(parts[1]) < 8:
-            raise ValueError(f"{path}, line {number}: expected NAME:SECRET[:RATE] with a secret of 8+ characters")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"{where}: expected NAME:SECRET or NAME:SECRET:RATE (comments go on their own line)")
+        if not _KEY_NAME.fullmatch(parts[0]):
+            raise ValueError(f"{where}: NAME must be 1-64 of A-Z a-z 0-9 . _ -")
+        if not _KEY_SECRET.fullmatch(parts[1]):
+            raise ValueError(
+                f"{where}: SECRET must be 8-256 printable ASCII characters without spaces or ':' "
+                "(comments go on their own line)"
+            )
         rate = None
         if len(parts) == 3:
-            try:
-                rate = float(parts[2])
-            except ValueError:
-                raise ValueError(f"{path}, line {number}: RATE must be a number of requests per minute") from None
-            if rate < 0:
-                raise ValueError(f"{path}, line {number}: RATE must be >= 0")
+            if not _KEY_RATE.fullmatch(parts[2]):
+                raise ValueError(f"{where}: RATE must be a plain number of requests per minute >= 0, e.g. 30 or 0.5")
+            rate = float(parts[2])
         keys.append(ApiKey(parts[0], _digest(parts[1]), rate))
     if not keys:
         raise ValueError(f"API key file {path} holds no key")
@@ -201,8 +225,16 @@ class RateLimiter:
             return bucket.take()
 
 
-class UploadTooLarge(Exception):
-    """Raised into the application when a streamed body passes the limit."""
+class BodyRefused(Exception):
+    """Raised into the application when a streamed body passes the size limit or stalls.
+
+    Attributes:
+        status / code / message: the answer sent instead of the application's.
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -246,10 +278,23 @@ class GuardMiddleware:
         keyring: accepted keys (empty = open service).
         limiter: per-identity rate limiter.
         max_body: largest request body in bytes.
+        body_timeout: longest pause in seconds while the body is read; also the grace period
+            before ``min_body_rate`` applies.
+        min_body_rate: bytes per second the body must average from ``body_timeout`` seconds after
+            its request began (a client trickling bytes just within the pause limit is cut off).
     """
 
-    def __init__(self, app: ASGIApp, keyring: KeyRing, limiter: RateLimiter, max_body: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keyring: KeyRing,
+        limiter: RateLimiter,
+        max_body: int,
+        body_timeout: float,
+        min_body_rate: float,
+    ) -> None:
         self.app, self.keyring, self.limiter, self.max_body = app, keyring, limiter, max_body
+        self.body_timeout, self.min_body_rate = body_timeout, min_body_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -293,29 +338,53 @@ class GuardMiddleware:
             return False
         return True
 
+    def _too_large_message(self) -> str:
+        return f"the request body exceeds the limit of {self.max_body / (1024 * 1024):g} MiB"
+
     async def _too_large(self, send: Send, scope: Scope) -> None:
-        limit_mb = self.max_body / (1024 * 1024)
-        message = f"the request body exceeds the limit of {limit_mb:g} MiB"
+        message = self._too_large_message()
         await send_error(send, scope, 413, "payload_too_large", message, {"Connection": "close"})
 
     async def _call_limited(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = 0
-        exceeded = False
+        body_done = False
+        refused: BodyRefused | None = None
         started = False
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
 
         async def limited_receive() -> Message:
-            nonlocal received, exceeded
-            message = await receive()
+            nonlocal received, body_done, refused
+            if body_done:  # after the body only a disconnect can come: no timeout
+                return await receive()
+            # The next chunk must come within the pause limit, and before the average rate since
+            # the grace period ended falls under the minimum.
+            # (At least a moment: a chunk already buffered by the server is taken, not refused.)
+            rate_deadline = begun + self.body_timeout + received / self.min_body_rate
+            wait = max(0.05, min(self.body_timeout, rate_deadline - loop.time()))
+            try:
+                message = await asyncio.wait_for(receive(), wait)
+            except asyncio.TimeoutError:
+                refused = BodyRefused(
+                    408,
+                    "body_timeout",
+                    f"the request body paused for more than {self.body_timeout:g} s or came slower than "
+                    f"{self.min_body_rate:g} bytes/s",
+                )
+                raise refused from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_body:
-                    exceeded = True
-                    raise UploadTooLarge
+                    refused = BodyRefused(413, "payload_too_large", self._too_large_message())
+                    raise refused
+            else:
+                body_done = True
             return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal started
-            if exceeded:  # the application's answer to the interrupted body is replaced by the 413
+            if refused is not None:  # the application's answer to the interrupted body is replaced
                 return
             if message["type"] == "http.response.start":
                 started = True
@@ -323,15 +392,15 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, limited_receive, guarded_send)
-        except UploadTooLarge:
+        except BodyRefused:
             pass
         except Exception:
-            if not exceeded:
+            if refused is None:
                 raise
-        if exceeded:
+        if refused is not None:
             logger.info(
-                "upload refused: over the size limit",
-                extra={"request_id": scope["state"].get("request_id"), "bytes_in": received},
+                "upload refused",
+                extra={"request_id": scope["state"].get("request_id"), "bytes_in": received, "code": refused.code},
             )
             if not started:
-                await self._too_large(send, scope)
+                await send_error(send, scope, refused.status, refused.code, refused.message, {"Connection": "close"})

@@ -2,7 +2,9 @@
 
 Start-up (``load``, run in a background thread so ``/health`` answers meanwhile): build one parser
 per worker (the model is loaded once per worker, at start-up only), parse the canary page with
-each (warm-up and end-to-end check), then start the job workers and become ready.
+each (warm-up and end-to-end check), then start the job workers and become ready. Shutdown:
+``begin_drain`` (new jobs refused, status and results still served) until ``wait_drained``, then
+``shutdown``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal
 
 from ..parser import DocumentParser
@@ -25,7 +28,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Service", "ServiceState"]
 
-ServiceState = Literal["loading", "ready", "failed", "stopping"]
+ServiceState = Literal["loading", "ready", "failed", "draining", "stopping"]
+
+
+def model_label(model: str) -> str:
+    """How ``/ready`` names the model: a hub id as given, a local directory by its name only."""
+    return Path(model).name if Path(model).exists() else model
 
 
 class Service:
@@ -51,6 +59,7 @@ class Service:
         self.load_error: str | None = None
         self.info: dict = {}
         self.jobs: JobManager | None = None
+        self._drain_deadline: float | None = None  # time.monotonic() at which draining gives up
         self.metrics = ServiceMetrics(
             queue_length=lambda: self.jobs.queue_length if self.jobs else 0,
             in_flight=lambda: self.jobs.in_flight if self.jobs else 0,
@@ -61,6 +70,7 @@ class Service:
     def load(self) -> None:
         """Build the parsers, run the canary, start the workers; never raises (see ``state``)."""
         try:
+            logger.info("loading model", extra={"worker": self.config.workers})
             start = time.perf_counter()
             parsers = [self.parser_factory() for _ in range(self.config.workers)]
             load_seconds = time.perf_counter() - start
@@ -74,13 +84,14 @@ class Service:
                 [self._runner(parser) for parser in parsers],
                 max_queued=self.config.queue_size,
                 result_ttl=self.config.result_ttl,
+                max_cost=self.config.pixel_budget_pixels,
                 on_finish=self._job_finished,
             )
             with self._lock:
                 if self.state != "loading":  # shut down while loading
                     return
                 self.info = {
-                    "model": str(parsers[0].model_dir),
+                    "model": model_label(self.config.model),
                     "engine": parsers[0].options.engine,
                     "workers": len(parsers),
                     "model_load_seconds": round(load_seconds, 3),
@@ -98,16 +109,47 @@ class Service:
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
 
+    def begin_drain(self) -> bool:
+        """Refuse new jobs (``503``) while queued and running jobs finish and their results are
+        fetched; status and result requests go on.
+
+        Returns:
+            True when there are workers to drain; False while loading or after a failed start
+            (then there is nothing to wait for).
+        """
+        with self._lock:
+            if self.state != "ready" or self.jobs is None:
+                return False
+            self.state = "draining"
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout
+            jobs = self.jobs
+        jobs.stop_accepting()
+        self.metrics.ready.set(0)
+        logger.info("draining", extra={"queue_length": jobs.queue_length, "in_flight": jobs.in_flight})
+        return True
+
+    def _time_left(self) -> float:
+        """Seconds of the drain left (``drain_timeout`` when no drain began)."""
+        if self._drain_deadline is None:
+            return self.config.drain_timeout
+        return max(0.0, self._drain_deadline - time.monotonic())
+
+    def wait_drained(self) -> bool:
+        """Wait, until the drain's deadline, for every job to finish and be collected; returns whether so."""
+        jobs = self.jobs
+        return jobs is None or jobs.wait_drained(self._time_left())
+
     def shutdown(self) -> None:
-        """Stop accepting jobs, let queued and running ones finish (``drain_timeout``), stop workers."""
+        """Stop accepting jobs, let queued and running ones finish (in what is left of
+        ``drain_timeout``), stop the workers."""
         with self._lock:
             self.state = "stopping"
             jobs = self.jobs
         self.metrics.ready.set(0)
         if jobs is None:
+            logger.info("stopped", extra={"cancelled": 0})
             return
-        logger.info("draining", extra={"queue_length": jobs.queue_length, "in_flight": jobs.in_flight})
-        cancelled = jobs.shutdown(self.config.drain_timeout)
+        cancelled = jobs.shutdown(self._time_left())
         logger.info("stopped", extra={"cancelled": len(cancelled)})
 
     # -- readiness -------------------------------------------------------------------------------
@@ -125,8 +167,8 @@ class Service:
         if state == "loading":
             raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
         if state == "failed":
-            raise ApiError(503, "model_load_failed", f"the model failed to load: {self.load_error}")
-        raise ApiError(503, "shutting_down", "the server is shutting down")
+            raise ApiError(503, "model_load_failed", "the model failed to load; the server's log says why")
+        raise ApiError(503, "shutting_down", "the server is shutting down and takes no new jobs")
 
     # -- jobs ------------------------------------------------------------------------------------
     @staticmethod

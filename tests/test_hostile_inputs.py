@@ -1,0 +1,84 @@
+"""Hostile and damaged inputs through ``DocumentParser`` (tiny model): typed errors, page results, no escape.
+
+The fuzz test here is the suite's short, deterministic run; ``benchmarks/fuzz_inputs.py`` is the
+long one.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CORPUS
+from fuzzing import check_parse, corpus_seeds, made_seeds, mutate
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+from PIL import Image
+from samples import image_bytes, text_page, tiff_with_frame_size
+
+from mineru_fast import DocumentParser, ParserOptions
+from mineru_fast.errors import InputError
+from mineru_fast.inputs import open_document
+
+# Random weights never emit a valid layout, so bounded steps keep each page short.
+BOUNDS = {"layout": 8, "text": 8, "table": 8, "equation": 8}
+
+
+@pytest.fixture(scope="module")
+def parser(tiny_model):
+    return DocumentParser.from_pretrained(
+        tiny_model, ParserOptions.preset("exact", max_new_tokens=BOUNDS, max_side=1024)
+    )
+
+
+def test_an_oversized_tiff_frame_fails_alone_and_the_next_input_goes_on(parser):
+    """A 20000x20000 second frame (a few KB of file) raised Pillow's DecompressionBombError out of
+    ``parse`` and ``parse_many``: page 1 was lost and the next input never parsed."""
+    frames = [text_page(size=(300, 400)), Image.new("1", (64, 64), 1)]
+    bomb = tiff_with_frame_size(frames, 1, (20000, 20000), compression="tiff_deflate")
+    assert len(bomb) < 50_000
+    document = parser.parse(bomb)
+    first, second = document.pages
+    assert (first.status, first.size) == ("success", (300, 400))
+    assert second.status == "failure" and second.errors[0].startswith("ImageTooLarge: document: frame 2 is 20000x20000")
+    assert document.status == "partial"
+
+    good = image_bytes(text_page(size=(200, 260)), "PNG")
+    documents = list(parser.parse_many([bomb, b"not a document at all", good]))
+    assert [d.status for d in documents] == ["partial", "failure", "success"]
+    assert documents[1].errors[0].startswith("UnsupportedFormat")
+    assert documents[2].pages[0].size == (200, 260)
+
+
+_SEEDS = {**made_seeds(), **corpus_seeds(CORPUS, max_bytes=1_500_000, max_pages=3)}
+_FUZZ = {
+    "deadline": None,  # a hang is caught by the suite's timeout, not by a speed assumption
+    "derandomize": True,  # the same inputs on every run
+    "database": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the damage it skips
+@settings(max_examples=600, **_FUZZ)
+@given(rng=st.randoms(use_true_random=False))
+def test_fuzzed_documents_open_and_render_or_fail_with_a_typed_error(rng):
+    """The input layer alone (no model), many inputs: Pillow raised TypeError, SyntaxError, ... here."""
+    description, data = mutate(_SEEDS, rng)
+    note(description)
+    try:
+        with open_document(data, max_side=1024) as opened:
+            for index in opened.page_indices:
+                try:
+                    assert opened.render(index).mode == "RGB"
+                except InputError:
+                    pass
+    except InputError:
+        pass
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@settings(max_examples=40, **_FUZZ)
+@given(rng=st.randoms(use_true_random=False))
+def test_fuzzed_documents_parse_or_fail_with_a_typed_error(parser, rng):
+    description, data = mutate(_SEEDS, rng)
+    note(description)
+    check_parse(parser, data)

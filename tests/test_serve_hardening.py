@@ -1,0 +1,483 @@
+"""The HTTP service against hostile clients and operators: admission by cost, slow clients, the
+connection cap, Host/Origin checks, signals at any moment.
+
+Parts in process first, then real ``mineru-fast serve`` processes (tiny model, 127.0.0.1 only).
+Every loop is bounded in count and time; no assertion depends on how fast this machine is (the
+deadlines below are timeouts meant to be reached, or generous bounds on a hang).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from samples import blank_png, image_bytes, pdf_bytes, text_page
+from serve_helpers import BOUNDS, free_port, running_server, start_server, wait_ready
+
+from mineru_fast.serve.jobs import Job, JobManager, OverBudget, QueueFull, ShuttingDown
+from mineru_fast.serve.parsing import decode_cost
+
+
+def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition()`` until true or ``timeout`` s passed (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+# -- parts, in process -----------------------------------------------------------------------------
+
+
+def test_decode_cost_is_the_largest_page_plus_the_rest_of_a_window():
+    assert decode_cost([], 4, 3500) == 0
+    assert decode_cost([(1700, 2200)], 4, 3500) == 1700 * 2200  # one page: the window holds only it
+    letter = 1700 * 2200
+    assert decode_cost([(1700, 2200)] * 10, 4, 3500) == 4 * letter
+    # A 12000x12000 frame decodes at full size, then is kept at 3500x3500.
+    assert decode_cost([(12000, 12000), (100, 100)], 2, 3500) == 12000 * 12000 + 3500 * 3500
+
+
+def test_job_manager_admits_by_cost_and_keeps_only_retained_jobs():
+    gate = threading.Event()
+
+    def runner(job: Job) -> dict:
+        assert gate.wait(10)
+        return {"n": job.payload}
+
+    manager = JobManager([runner], max_queued=5, result_ttl=60, max_cost=100)
+    manager.start()
+    try:
+        first = manager.submit(Job(1, cost=60))
+        with pytest.raises(OverBudget) as info:
+            manager.submit(Job(2, cost=41))
+        assert isinstance(info.value, QueueFull) and info.value.retry_after >= 1
+        sync = manager.submit(Job(3, cost=40, retain=False))
+        assert manager.cost == 100
+        assert manager.get(first.id) is first and manager.get(sync.id) is None  # never findable by id
+        gate.set()
+        assert wait_for(lambda: manager.cost == 0, 10)
+        assert sync.result == {"n": 3} and manager.get(sync.id) is None and manager.stored == 1
+    finally:
+        gate.set()
+        manager.shutdown(5)
+
+
+def test_job_manager_drain_waits_until_jobs_are_done_and_collected():
+    gate = threading.Event()
+    manager = JobManager([lambda job: gate.wait(10) and {}], max_queued=4, result_ttl=60)
+    manager.start()
+    try:
+        gate.set()
+        finished_earlier = manager.submit(Job("x"))  # finished before the drain: not waited for
+        assert wait_for(lambda: finished_earlier.status == "done", 10)
+        gate.clear()
+        done_before = manager.submit(Job("a"))
+        running = manager.submit(Job("b"))
+        manager.stop_accepting()
+        with pytest.raises(ShuttingDown):
+            manager.submit(Job("late"))
+        assert not manager.wait_drained(0.2)  # running and queued
+        assert not finished_earlier.collected
+        gate.set()
+        assert wait_for(lambda: running.status == "done", 10)
+        assert not manager.drained()  # finished, but nobody has fetched the results yet
+        manager.collect(done_before)
+        assert not manager.drained()
+        manager.collect(running)
+        assert manager.wait_drained(1)
+    finally:
+        gate.set()
+        manager.shutdown(5)
+
+
+def test_method_labels_and_host_names():
+    from mineru_fast.serve.hosts import host_name
+    from mineru_fast.serve.metrics import method_label
+
+    assert [method_label(m) for m in ("GET", "POST", "OPTIONS", "get", "FOO", "X" * 100)] == [
+        "GET",
+        "POST",
+        "OPTIONS",
+        "other",
+        "other",
+        "other",
+    ]
+    assert host_name("127.0.0.1:8000") == "127.0.0.1" and host_name("LocalHost") == "localhost"
+    assert host_name("[::1]:8000") == "::1" and host_name("example.org") == "example.org"
+    for bad in ("", "a b", "evil.example@127.0.0.1", "127.0.0.1:port", "127.0.0.1/x"):
+        assert host_name(bad) is None, bad
+
+
+def test_host_allow_list_defaults():
+    from mineru_fast.serve.config import ServeConfig
+
+    assert ServeConfig().host_allow_list() == ("localhost", "127.0.0.1", "::1")
+    assert ServeConfig(host="10.1.2.3").host_allow_list() == ("localhost", "127.0.0.1", "::1", "10.1.2.3")
+    assert ServeConfig(host="0.0.0.0").host_allow_list() == ("*",)
+    assert ServeConfig(api_key_file="keys.txt").host_allow_list() is None  # keys: no check by default
+    assert ServeConfig(api_key_file="keys.txt", allowed_hosts=("Docs.Example",)).host_allow_list() == ("docs.example",)
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        ServeConfig(allowed_hosts=("http://example.org",))
+
+
+def test_accept_error_lines_are_rate_limited():
+    from mineru_fast.serve.connections import ACCEPT_ERROR_PREFIX, RateLimitedLogFilter
+
+    now = [0.0]
+    limiter = RateLimitedLogFilter(ACCEPT_ERROR_PREFIX, interval=10.0, clock=lambda: now[0])
+    log = logging.getLogger("test.accept")
+
+    def record(message: str) -> logging.LogRecord:
+        return log.makeRecord(log.name, logging.ERROR, __file__, 1, message, None, (OSError, OSError(24), None))
+
+    passed = []
+    for second in range(30):  # 1,000 failures a second, as a process at its file limit logs them
+        now[0] = float(second)
+        for _ in range(1000):
+            rec = record(f"{ACCEPT_ERROR_PREFIX}\nsocket: <socket>")
+            if limiter.filter(rec):
+                passed.append(rec)
+    assert len(passed) == 3 and [r.suppressed for r in passed] == [0, 9999, 9999]
+    assert all(r.exc_info is None for r in passed)  # the traceback is dropped
+    assert limiter.filter(record("something else"))
+
+
+def test_connection_cap_stays_below_the_open_file_limit(monkeypatch):
+    import resource
+
+    from mineru_fast.serve.connections import connection_limits
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (128, 4096))
+    assert connection_limits(1000) == (48, 16) and connection_limits(10) == (10, 21)
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    assert connection_limits(128) == (128, 216)
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert connection_limits(1000) == (1000, 2048)
+
+
+# -- the service in this process -------------------------------------------------------------------
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need the serve extra: pip install 'mineru-fast[serve]'")
+for _module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
+    pytest.importorskip(_module, reason="the serve tests need the serve extra: pip install 'mineru-fast[serve]'")
+
+
+@pytest.fixture(scope="module")
+def app_server(tiny_model):
+    """The application under uvicorn in a thread of this process (tiny model)."""
+    import uvicorn
+
+    from mineru_fast import ParserOptions
+    from mineru_fast.cli_options import parse_max_new_tokens
+    from mineru_fast.serve import ServeConfig, create_app
+
+    options = ParserOptions.preset("exact", page_window=1, max_new_tokens=parse_max_new_tokens(BOUNDS))
+    port = free_port()
+    app = create_app(ServeConfig(model=str(tiny_model), options=options, port=port))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    assert wait_for(lambda: _ready(url), 180, interval=0.2), "the in-process server did not become ready"
+    yield url
+    server.should_exit = True
+    thread.join(60)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_no_pixel_is_decoded_before_a_job_is_queued(app_server, monkeypatch):
+    """The upload check decoded whole images in the request thread pool, before the queue was asked."""
+    from PIL import ImageFile
+
+    decoders = []
+    load = ImageFile.ImageFile.load
+
+    def recording_load(self):
+        decoders.append(threading.current_thread().name)
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", recording_load)
+    page = image_bytes(text_page(size=(400, 300)), "PNG")
+    response = httpx.post(f"{app_server}/v1/jobs", files={"file": ("p.png", page)}, timeout=60)
+    assert response.status_code == 202, response.text
+    status_url = f"{app_server}{response.json()['status_url']}"
+    assert wait_for(lambda: httpx.get(status_url, timeout=30).json()["status"] == "done", 120)
+    assert decoders and all(name.startswith("parse-worker") for name in decoders), decoders
+
+
+def test_health_answers_while_an_upload_is_inspected(app_server, monkeypatch):
+    """The event loop never waits for a document check: /health answers while one is held."""
+    import mineru_fast.serve.app as app_module
+
+    entered, release = threading.Event(), threading.Event()
+    inspect = app_module.inspect_document
+
+    def held_inspection(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return inspect(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "inspect_document", held_inspection)
+    upload = blank_png(3000, 3000)
+    with ThreadPoolExecutor(1) as pool:
+        submitted = pool.submit(httpx.post, f"{app_server}/v1/jobs", files={"file": ("big.png", upload)}, timeout=120)
+        try:
+            assert entered.wait(60)
+            health = httpx.get(f"{app_server}/health", timeout=30)  # would hang if the check ran on the loop
+            assert health.status_code == 200 and not submitted.done()
+        finally:
+            release.set()
+        assert submitted.result().status_code == 202
+
+
+# -- a real server without API keys ----------------------------------------------------------------
+
+OPEN_FILES = 128  # the server's file limit: its connection cap is clamped to (128 - 32) / 2 = 48
+
+
+@pytest.fixture(scope="module")
+def open_server(tiny_model, tmp_path_factory):
+    args = [
+        "--workers-queue",
+        "2",
+        "--pixel-budget",
+        "60",
+        "--header-timeout",
+        "20",  # long enough to hold the connections of the cap test open while they are counted
+        "--body-timeout",
+        "2",
+        "--max-connections",
+        "1000",
+        "--max-new-tokens",
+        BOUNDS,
+        "--page-window",
+        "1",
+        "--drain-timeout",
+        "5",
+    ]
+    with running_server(tiny_model, tmp_path_factory.mktemp("open"), *args, open_files=OPEN_FILES) as server:
+        yield server
+
+
+def _port(server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends until it closes the connection (or ``timeout`` s pass)."""
+    sock.settimeout(timeout)
+    data = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            break
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+    raise AssertionError(f"the server kept the connection open for {timeout} s; got {data[:200]!r}")
+
+
+def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
+    """Send ``data`` one byte every 0.5 s (well within any pause limit) until ``stop`` or an error."""
+    for byte in data:
+        if stop.wait(0.5):
+            return
+        try:
+            sock.send(bytes([byte]))
+        except OSError:
+            return
+
+
+def test_slow_headers_and_stalled_bodies_are_cut_off(open_server):
+    """Connections trickling a byte at a time stayed open indefinitely."""
+    port = _port(open_server)
+    body_head = (
+        b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
+    headers = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    bodies = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    for sock in bodies:
+        sock.sendall(body_head)  # complete headers, then a body of a byte every 0.5 s
+    stop = threading.Event()
+    slow_header = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"x" * 500
+    threads = [threading.Thread(target=_trickle, args=(s, slow_header, stop), daemon=True) for s in headers]
+    threads += [threading.Thread(target=_trickle, args=(s, b"--b\r\n" + b"y" * 500, stop), daemon=True) for s in bodies]
+    for t in threads:
+        t.start()
+    try:
+        for sock in headers:
+            reply = _read_until_closed(sock, timeout=90)  # --header-timeout 20
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        for sock in bodies:
+            reply = _read_until_closed(sock, timeout=90)  # 2 s grace, then 1024 bytes/s
+            assert reply.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in reply, reply[:200]
+    finally:
+        stop.set()
+        for sock in headers + bodies:
+            sock.close()
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        head = (
+            "POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            "Content-Length: 100000\r\n\r\n--b\r\n"
+        )
+        sock.sendall(head.encode())  # then nothing: the body stalls
+        reply = _read_until_closed(sock, timeout=90)  # --body-timeout 2
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b'"body_timeout"' in reply
+    assert httpx.get(f"{open_server.url}/health", timeout=30).status_code == 200
+
+
+def test_connections_are_capped_below_the_file_limit_without_accept_errors(open_server):
+    """At the file limit every accept failed, /health timed out and the log grew by megabytes."""
+    port = _port(open_server)
+    sockets = []
+    start = time.monotonic()
+    try:
+        for _ in range(2 * OPEN_FILES):  # more connections than the server has file descriptors
+            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        replies = [_read_until_closed(sock, timeout=90) for sock in sockets]  # refused, or cut at 20 s
+    finally:
+        for sock in sockets:
+            sock.close()
+    seconds = time.monotonic() - start
+    busy = [r for r in replies if r.startswith(b"HTTP/1.1 503")]
+    assert busy and all(b'"too_many_connections"' in r for r in busy)
+    assert all(r == b"" or r.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")) for r in replies)
+    assert httpx.get(f"{open_server.url}/health", timeout=30).status_code == 200
+    lines = open_server.log_lines()
+    assert not [line for line in lines if "out of system resource" in line]
+    refused = [r for r in open_server.log_records() if r["message"].startswith("connection refused")]
+    assert refused and refused[0]["limit"] == 48  # the cap, clamped below the file limit
+    assert len(refused) <= 1 + seconds / 10  # one line per 10 s, however many were refused
+
+
+def test_foreign_hosts_and_origins_are_refused_without_api_keys(open_server):
+    """Without keys any web page could post to the server, and DNS rebinding could read answers."""
+    url = open_server.url
+    same_origin = f"http://127.0.0.1:{_port(open_server)}"
+    cases = [
+        ({"Host": "evil.example"}, 403, "host_not_allowed"),
+        ({"Host": f"evil.example:{_port(open_server)}"}, 403, "host_not_allowed"),
+        ({"Origin": "http://evil.example"}, 403, "origin_not_allowed"),
+        ({"Origin": "null"}, 403, "origin_not_allowed"),
+        ({"Origin": same_origin}, 200, None),
+        ({"Host": f"localhost:{_port(open_server)}"}, 200, None),
+        ({}, 200, None),
+    ]
+    for headers, status, code in cases:
+        response = httpx.get(f"{url}/health", headers=headers, timeout=30)
+        assert response.status_code == status, (headers, response.text)
+        if code:
+            assert response.json()["error"]["code"] == code
+    post = httpx.post(
+        f"{url}/v1/jobs", headers={"Origin": "https://evil.example"}, files={"file": ("a.pdf", pdf_bytes(1))}
+    )
+    assert post.status_code == 403 and post.json()["error"]["code"] == "origin_not_allowed"
+
+
+def _server_peak_rss(server) -> int:
+    for line in open(f"/proc/{server.process.pid}/status", encoding="ascii"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _reset_server_peak_rss(server) -> None:
+    try:
+        with open(f"/proc/{server.process.pid}/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    except OSError as exc:
+        pytest.skip(f"cannot reset the server's peak RSS here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def huge_png() -> bytes:
+    return blank_png(12000, 12000)  # 0.56 MB of file, 576 MB decoded (RGBA)
+
+
+def test_uploads_are_admitted_by_decoded_pixels_without_decoding_them(open_server, huge_png):
+    """Each 12000x12000 upload cost ~0.5 GB of server memory before it was refused (4 at once +1.65 GB)."""
+    url = open_server.url
+    blocker = httpx.post(f"{url}/v1/jobs", files={"file": ("b.pdf", pdf_bytes(6))}, timeout=60)
+    assert blocker.status_code == 202, blocker.text
+    assert blocker.json()["pages"]["total"] == 6
+    assert wait_for(lambda: httpx.get(f"{url}{blocker.json()['status_url']}").json()["status"] == "running", 60)
+
+    _reset_server_peak_rss(open_server)
+    before = _server_peak_rss(open_server)
+    with ThreadPoolExecutor(4) as pool:
+        burst = list(
+            pool.map(
+                lambda _: httpx.post(f"{url}/v1/jobs", files={"file": ("huge.png", huge_png)}, timeout=120), range(4)
+            )
+        )
+    grown = _server_peak_rss(open_server) - before
+    for response in burst:  # 144 megapixels alone exceed --pixel-budget 60
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "document_too_large"
+        assert "144 megapixels" in response.json()["error"]["message"]
+    assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"  # one decode alone is 549 MiB
+
+    medium = blank_png(6000, 6000)  # 36 megapixels: fits the budget once, not twice
+    first = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
+    assert first.status_code == 202, first.text
+    second = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
+    assert second.status_code == 429 and second.json()["error"]["code"] == "over_capacity"
+    assert 1 <= int(second.headers["retry-after"]) <= 120
+    for job in (blocker.json(), first.json()):
+        assert wait_for(lambda job=job: httpx.get(f"{url}{job['status_url']}").json()["status"] == "done", 300)
+    again = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
+    assert again.status_code == 202  # the budget is free again
+
+
+# -- signals at any moment -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moment", ["loading model", "model loaded"])
+def test_sigterm_while_the_model_loads_exits_cleanly(tiny_model, tmp_path, moment):
+    """SIGTERM during start-up aborted with status 134 ("terminate called without an active exception")."""
+    server = start_server(tiny_model, tmp_path)
+    try:
+        assert wait_for(lambda: any(r["message"] == moment for r in server.log_records()), 180, interval=0.02)
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=120)
+    finally:
+        server.stop()
+    assert code == 0, server.log_lines()[-5:]
+    assert "stopped" in [r["message"] for r in server.log_records()]
+
+
+def test_sigterm_before_the_server_runs_exits_cleanly(tiny_model, tmp_path):
+    server = start_server(tiny_model, tmp_path)
+    try:
+        loading = lambda: any(r["message"] == "loading the application" for r in server.log_records())  # noqa: E731
+        assert wait_for(loading, 120, interval=0.01)
+        server.process.send_signal(signal.SIGTERM)  # while torch and the application are imported
+        code = server.process.wait(timeout=120)
+    finally:
+        server.stop()
+    assert code == 0, server.log_lines()[-5:]
+    messages = [r["message"] for r in server.log_records()]
+    assert "stopped before start" in messages or "stopped" in messages
+    with pytest.raises(RuntimeError):
+        wait_ready(server, 1)
