@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import signal
 import socket
 import threading
@@ -16,13 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import WORKLOAD, need
-from samples import pdf_bytes
+from samples import pdf_bytes, sample_trace
 from serve_helpers import BOUNDS, running_server, workload_page_with_text
 
 from mineru_fast.errors import CorruptDocument, PageRangeError
 from mineru_fast.serve.errors import ApiError, from_exception
 from mineru_fast.serve.jobs import Job, JobManager, QueueFull, ShuttingDown
-from mineru_fast.serve.parsing import _ranges, parse_formats, trace_from_json
+from mineru_fast.serve.parsing import parse_formats, trace_from_json
 from mineru_fast.serve.security import RateLimiter, TokenBucket, load_api_keys
 
 ALPHA = "alpha-secret-0123"
@@ -125,7 +126,6 @@ def test_error_mapping_and_request_fields():
     with pytest.raises(ApiError) as info:
         parse_formats("markdown,pdf")
     assert info.value.status == 422 and "pdf" in info.value.message
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "1-3,6,8-9"
     trace = trace_from_json(b'{"pages": [{"layout": "L", "contents": ["a", null]}]}')
     assert trace.pages[0].contents == ["a", None]
     for bad in [
@@ -224,6 +224,8 @@ def server(tiny_model, tmp_path_factory):
     args = [
         "--api-key-file",
         str(keys),
+        "--workers",
+        "1",  # the queue tests below count on one job at a time
         "--workers-queue",
         "2",
         "--rate-burst",
@@ -274,8 +276,13 @@ def assert_error(response, status: int, code: str) -> dict:
     return body["error"]
 
 
-def upload(data: bytes, name: str = UPLOAD_NAME, **fields: str) -> dict:
-    return {"files": {"file": (name, data, "application/octet-stream")}, "data": fields}
+def upload(data: bytes, name: str = UPLOAD_NAME, replay: int | None = None, **fields: str) -> dict:
+    """Multipart fields of a parse upload; ``replay``: attach ``sample_trace(replay)`` (a page
+    status that does not depend on what random weights decode)."""
+    files = {"file": (name, data, "application/octet-stream")}
+    if replay is not None:
+        files["replay"] = ("trace.json", json.dumps(sample_trace(replay).to_dict()).encode(), "application/json")
+    return {"files": files, "data": fields}
 
 
 def test_health_ready_page_metrics_and_request_ids(server, client):
@@ -387,13 +394,16 @@ def test_broken_or_unsupported_documents_are_422(server, client, endpoint):
 
 
 def test_sync_parse_returns_markdown_content_list_and_layout(client):
-    response = client.post("/v1/document/parse", **upload(pdf_bytes(1), formats="markdown,content_list,json,layout"))
+    response = client.post(
+        "/v1/document/parse", **upload(pdf_bytes(1), replay=1, formats="markdown,content_list,json,layout")
+    )
     assert response.status_code == 200, response.text
     result = response.json()
     assert result["request_id"] == response.headers["x-request-id"]
     assert result["status"] == "success" and result["page_count"] == 1
     assert result["pages"][0]["size"][0] > 0 and result["pages"][0]["status"] == "success"
-    assert isinstance(result["markdown"], str) and isinstance(result["content_list"], list)
+    assert "A replayed paragraph of body text." in result["markdown"]
+    assert any(item.get("text") == "A replayed title" for item in result["content_list"])
     assert result["document"]["pages"][0]["page_idx"] == 0 and result["timings"]["wall"] > 0
     (overlay,) = result["layout"]
     from PIL import Image
@@ -494,7 +504,7 @@ def test_oversize_upload_is_413_before_it_is_read(server):
 
 
 def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client):
-    blocker = client.post("/v1/jobs", **upload(pdf_bytes(4))).json()  # keeps the one worker busy
+    blocker = client.post("/v1/jobs", **upload(pdf_bytes(4), replay=4)).json()  # keeps the one worker busy
     assert wait_for(lambda: client.get(blocker["status_url"]).json()["status"] == "running", 30)
     before = metrics(client)
     burst = 10
@@ -504,7 +514,7 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
     def submit(_: int):
         with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=60) as c:
             barrier.wait(timeout=30)
-            return c.post("/v1/jobs", files={"file": ("doc.pdf", document)})
+            return c.post("/v1/jobs", **upload(document, "doc.pdf", replay=1))
 
     with ThreadPoolExecutor(burst) as pool:
         responses = list(pool.map(submit, range(burst)))
@@ -546,7 +556,7 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
 def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(server, client):
     """Runs last: it stops the module's server. On SIGTERM the listener closed at once while queued
     jobs were still parsed, and their results were thrown away at exit."""
-    queued = client.post("/v1/jobs", **upload(pdf_bytes(2))).json()
+    queued = client.post("/v1/jobs", **upload(pdf_bytes(2), replay=2)).json()
     sync_result = {}
 
     def parse_during_shutdown():
@@ -554,7 +564,7 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
             f"{server.url}/v1/document/parse",
             headers={"X-Request-ID": "shutdown-sync-1", "X-API-Key": ALPHA},
             timeout=120,
-            **upload(pdf_bytes(1), password=PASSWORD),
+            **upload(pdf_bytes(1), replay=1, password=PASSWORD),
         )
         sync_result["status"] = response.status_code
         sync_result["body"] = response.json()

@@ -12,12 +12,15 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from PIL import Image
 
 from ..protocol import SYSTEM_PROMPT, SamplingParams
+
+if TYPE_CHECKING:
+    from .preprocess import Preprocessor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # ParserOptions.precision -> torch dtype
 
@@ -142,7 +145,13 @@ next free indices, in the order returned."""
 
 class Engine(Protocol):
     """An inference engine: one loop, requests from any thread. ``submit`` never raises for one bad
-    request: that request's result has ``finish_reason == "error"`` and the others are unaffected."""
+    request: that request's result has ``finish_reason == "error"`` and the others are unaffected.
+
+    Attributes:
+        preprocessor: the checkpoint's tokenizer and image processor (``preprocess.Preprocessor``).
+    """
+
+    preprocessor: Preprocessor
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue ``request``; the handle resolves when it is finished."""

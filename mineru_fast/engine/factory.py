@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from ..options import TASKS, ParserOptions
+from ..protocol import sampling_for
 from ..threads import set_torch_threads
 from .base import DTYPES, Engine
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
@@ -46,7 +47,8 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
         precision=options.precision,
         slots=options.slots,
         max_seq_len=options.max_seq_len,
-        max_new_tokens=max(options.sampling(task).max_new_tokens for task in TASKS),
+        # room for the protocol's own bounds too: replayed requests run without the options' bounds
+        max_new_tokens=max(max(options.sampling(t).max_new_tokens, sampling_for(t).max_new_tokens) for t in TASKS),
         kv_dtype=None if options.kv_dtype == "auto" else DTYPES[options.kv_dtype],
         vision_mode=options.vision_mode,
         vision_quant=quant("vision"),

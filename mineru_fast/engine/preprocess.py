@@ -96,9 +96,11 @@ class Preprocessor:
         """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""
         return self.tokenizer.encode(text, add_special_tokens=False) + [self.end_ids[0]]
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Output text of generated ids, special tokens kept, end tokens dropped."""
-        return self.tokenizer.decode([t for t in token_ids if t not in self.end_ids], skip_special_tokens=False)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Output text of generated ids, end tokens dropped; special tokens kept unless
+        ``skip_special_tokens`` (MinerU's outputs need them: boxes, refs, OTSL)."""
+        ids = [t for t in token_ids if t not in self.end_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def mrope_positions(self, encoded: EncodedRequest) -> torch.Tensor:
         """M-RoPE positions ``[3, L]`` (temporal, height, width) of a prompt with one image.

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..parser import DocumentParser
+from .chat import add_chat_routes
 from .config import ServeConfig
 from .context import RequestContextMiddleware
 from .errors import ApiError, error_body, from_exception
@@ -140,6 +141,7 @@ def create_app(
     app.add_middleware(RequestContextMiddleware, metrics=service.metrics)
     _add_error_handlers(app)
     _add_routes(app, service)
+    add_chat_routes(app, service)
     return app
 
 

@@ -16,21 +16,30 @@ request must ask for greedy decoding (``temperature`` 0, or ``top_k`` 1; MinerU 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import json
 import secrets
+import threading
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
-from ..engine.base import GenerationRequest, GenerationResult
+from ..engine.base import GenerationRequest, GenerationResult, RequestHandle
 from ..errors import InputError
 from ..inputs import open_document
 from ..protocol import SYSTEM_PROMPT, SamplingParams
 from .errors import ApiError
 
-__all__ = ["ChatRequest", "to_generation_request", "completion_body", "stream_chunks", "models_body"]
+if TYPE_CHECKING:
+    from .service import Service
+
+__all__ = ["ChatRequest", "to_generation_request", "completion_body", "stream_chunks", "models_body", "add_chat_routes"]
 
 
 class _Part(BaseModel):
@@ -193,7 +202,7 @@ def stream_chunks(result: GenerationResult, text: str, model: str) -> list[dict]
     ]
 
 
-def models_body(model: str, max_model_len: int) -> dict:
+def models_body(model: str) -> dict:
     """``GET /v1/models``: the one served model."""
     return {
         "object": "list",
@@ -203,7 +212,58 @@ def models_body(model: str, max_model_len: int) -> dict:
                 "object": "model",
                 "created": 0,
                 "owned_by": "mineru-fast",
-                "max_model_len": max_model_len,
             }
         ],
     }
+
+
+def add_chat_routes(app: FastAPI, service: Service) -> None:
+    """``POST /v1/chat/completions`` and ``GET /v1/models`` on the service's shared engine.
+
+    Requests skip the job queue (as on a vLLM server): each is one engine request, batched with
+    the parse jobs' requests; at most ``max_chat_requests`` are in flight (``429`` beyond). A client
+    that disconnects has its request cancelled. Keys, limits, metrics and errors are the service's.
+    """
+    in_flight = threading.BoundedSemaphore(service.config.max_chat_requests)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """The served model (MinerU's clients read its id)."""
+        service.require_ready()
+        return models_body(service.info["model"])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
+        """One image + prompt decoded greedily by the shared engine (OpenAI chat format)."""
+        parser = service.require_parser()
+        if not in_flight.acquire(blocking=False):
+            raise ApiError(429, "too_many_chat_requests", "too many chat requests in flight", {"Retry-After": "1"})
+        try:
+            options = parser.options
+            bound = max(options.sampling(task).max_new_tokens for task in ("layout", "text", "table", "equation"))
+            engine_request = await run_in_threadpool(to_generation_request, body, bound, options.max_image_pixels)
+            handle = await run_in_threadpool(parser.engine.submit, engine_request)
+            result = await _wait_or_cancel(request, handle)
+        finally:
+            in_flight.release()
+        if result.finish_reason == "error":
+            raise ApiError(400, "bad_request", f"the request cannot be run: {result.error}")
+        if result.finish_reason in ("cancelled", "timeout"):
+            raise ApiError(503, "request_ended", f"the request ended early: {result.finish_reason}")
+        text = parser.engine.preprocessor.decode(result.token_ids, skip_special_tokens=body.skip_special_tokens)
+        model = service.info["model"]
+        if not body.stream:
+            return JSONResponse(completion_body(result, text, model))
+        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(result, text, model))
+        return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream")
+
+
+async def _wait_or_cancel(request: Request, handle: RequestHandle) -> GenerationResult:
+    """Wait for the engine without blocking the event loop; cancel if the client goes away."""
+    future = asyncio.wrap_future(handle.future)
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=1.0)
+        if done:
+            return future.result()
+        if await request.is_disconnected():
+            handle.cancel()

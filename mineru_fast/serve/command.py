@@ -27,7 +27,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("serve", help="HTTP service (needs the serve extra: pip install 'mineru-fast[serve]')")
     v.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     v.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
-    v.add_argument("--workers", type=int, default=1, help="parse worker threads, one model each (default: 1)")
+    v.add_argument("--workers", type=int, default=4, help="documents parsed at once, sharing one model (default: 4)")
     v.add_argument(
         "--workers-queue", type=int, default=8, metavar="N", help="jobs that may wait; beyond it 429 (default: 8)"
     )
@@ -69,6 +69,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         help="Host header names accepted ('*' = any); default without keys: loopback names and --host",
     )
     v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
+    v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     add_options_arguments(v)
@@ -106,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,
             max_pages=args.max_pages,
+            max_chat_requests=args.max_chat_requests,
             log_level=args.log_level,
         )
         if config.api_key_file is not None:

@@ -21,9 +21,10 @@ class ServeConfig:
 
     Attributes:
         model: model directory or hub id, loaded once at start-up.
-        options: parser options (one parser per worker is built with them).
+        options: parser options of the service's one parser.
         host / port: where uvicorn listens (loopback by default).
-        workers: worker threads, each with its own parser (parsers are not thread-safe).
+        workers: documents parsed at once (worker threads); they share the one model, whose engine
+            batches their pages together with the chat requests.
         queue_size: jobs that may wait for a worker; beyond it requests get ``429``.
         api_key_file: file of API keys (see ``security.load_api_keys``); None = no keys needed.
         rate_limit: requests per minute per API key (per client address without keys); 0 = off.
@@ -47,6 +48,7 @@ class ServeConfig:
             ``Origin`` must name the same host as ``Host``.
         allow_replay: accept a ``replay`` trace upload (tests and benchmarks only).
         max_pages: most pages one request may select.
+        max_chat_requests: chat completions in flight at once; beyond it ``429``.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
     """
 
@@ -54,7 +56,7 @@ class ServeConfig:
     options: ParserOptions = field(default_factory=ParserOptions)
     host: str = "127.0.0.1"
     port: int = 8000
-    workers: int = 1
+    workers: int = 4
     queue_size: int = 8
     api_key_file: Path | None = None
     rate_limit: float = 0.0
@@ -70,12 +72,13 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
     max_pages: int = 500
+    max_chat_requests: int = 64
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections"):
+        for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections", "max_chat_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         positive = ("max_upload_mb", "result_ttl", "header_timeout", "body_timeout", "min_body_rate", "pixel_budget")

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw, ImageFont
 
-from ..document import Document, layout_overlay
+from ..document import Document, Page, layout_overlay
 from ..errors import TraceError
 from ..inputs import open_document
 from ..parser import DocumentParser
-from ..traces import Trace, trace_from_dict
+from ..traces import PageTrace, Trace, trace_from_dict
 from .errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -179,86 +179,76 @@ def inspect_document(request: ParseRequest, parser_options: object, max_pages: i
     return DocumentInfo(format_name, page_count, selected, cost)
 
 
-def _ranges(indices: list[int]) -> str:
-    """0-based indices -> a 1-based page range text, e.g. ``[0, 1, 2, 5]`` -> ``"1-3,6"``."""
-    parts, start = [], None
-    for n, index in enumerate(indices):
-        if start is None:
-            start = index
-        if n + 1 == len(indices) or indices[n + 1] != index + 1:
-            parts.append(f"{start + 1}" if start == index else f"{start + 1}-{index + 1}")
-            start = None
-    return ",".join(parts)
-
-
 def run_parse(
     parser: DocumentParser, request: ParseRequest, progress: Callable[[int, int], None] | None = None
-) -> Document:
-    """Parse a document window by window, reporting progress after each window.
+) -> tuple[Document, list[dict]]:
+    """Parse a document page by page (``DocumentParser.iter_pages``), reporting progress per page.
 
-    Pages are parsed in groups of ``parser.options.page_window`` (the parser batches a window's
-    pages together), so progress costs no throughput.
+    Each page's image is released as soon as the page is done (after its overlay is encoded, when
+    the request asks for ``layout``), so a long upload holds a window of pages, not all of them.
 
     Args:
-        parser: the worker's parser.
+        parser: the service's parser.
         request: the document and its options.
         progress: called as ``progress(pages_done, pages_total)``.
 
     Returns:
-        The whole ``Document``.
+        The ``Document`` (no page images) and the layout overlays (empty unless asked for).
 
     Raises:
         InputError: the document cannot be opened. TraceError: the trace does not fit it.
     """
     start = time.perf_counter()
     limits = _limits(parser.options)
-    with open_document(request.data, pages=request.pages, password=request.password, **limits) as opened:
-        selected = list(opened.page_indices)
+    with open_document(
+        request.data, pages=request.pages, password=request.password, decode_first=False, **limits
+    ) as opened:
+        total = len(opened.page_indices)
     document = Document("document")
-    window = parser.options.page_window
+    overlays: list[dict] = []
     if progress is not None:
-        progress(0, len(selected))
-    for first in range(0, len(selected), window):
-        chunk = selected[first : first + window]
-        part = parser.parse(request.data, pages=_ranges(chunk), password=request.password, replay=request.trace)
-        document.pages.extend(part.pages)
-        document.errors.extend(part.errors)
-        for key, value in part.timings.items():
-            if key != "wall":
-                document.timings[key] = document.timings.get(key, 0.0) + value
+        progress(0, total)
+    pages = parser.iter_pages(
+        request.data,
+        pages=request.pages,
+        password=request.password,
+        replay=request.trace,
+        keep_page_images="layout" in request.formats,
+    )
+    for page in pages:
+        if page.image is not None:
+            overlays.append(_overlay_jpeg(page))
+            page.image = None
+        page.crops = {}
+        document.pages.append(page)
         if progress is not None:
-            progress(first + len(chunk), len(selected))
-    document.timings["wall"] = time.perf_counter() - start
-    return document
-
-
-def _overlay_jpeg(document: Document) -> list[dict]:
-    out = []
+            progress(len(document.pages), total)
     for page in document.pages:
-        if page.image is None:
-            continue
-        image = layout_overlay(page)
-        image.thumbnail((OVERLAY_MAX_SIDE, OVERLAY_MAX_SIDE))
-        buffer = io.BytesIO()
-        image.save(buffer, format="JPEG", quality=85)
-        data = base64.b64encode(buffer.getvalue()).decode("ascii")
-        out.append(
-            {
-                "page_idx": page.index,
-                "media_type": "image/jpeg",
-                "width": image.width,
-                "height": image.height,
-                "data": data,
-            }
-        )
-    return out
+        for key, value in page.timings.items():
+            document.timings[key] = document.timings.get(key, 0.0) + value
+    document.timings["wall"] = time.perf_counter() - start
+    return document, overlays
 
 
-def render_result(document: Document, formats: frozenset[str]) -> dict:
-    """The JSON-ready result of a parse: status, per-page summary, timings, asked-for parts.
+def _overlay_jpeg(page: Page) -> dict:
+    """A page's layout overlay as a base64 JPEG (long side at most ``OVERLAY_MAX_SIDE``)."""
+    image = layout_overlay(page)
+    image.thumbnail((OVERLAY_MAX_SIDE, OVERLAY_MAX_SIDE))
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=85)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return {
+        "page_idx": page.index,
+        "media_type": "image/jpeg",
+        "width": image.width,
+        "height": image.height,
+        "data": data,
+    }
 
-    Page images are not kept: after this call the ``Document`` can be dropped.
-    """
+
+def render_result(document: Document, formats: frozenset[str], overlays: list[dict] | None = None) -> dict:
+    """The JSON-ready result of a parse: status, per-page summary, timings, asked-for parts
+    (``overlays``: the pages' layout overlays from ``run_parse``, returned for ``layout``)."""
     result: dict = {
         "status": document.status,
         "errors": document.errors,
@@ -276,7 +266,7 @@ def render_result(document: Document, formats: frozenset[str]) -> dict:
     if "json" in formats:
         result["document"] = document.to_dict()
     if "layout" in formats:
-        result["layout"] = _overlay_jpeg(document)
+        result["layout"] = overlays or []
     return result
 
 
@@ -297,20 +287,35 @@ def canary_image() -> Image.Image:
     return page
 
 
+# What the canary page holds, as MinerU2.5's outputs for it: replayed, so the start-up check runs
+# every stage (vision, prefill, decode, the protocol, post-processing) whatever the weights are.
+CANARY_TRACE = PageTrace(
+    "<|box_start|>062 062 700 130<|box_end|><|ref_start|>title<|ref_end|><|rotate_up|>\n"
+    "<|box_start|>062 180 940 560<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>\n"
+    "<|box_start|>062 580 940 810<|box_end|><|ref_start|>table<|ref_end|><|rotate_up|>",
+    [
+        "mineru-fast canary page",
+        "Line 1: the quick brown fox jumps over the lazy dog.",
+        "<ecel><ecel><ecel><nl><ecel><ecel><ecel><nl><ecel><ecel><ecel><nl>",
+    ],
+)
+
+
 def run_canary(parser: DocumentParser) -> dict:
-    """Parse ``canary_image()`` once: warms the model up and proves it works end to end.
+    """Parse ``canary_image()`` once, replaying ``CANARY_TRACE``: warms the model up and proves the
+    whole pipeline works (a replayed page costs what decoding it costs).
 
     Returns:
         ``{"status", "seconds", "blocks"}`` of the canary parse.
 
     Raises:
-        RuntimeError: the canary page failed to parse.
+        RuntimeError: the canary page did not parse.
     """
     start = time.perf_counter()
-    document = parser.parse(canary_image())
+    document = parser.parse(canary_image(), replay=Trace([CANARY_TRACE]))
     seconds = time.perf_counter() - start
-    if document.status == "failure":
-        problems = "; ".join(e for p in document.pages for e in p.errors) or "; ".join(document.errors)
+    if document.status != "success":
+        problems = "; ".join(e for p in document.pages for e in p.errors + p.warnings) or "; ".join(document.errors)
         raise RuntimeError(f"the canary page failed to parse: {problems}")
     return {
         "status": document.status,

@@ -1,8 +1,9 @@
 """``Service``: the model, its workers and the service's readiness, shared by the routes.
 
 Start-up (``load``, run in a background thread so ``/health`` answers meanwhile): build one parser
-per worker (the model is loaded once per worker, at start-up only), parse the canary page with
-each (warm-up and end-to-end check), then start the job workers and become ready. Shutdown:
+(the model is loaded once; every worker thread and every chat request share its engine loop, so
+they batch together), parse the canary page (warm-up and end-to-end check), then start the job
+workers and become ready. Shutdown:
 ``begin_drain`` (new jobs refused, status and results still served) until ``wait_drained``, then
 ``shutdown``.
 """
@@ -41,7 +42,7 @@ class Service:
 
     Args:
         config: the service settings.
-        parser_factory: builds one parser (called once per worker at start-up).
+        parser_factory: builds the parser (called once, at start-up).
         on_load_failure: called with the exception if loading or the canary fails (the CLI uses it
             to stop the server with an error).
     """
@@ -59,6 +60,7 @@ class Service:
         self.load_error: str | None = None
         self.info: dict = {}
         self.jobs: JobManager | None = None
+        self.parser: DocumentParser | None = None  # set once loaded
         self._drain_deadline: float | None = None  # time.monotonic() at which draining gives up
         self.metrics = ServiceMetrics(
             queue_length=lambda: self.jobs.queue_length if self.jobs else 0,
@@ -72,16 +74,22 @@ class Service:
         try:
             logger.info("loading model", extra={"worker": self.config.workers})
             start = time.perf_counter()
-            parsers = [self.parser_factory() for _ in range(self.config.workers)]
+            parser = self.parser_factory()
             load_seconds = time.perf_counter() - start
             self.metrics.model_load_seconds.set(load_seconds)
-            logger.info("model loaded", extra={"seconds": round(load_seconds, 3), "worker": len(parsers)})
-            canaries = [run_canary(parser) for parser in parsers]
-            canary_seconds = max(c["seconds"] for c in canaries)
-            self.metrics.canary_seconds.set(canary_seconds)
-            logger.info("canary page parsed", extra={"seconds": canary_seconds, "status": canaries[0]["status"]})
+            logger.info("model loaded", extra={"seconds": round(load_seconds, 3)})
+            # Replayed documents (the canary, --allow-replay uploads) go through a second parser on
+            # the same engine without the max_new_tokens bounds: a trace fixes the outputs (and so
+            # their length), and a bound meant for free decoding would cut them.
+            replay_parser = DocumentParser(
+                parser.engine, replace(parser.options, max_new_tokens={}), parser.model_dir, parser.model_info
+            )
+            canary = run_canary(replay_parser)
+            self.metrics.canary_seconds.set(canary["seconds"])
+            logger.info("canary page parsed", extra={"seconds": canary["seconds"], "status": canary["status"]})
+            runner = self._runner(parser, replay_parser)
             jobs = JobManager(
-                [self._runner(parser) for parser in parsers],
+                [runner] * self.config.workers,
                 max_queued=self.config.queue_size,
                 result_ttl=self.config.result_ttl,
                 max_cost=self.config.pixel_budget_pixels,
@@ -92,16 +100,16 @@ class Service:
                     return
                 self.info = {
                     "model": model_label(self.config.model),
-                    "engine": parsers[0].options.engine,
-                    "workers": len(parsers),
+                    "engine": parser.options.engine,
+                    "workers": self.config.workers,
                     "model_load_seconds": round(load_seconds, 3),
-                    "canary": canaries[0],
+                    "canary": canary,
                 }
-                self.jobs = jobs
+                self.jobs, self.parser = jobs, parser
                 jobs.start()
                 self.state = "ready"
             self.metrics.ready.set(1)
-            logger.info("ready", extra={"worker": len(parsers), "queue_length": 0})
+            logger.info("ready", extra={"worker": self.config.workers, "queue_length": 0})
         except Exception as exc:
             with self._lock:
                 self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}"
@@ -150,9 +158,17 @@ class Service:
             logger.info("stopped", extra={"cancelled": 0})
             return
         cancelled = jobs.shutdown(self._time_left())
+        if self.parser is not None:
+            self.parser.close()
         logger.info("stopped", extra={"cancelled": len(cancelled)})
 
     # -- readiness -------------------------------------------------------------------------------
+    def require_parser(self) -> DocumentParser:
+        """The shared parser, if the service takes work now (see ``require_ready``)."""
+        self.require_ready()
+        assert self.parser is not None
+        return self.parser
+
     def require_ready(self) -> JobManager:
         """The job manager, if the service takes work now.
 
@@ -172,20 +188,15 @@ class Service:
 
     # -- jobs ------------------------------------------------------------------------------------
     @staticmethod
-    def _runner(parser: DocumentParser) -> Callable[[Job], dict]:
-        """The job runner of one worker.
-
-        Replayed documents go through a second parser on the same engine without the
-        ``max_new_tokens`` bounds: a trace fixes the outputs (and so their length), and a bound
-        meant for free decoding would cut them.
-        """
-        replay_parser = DocumentParser(parser.engine, replace(parser.options, max_new_tokens={}), parser.model_dir)
+    def _runner(parser: DocumentParser, replay_parser: DocumentParser) -> Callable[[Job], dict]:
+        """The job runner every worker thread uses (parsers are thread-safe; the workers'
+        documents share the engine's batch). Replayed uploads go to ``replay_parser``."""
 
         def run(job: Job) -> dict:
             request: ParseRequest = job.payload
             chosen = replay_parser if request.trace is not None else parser
-            document = run_parse(chosen, request, job.report_progress)
-            return render_result(document, request.formats)
+            document, overlays = run_parse(chosen, request, job.report_progress)
+            return render_result(document, request.formats, overlays)
 
         return run
 
