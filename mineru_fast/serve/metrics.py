@@ -15,7 +15,7 @@ __all__ = ["ServiceMetrics", "route_label", "method_label", "CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _JOB_ROUTE = re.compile(r"^/v1/jobs/[^/]+$")
 _RESULT_ROUTE = re.compile(r"^/v1/jobs/[^/]+/result$")
-_ROUTES = {"/", "/health", "/ready", "/metrics", "/v1/document/parse", "/v1/jobs"}
+_ROUTES = {"/", "/health", "/ready", "/metrics", "/v1/document/parse", "/v1/jobs", "/v1/chat/completions", "/v1/models"}
 _METHODS = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"}
 
 
