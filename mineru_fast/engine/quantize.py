@@ -162,7 +162,8 @@ def _scratch_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> to
         size *= dim
     buffer = getattr(_scratch, name, None)
     if buffer is None or buffer.numel() < size:
-        buffer = torch.empty(size, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+            buffer = torch.empty(size, dtype=dtype)
         setattr(_scratch, name, buffer)
     return buffer[:size].view(shape)
 
