@@ -39,13 +39,15 @@ SHAPES = (
     + [(name, k, n, m) for m in (1, 4, 16, 256, 1400) for name, k, n in LM]
     + [("lm.head", 896, 151936, m) for m in (1, 16)]
 )
-GROUPS = {  # sums reported per group: one vision block, one LM layer
+GROUPS = {  # sums reported per group: one vision block, one LM layer (head apart), the LM head
     "vision block @5476": ("vision.", 5476),
     "vision block @1024": ("vision.", 1024),
     "vision block @256": ("vision.", 256),
     "LM layer @1 (decode)": ("lm.", 1),
     "LM layer @16 (decode)": ("lm.", 16),
     "LM layer @1400 (prefill)": ("lm.", 1400),
+    "LM head @1": ("lm.head", 1),
+    "LM head @16": ("lm.head", 16),
 }
 
 
@@ -101,7 +103,8 @@ def measure(repeat: int) -> dict:
                   file=sys.stderr, flush=True)  # fmt: skip
     groups = {}
     for label, (prefix, m) in GROUPS.items():
-        members = [r for r in rows if r["layer"].startswith(prefix) and r["rows"] == m]
+        members = [r for r in rows if r["layer"].startswith(prefix) and r["rows"] == m
+                   and (r["layer"] != "lm.head" or prefix == "lm.head")]  # fmt: skip
         keys = set.intersection(*(set(r["ms"]) for r in members))
         groups[label] = {key: sum(r["ms"][key] for r in members) for key in sorted(keys)}
     return {
