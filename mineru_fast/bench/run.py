@@ -44,6 +44,7 @@ def system_header(threads: int, model: str) -> dict:
     ipex_version = f"{ipex.version} ({'usable' if ipex.usable else ipex.reason})" if ipex.version else ipex.reason
     return {
         "cpu": topology.model,
+        "vendor": topology.vendor,
         "physical_cores_available": topology.usable_cores,
         "isa": topology.isa,
         "isa_class": cls.name,
@@ -117,9 +118,11 @@ def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: i
     for row in rows:
         if "error" not in row and _numerics_key(row):
             groups.setdefault(_numerics_key(row), []).append(row)
-    configs = {f"c{i}": {"preset": g[0]["preset"], "overrides": {k: v for k, v in g[0]["overrides"].items()
-                         if k not in ("slots", "page_window", "vision_mode")}}  # fmt: skip
-               for i, g in enumerate(groups.values())}  # fmt: skip
+    not_numerics = ("slots", "page_window", "vision_mode")  # batch 1, eager: these change no logits
+    configs = {}
+    for i, members in enumerate(groups.values()):
+        overrides = {k: v for k, v in members[0]["overrides"].items() if k not in not_numerics}
+        configs[f"c{i}"] = {"preset": members[0]["preset"], "overrides": overrides}
     reference = {key for key, config in zip(groups, configs.values(), strict=True) if config == FP32}
     configs = {label: c for label, c in configs.items() if c != FP32}
     spec = {"model": model, "threads": threads, "workload": str(workload) if workload else None, "configs": configs}
@@ -149,9 +152,10 @@ def auto_check(header: dict, rows: list[dict]) -> dict:
         "agrees": None if pick not in measured else pick == fastest,  # None: auto's pick was not measured
         "entry": {
             "cpu": header["cpu"],
+            "vendor": header["vendor"],
             "isa_tier": header["isa_class"],
             "candidates_s": {k: round(v, 1) for k, v in measured.items()},
-        },  # fmt: skip
+        },
     }
 
 
