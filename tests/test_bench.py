@@ -142,7 +142,7 @@ def test_stage_seconds_are_per_page():
            "mean_s_per_page": 4.0, "p95_s_per_page": 5.0, "pages_per_min": 14.0, "speedup": 1.0,
            "peak_rss_gb": 1.0, "startup_s": 1.0, "markdown_equal_first_row": True}  # fmt: skip
     (line,) = _stage_table({"rows": [row], "extra_rows": []})[2:]
-    assert line == "| x | 4.0 | 5.0 | 14.00 | 1.00x | 1.00 | 1.0 | 2.0 | 1.0 | 3.0 | yes |"
+    assert line == "| x | 4.0 | 5.0 | 14.00 | 1.00x | 1.00 | 1.0 | 2.0 | 1.0 | 3.0 | yes | not run | not run |"
 
 
 def test_row_selection_and_unavailable_rows():
