@@ -68,6 +68,12 @@ def build_argparser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="only the stage rows whose label contains TEXT (repeatable); skips the concurrency table and roofline",
     )
+    b.add_argument(
+        "--fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="top-1 agreement and logits cosine of each row vs the float32 engine (default: on, off with --quick)",
+    )
 
     t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
     t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")
@@ -199,7 +205,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.run import main as bench_main
 
     _resolve_model_flag(args)
-    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output, only=args.only)
+    return bench_main(args.model, args.quick, args.pages, args.workload, args.threads, args.output, only=args.only,
+                      fidelity=args.fidelity)  # fmt: skip
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

@@ -10,7 +10,17 @@ from typing import Any
 
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
-from .options import BACKENDS, KV_DTYPES, PRECISIONS, PRESETS, QUANTIZATIONS, TASKS, VISION_MODES, ParserOptions
+from .options import (
+    BACKENDS,
+    INT8_KERNELS,
+    KV_DTYPES,
+    PRECISIONS,
+    PRESET_NAMES,
+    QUANTIZATIONS,
+    TASKS,
+    VISION_MODES,
+    ParserOptions,
+)
 
 
 def positive_int(text: str) -> int:
@@ -98,11 +108,17 @@ def expand_inputs(inputs: list[Path]) -> list[Path]:
 def add_options_arguments(p: argparse.ArgumentParser) -> None:
     """``--model``, the hub flags, and the flags that override a ``ParserOptions`` preset."""
     add_model_arguments(p)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="fast", help="options preset (default: %(default)s)")
+    p.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default="fast",
+        help="options preset; auto: chosen for this CPU (default: %(default)s)",
+    )
     p.add_argument("--threads", type=positive_int, help="intra-op threads (default: physical cores available)")
     p.add_argument("--page-window", type=positive_int, help="pages whose layout passes and crops are batched together")
     p.add_argument("--precision", choices=PRECISIONS, help="override the preset's precision")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
+    p.add_argument("--int8-kernel", choices=INT8_KERNELS, help="kernel of dynamic INT8 layers (see mineru-fast info)")
     p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
     p.add_argument("--slots", type=positive_int, help="sequences the fast engine decodes together")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
@@ -125,7 +141,7 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
                         ("vision_mode", "vision_mode"), ("slots", "slots"), ("kv_dtype", "kv_dtype"),
-                        ("backend", "backend")):  # fmt: skip
+                        ("backend", "backend"), ("int8_kernel", "int8_kernel")):  # fmt: skip
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     if args.quantization is not None:

@@ -10,6 +10,14 @@ Everything is read from sysfs and procfs under injectable roots, so tests build 
 
 The process's allowed CPUs are its affinity mask (which a cpuset already narrows); a CPU quota then
 caps how many of them can run at once.
+
+ISA class (``isa_class``): the best matrix ISA the kernels may use, from the CPU flags, capped by the
+variables that make PyTorch's libraries use less than the CPU has. They take effect only when set
+before torch loads (so tests and the benchmark set them for a subprocess: ``simulation_env``):
+``ATEN_CPU_CAPABILITY`` (ATen's vectorized kernels), ``ONEDNN_MAX_CPU_ISA`` (oneDNN; also spelled
+``DNNL_MAX_CPU_ISA``), ``FBGEMM_ENABLE_INSTRUCTIONS`` (fbgemm) and ``MKL_ENABLE_INSTRUCTIONS``
+(MKL). The class is the lowest of the hardware and every cap, so a simulated AVX2 run on an
+AVX-512 machine reports, and chooses, as an AVX2 machine would.
 """
 
 from __future__ import annotations
@@ -31,6 +39,115 @@ ISA_FLAGS = (
     "amx_bf16",
     "amx_int8",
 )
+
+
+# Lowest to highest; the names are the keys of assets/backend_measurements.json ("isa_tier").
+ISA_CLASSES = ("baseline", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+_CLASS_FLAG = {"avx2": "avx2", "avx512": "avx512f", "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16",
+               "amx": "amx_bf16"}  # fmt: skip
+
+# Each cap variable's values -> the highest class it allows (values not listed: no cap). Sources:
+# ATen's CPU capability names, oneDNN's dnnl_cpu_isa names, fbgemm's and MKL's instruction-set names.
+_CAPS: dict[str, dict[str, str]] = {
+    "ATEN_CPU_CAPABILITY": {"default": "baseline", "avx2": "avx2"},
+    "ONEDNN_MAX_CPU_ISA": {
+        "sse41": "baseline",
+        "avx": "baseline",
+        "avx2": "avx2",
+        "avx2_vnni": "avx2",
+        "avx2_vnni_2": "avx2",
+        "avx512_core": "avx512",
+        "avx512_core_vnni": "avx512_vnni",
+        "avx512_core_bf16": "avx512_bf16",
+        "avx512_core_fp16": "avx512_bf16",
+        "avx10_1_512": "avx512_bf16",
+    },  # fmt: skip
+    "FBGEMM_ENABLE_INSTRUCTIONS": {"avx2": "avx2", "avx512": "avx512", "avx512_256": "avx512"},
+    "MKL_ENABLE_INSTRUCTIONS": {"sse4_2": "baseline", "avx": "baseline", "avx2": "avx2", "avx512": "avx512"},
+}
+_CAP_ALIASES = {"DNNL_MAX_CPU_ISA": "ONEDNN_MAX_CPU_ISA"}
+
+# What to set (before torch loads) to run as a CPU of a lower class: every library capped alike.
+_SIMULATION: dict[str, dict[str, str]] = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },  # fmt: skip
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },  # fmt: skip
+    "avx512_vnni": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512_E1",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E1",
+    },  # fmt: skip
+    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
+
+
+@dataclass(frozen=True)
+class IsaClass:
+    """The ISA class kernels run at (see the module docstring).
+
+    Attributes:
+        name: one of ``ISA_CLASSES``: the lower of ``hardware`` and every cap.
+        hardware: the class of the CPU flags alone.
+        capped_by: the cap variables that are set and lower the class, as ``{name: value}``.
+        native_bf16: bfloat16 matmuls run in hardware (``avx512_bf16`` or ``amx``); elsewhere
+            PyTorch emulates them, several times slower than float32.
+        vnni: int8 dot products accumulate in 32 bits in hardware (``avx512_vnni`` and up);
+            without it int8 GEMMs sum pairs into saturating 16-bit integers.
+    """
+
+    name: str
+    hardware: str
+    capped_by: dict[str, str]
+
+    @property
+    def native_bf16(self) -> bool:
+        return ISA_CLASSES.index(self.name) >= ISA_CLASSES.index("avx512_bf16")
+
+    @property
+    def vnni(self) -> bool:
+        return ISA_CLASSES.index(self.name) >= ISA_CLASSES.index("avx512_vnni")
+
+
+def isa_class(isa: dict[str, bool], environ: dict[str, str] | None = None) -> IsaClass:
+    """The ISA class of CPU ``isa`` flags (``Topology.isa``) under the cap variables of ``environ``
+    (default ``os.environ``)."""
+    environ = dict(os.environ) if environ is None else environ
+    hardware = "baseline"
+    for name in ISA_CLASSES[1:]:
+        if isa.get(_CLASS_FLAG[name]):
+            hardware = name
+    rank = ISA_CLASSES.index
+    name, capped_by = hardware, {}
+    for variable in (*_CAPS, *_CAP_ALIASES):
+        value = environ.get(variable)
+        cap = _CAPS[_CAP_ALIASES.get(variable, variable)].get((value or "").strip().lower())
+        if cap is not None and rank(cap) < rank(hardware):
+            capped_by[variable] = value  # type: ignore[assignment]
+            name = min(name, cap, key=rank)
+    return IsaClass(name, hardware, capped_by)
+
+
+def simulation_env(name: str) -> dict[str, str]:
+    """Environment variables that make a process (set before torch loads) use at most ISA class
+    ``name`` in ATen, oneDNN, fbgemm and MKL: ``"avx2"``, ``"avx512"``, ``"avx512_vnni"`` or
+    ``"avx512_bf16"``.
+
+    Raises:
+        ValueError: no recipe for ``name`` (``amx`` is never a cap: it is the top class).
+    """
+    if name not in _SIMULATION:
+        raise ValueError(f"can simulate {sorted(_SIMULATION)}, not {name!r}")
+    return dict(_SIMULATION[name])
 
 
 @dataclass(frozen=True)

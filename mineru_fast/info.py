@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-from .cpu import Topology, format_cpulist, read_topology
-from .engine.backends import choose_backend, ipex_status, isa_tier
+from .choice import CANDIDATES, choose_int8_kernel, choose_preset
+from .cpu import Topology, format_cpulist, isa_class, read_topology
+from .engine.backends import choose_backend, ipex_status
 from .threads import plan_threads
 
 
@@ -24,8 +25,18 @@ def collect(topology: Topology | None = None) -> dict:
     plan = plan_threads(topology)
     ipex = ipex_status()
     auto = choose_backend("auto", topology, ipex)
+    cls = isa_class(topology.isa)
+    preset, kernel = choose_preset(topology), choose_int8_kernel("auto", topology)
     return {
-        "cpu": {"model": topology.model, "vendor": topology.vendor, "isa_tier": isa_tier(topology)},
+        "cpu": {
+            "model": topology.model,
+            "vendor": topology.vendor,
+            "isa_tier": cls.name,
+            "hardware_isa_tier": cls.hardware,
+            "isa_capped_by": cls.capped_by,
+            "native_bf16": cls.native_bf16,
+            "vnni": cls.vnni,
+        },
         "isa": topology.isa,
         "topology": {
             "sockets": topology.socket_count,
@@ -56,6 +67,15 @@ def collect(topology: Topology | None = None) -> dict:
             "ipex": {"version": ipex.version, "usable": ipex.usable, "reason": ipex.reason or None},
             "auto_chooses": {"backend": auto.backend, "int8": auto.int8, "reason": auto.reason},
         },
+        "choices": {
+            "auto_preset": {
+                "candidate": preset.value,
+                "preset": CANDIDATES[preset.value][0],
+                "overrides": CANDIDATES[preset.value][1],
+                "reason": preset.reason,
+            },
+            "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
+        },
     }
 
 
@@ -68,8 +88,12 @@ def render(info: dict) -> str:
     ipex_line = (
         f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})" if ipex["version"] else ipex["reason"]
     )
+    cpu, choices = info["cpu"], info["choices"]
+    capped = ", ".join(f"{k}={v}" for k, v in cpu["isa_capped_by"].items())
+    tier = cpu["isa_tier"] + (f" (hardware {cpu['hardware_isa_tier']}, capped by {capped})" if capped else "")
     lines = [
-        f"CPU:        {info['cpu']['model']} ({info['cpu']['vendor']}), ISA tier {info['cpu']['isa_tier']}",
+        f"CPU:        {cpu['model']} ({cpu['vendor']}), ISA class {tier}; "
+        f"bf16 {'native' if cpu['native_bf16'] else 'emulated'}, int8 VNNI {'yes' if cpu['vnni'] else 'no'}",
         f"ISA:        {isa}; AMX: {amx}",
         f"Topology:   {t['sockets']} socket(s), {t['physical_cores']} physical core(s), "
         f"{t['logical_cpus']} logical CPU(s), {len(t['numa_nodes'])} NUMA node(s)",
@@ -82,5 +106,10 @@ def render(info: dict) -> str:
         f"Backends:   stock (torch {b['torch']}, transformers {b['transformers']}); IPEX " + ipex_line,
         f"  auto chooses: {b['auto_chooses']['backend']} (INT8 by {b['auto_chooses']['int8']}): "
         f"{b['auto_chooses']['reason']}",
+        f"Presets:    auto runs {choices['auto_preset']['candidate']} ({choices['auto_preset']['preset']} preset"
+        f"{', ' + str(choices['auto_preset']['overrides']) if choices['auto_preset']['overrides'] else ''}): "
+        f"{choices['auto_preset']['reason']}",
+        f"  int8_kernel=auto (fast preset) runs {choices['int8_kernel_auto']['kernel']}: "
+        f"{choices['int8_kernel_auto']['reason']}",
     ]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ KV_DTYPES = ("auto", "fp32", "bf16")
 QUANTIZATIONS = ("none", "int8-dynamic", "int8-weight-only", "bf16-weights")
 VISION_MODES = ("eager", "trace", "compile")
 BACKENDS = ("stock", "ipex", "auto")
+INT8_KERNELS = ("auto", "onednn", "int_mm", "torch_ao")  # see engine/quantize.py
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
 
 __all__ = ["ParserOptions", "PRESETS"]
@@ -31,6 +32,10 @@ class ParserOptions:
             ``"int8-weight-only"`` or ``"bf16-weights"`` (bfloat16 storage, upcast per call:
             exact for bfloat16 checkpoints) for the vision linears, the LM linears and the LM
             head (fast engine only).
+        int8_kernel: the kernel of ``"int8-dynamic"`` layers: ``"onednn"`` or ``"int_mm"``
+            (int8 activations per token), ``"torch_ao"`` (per tensor, 7 bits; the default until
+            0.x) or ``"auto"``: per token unless per tensor is recorded >5% faster on this ISA
+            class (``choice.choose_int8_kernel``; ``engine/quantize.py`` says what each does).
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
@@ -67,6 +72,7 @@ class ParserOptions:
     vision_quant: str = "int8-dynamic"
     lm_quant: str = "int8-dynamic"
     lm_head_quant: str = "int8-dynamic"
+    int8_kernel: str = "auto"
     vision_mode: str = "eager"
     kv_dtype: str = "auto"
     slots: int = 16
@@ -90,6 +96,7 @@ class ParserOptions:
             "vision_quant": QUANTIZATIONS,
             "lm_quant": QUANTIZATIONS,
             "lm_head_quant": QUANTIZATIONS,
+            "int8_kernel": INT8_KERNELS,
             "vision_mode": VISION_MODES,
             "kv_dtype": KV_DTYPES,
             "backend": BACKENDS,
@@ -130,13 +137,18 @@ class ParserOptions:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ParserOptions:
-        """Named starting points (see ``PRESETS``), with field overrides.
+        """Named starting points (see ``PRESETS``; ``"auto"``: chosen for this CPU's ISA class from
+        recorded measurements, see ``choice``), with field overrides.
 
         Raises:
             ValueError: unknown preset name or invalid override.
         """
+        if name == "auto":
+            from .choice import auto_options
+
+            return auto_options(**overrides)
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+            raise ValueError(f"unknown preset {name!r}; choose from {PRESET_NAMES}")
         return replace(PRESETS[name], **overrides)
 
 
@@ -164,3 +176,5 @@ PRESETS: dict[str, ParserOptions] = {
     # The same in float32.
     "reference-fp32": ParserOptions(engine="reference", precision="fp32", page_window=1, **_FLOAT),
 }
+
+PRESET_NAMES = sorted([*PRESETS, "auto"])  # "auto" is resolved per machine by ParserOptions.preset

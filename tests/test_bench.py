@@ -53,12 +53,26 @@ def tiny_profile(tmp_path):
 
 def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
+    from mineru_fast.cpu import isa_class, read_topology
 
     assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     rows = results["rows"]
-    assert [r["label"] for r in rows] == ["reference bf16", "+ continuous batching"]
+    cls = isa_class(read_topology().isa)
+    baseline = "reference bf16" if cls.native_bf16 else "reference fp32"  # never emulated bf16
+    # the shipped preset (per-token oneDNN INT8 where nothing else is recorded) and the other kernel
+    assert [r["label"] for r in rows] == [baseline, "+ continuous batching", "  INT8 per tensor, torch.ao"]
     assert rows[0]["pages"] == ["tiny"] and "data data data data" in rows[0]["markdown"]
+    assert [r["candidate"] for r in rows] == [None, "int8-onednn", "int8-torch_ao"]
+    assert rows[1]["numerics"]["int8_kernel"] == "onednn" and rows[2]["numerics"]["int8_kernel"] == "torch_ao"
+    assert results["header"]["isa_class"] == cls.name
+    check = results["auto_check"]
+    assert check["auto_picks"] == "int8-onednn" and set(check["measured_s_per_page"]) == {
+        "int8-onednn",
+        "int8-torch_ao",
+    }
+    assert check["agrees"] == (check["fastest_measured"] == "int8-onednn")
+    assert "fidelity" not in results  # --quick skips it unless asked
     assert all(r["markdown_equal_first_row"] and r["pages_per_min"] > 0 and r["peak_rss_gb"] > 0 for r in rows)
     assert rows[0]["speedup"] == 1.0 and len(rows[0]["page_seconds"]) == 1
     assert [c["concurrency"] for c in results["concurrency"]] == [1, 2]
@@ -68,8 +82,45 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert results["header"]["model_identity"] == "synthetic (random weights, size=tiny, seed=0)"
     assert results["roofline"]["full_size"] is False
     out = capsys.readouterr().out
-    assert "## Stage table" in out and "| reference bf16 |" in out and "+ IPEX backend" in out
-    assert "Not a full-size model" in out
+    assert "## Stage table" in out and f"| {baseline} |" in out and "+ IPEX backend" in out
+    assert "Not a full-size model" in out and "| top-1 vs fp32 % | logits cosine |" in out
+    assert "not run | not run" in out and f"ISA class: {cls.name}" in out
+    assert "- + continuous batching: fast engine, fp32; onednn: int8 weights per channel" in out
+    assert "|   INT8 per token, oneDNN | int8_kernel=auto runs onednn on this class" in out
+
+
+def test_fidelity_runs_once_per_distinct_numerics(monkeypatch):
+    """Rows that differ only in batching or vision mode share one comparison; the fp32 rows are
+    the reference itself; transformers rows are not replayed step by step."""
+    import subprocess
+
+    from mineru_fast.bench import run
+
+    def row(label, preset, overrides, engine="fast", kernel=None):
+        return {"label": label, "preset": preset, "overrides": overrides,
+                "numerics": {"engine": engine, "precision": "fp32", "int8_kernel": kernel}}  # fmt: skip
+
+    rows = [
+        row("ref", "reference-fp32", {}, engine="reference"),
+        row("fp32", "exact", {"slots": 1, "lm_quant": "none", "lm_head_quant": "none"}),
+        row("int8 single", "fast", {"slots": 1, "page_window": 1}, kernel="onednn"),
+        row("int8 batched", "fast", {}, kernel="onednn"),
+        row("torch_ao", "fast", {"int8_kernel": "torch_ao"}, kernel="torch_ao"),
+    ]
+    seen = {}
+
+    def fake(argv, **_):
+        seen.update(json.loads(argv[-1])["configs"])
+        out = {"page": "p", "requests": 3, "results": {k: {"top1_pct": 99.0 + i} for i, k in enumerate(seen)}}
+        return subprocess.CompletedProcess(argv, 0, json.dumps(out), "")
+
+    monkeypatch.setattr(run.subprocess, "run", fake)
+    record = run.run_fidelity(rows, "model", None, 1)
+    assert list(seen.values()) == [{"preset": "fast", "overrides": {}},
+                                   {"preset": "fast", "overrides": {"int8_kernel": "torch_ao"}}]  # fmt: skip
+    assert "fidelity" not in rows[0] and rows[1]["fidelity"] == {"reference": True}
+    assert rows[2]["fidelity"] == rows[3]["fidelity"] == {"top1_pct": 99.0}
+    assert rows[4]["fidelity"] == {"top1_pct": 100.0} and record["requests"] == 3
 
 
 def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tiny_profile, tmp_path, capsys):
@@ -105,7 +156,7 @@ def test_stage_seconds_are_per_page():
            "mean_s_per_page": 4.0, "p95_s_per_page": 5.0, "pages_per_min": 14.0, "speedup": 1.0,
            "peak_rss_gb": 1.0, "startup_s": 1.0, "markdown_equal_first_row": True}  # fmt: skip
     (line,) = _stage_table({"rows": [row], "extra_rows": []})[2:]
-    assert line == "| x | 4.0 | 5.0 | 14.00 | 1.00x | 1.00 | 1.0 | 2.0 | 1.0 | 3.0 | yes |"
+    assert line == "| x | 4.0 | 5.0 | 14.00 | 1.00x | 1.00 | 1.0 | 2.0 | 1.0 | 3.0 | yes | not run | not run |"
 
 
 def test_row_selection_and_unavailable_rows():

@@ -5,26 +5,75 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _fidelity_cells(r: dict, ran: bool) -> str:
+    f = r.get("fidelity")
+    if f and f.get("reference"):
+        return "fp32 itself | fp32 itself"
+    if f:
+        return f"{f['top1_pct']:.2f} | {f['mean_cosine']:.5f}"
+    if not ran:
+        return "not run | not run"
+    return "n/a | n/a"  # transformers engine rows, pinned instances: not replayed step by step
+
+
 def _stage_table(results: dict) -> list[str]:
+    ran = "fidelity" in results
     lines = [
         "| stage | mean s/page | P95 s/page | pages/min | speed-up | peak RSS GB | start-up s "
-        "| vision s/page | prefill s/page | decode s/page | same Markdown |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vision s/page | prefill s/page | decode s/page | same Markdown | top-1 vs fp32 % | logits cosine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 11)
             continue
         t = {k: v / len(r["page_seconds"]) for k, v in r["timings"].items()}
         lines.append(
             f"| {r['label']} | {r['mean_s_per_page']:.1f} | {r['p95_s_per_page']:.1f} | {r['pages_per_min']:.2f} "
             f"| {r['speedup']:.2f}x | {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t.get('vision', 0):.1f} "
             f"| {t.get('prefill', 0):.1f} | {t.get('decode', 0):.1f} "
-            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} |"
+            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} | {_fidelity_cells(r, ran)} |"
         )
     for r in results["extra_rows"]:
-        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 9)
+        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 11)
     return lines
+
+
+def _kernel_paths(results: dict) -> list[str]:
+    lines = ["Kernel path of each row (weights; activations; kernel):", ""]
+    for r in results["rows"]:
+        n = r.get("numerics") or {}
+        if "error" in r or not n:
+            continue
+        bf16 = f" ({n['bf16']} bf16)" if n.get("bf16") else ""
+        int8 = n.get("int8_kernel_path") or "no INT8 layers"
+        lines.append(f"- {r['label']}: {n['engine']} engine, {n['precision']}{bf16}; {int8}")
+    return lines
+
+
+def _fidelity_notes(results: dict) -> list[str]:
+    f = results.get("fidelity")
+    if f is None:
+        return ["- top-1 / cosine: not run (--quick skips them; pass --fidelity)"]
+    if "error" in f:
+        return [f"- top-1 / cosine: the fidelity run failed: {f['error']}"]
+    return [
+        f"- top-1 vs fp32 / logits cosine: every forced step of page {f['page']} ({f['requests']} requests: "
+        "layout + crops) at batch 1 with teacher forcing, each row's logits against the float32 engine's "
+        f"(bench/fidelity.py; {f['seconds'] / 60:.1f} min)"
+    ]
+
+
+def _auto(results: dict) -> list[str]:
+    h, check = results["header"], results.get("auto_check") or {}
+    verdict = {True: "yes", False: "NO", None: "not measured here"}[check.get("agrees")]
+    return [
+        f"- auto preset picks {h['auto_preset']['candidate']}: {h['auto_preset']['reason']}",
+        f"- int8_kernel=auto (the fast preset) runs {h['int8_kernel_auto']['kernel']}: "
+        f"{h['int8_kernel_auto']['reason']}",
+        f"- measured here, s/page: {check.get('measured_s_per_page')}; fastest: {check.get('fastest_measured')}; "
+        f"auto's pick is the fastest: {verdict}",
+    ]
 
 
 def _concurrency(levels: list[dict]) -> list[str]:
@@ -71,11 +120,16 @@ def markdown(results: dict) -> str:
     """All tables as Markdown."""
     h = results["header"]
     isa = ", ".join(flag for flag, present in h["isa"].items() if present) or "none of the tracked flags"
+    capped = ", ".join(f"{k}={v}" for k, v in h["isa_capped_by"].items())
+    isa_class = h["isa_class"] + (
+        f" (simulated: hardware {h['hardware_isa_class']}, capped by {capped})" if capped else ""
+    )
     lines = [
         f"# mineru-fast bench{' (--quick: few pages, key rows only)' if h['quick'] else ''}",
         "",
         f"- CPU: {h['cpu']}; {h['physical_cores_available']} physical cores available; NUMA nodes: {h['numa_nodes']}",
         f"- ISA: {isa}",
+        f"- ISA class: {isa_class}; bf16 {'native' if h['native_bf16'] else 'emulated'}",
         f"- Python {h['python']}, torch {h['torch']}, transformers {h['transformers']}, IPEX {h['ipex']}",
         f"- threads: {h['threads']}; model: {h['model']} ({h['model_identity']}); pages: {h['pages']} (replayed)",
         f"- started: {h['date']}; duration: {h['duration_s'] / 60:.1f} min",
@@ -91,6 +145,11 @@ def markdown(results: dict) -> str:
         "## Stage table",
         "",
         *_stage_table(results),
+        "",
+        *_fidelity_notes(results),
+        *_auto(results),
+        "",
+        *_kernel_paths(results),
     ]
     if "concurrency" in results:
         lines += ["", *_concurrency(results["concurrency"])]

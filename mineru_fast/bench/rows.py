@@ -17,42 +17,80 @@ from ..engine.memory import peak_rss_bytes
 
 @dataclass(frozen=True)
 class Row:
-    """One stage of the table: a label and the ``ParserOptions`` preset + overrides it runs."""
+    """One stage of the table: a label and the ``ParserOptions`` preset + overrides it runs.
+
+    ``quick``: part of ``--quick`` (the baseline, the shipped preset and the other INT8 kernel
+    ``auto`` chooses between): ``"always"``, ``"native-bf16"`` / ``"emulated-bf16"`` (only on ISA
+    classes with / without native bfloat16), or ``""`` (full run only). ``candidate``: the row is
+    this ``choice.CANDIDATES`` configuration (batched, as shipped), so ``auto`` is checked against it.
+    """
 
     label: str
     preset: str
     overrides: dict = field(default_factory=dict)
-    quick: bool = False  # part of --quick (the baseline and the shipped preset: < 15 min on 2 cores)
+    quick: str = ""
     instances: int = 1  # > 1: that many pinned processes splitting the cores (see bench.instances)
+    candidate: str | None = None
+
+    def in_quick(self, native_bf16: bool) -> bool:
+        """Whether ``--quick`` runs this row on a class with or without native bfloat16."""
+        return self.quick == "always" or self.quick == ("native-bf16" if native_bf16 else "emulated-bf16")
+
+    def options(self, threads: int | None = None):
+        """The row's ``ParserOptions``."""
+        from ..options import ParserOptions
+
+        return ParserOptions.preset(self.preset, threads=threads, **self.overrides)
 
     def unavailable(self) -> str | None:
         """Why this machine cannot run the row (shown in the table instead), or None."""
+        from ..choice import choose_int8_kernel
+        from ..cpu import isa_class
+
+        options = self.options()
+        if options.precision == "bf16":
+            cls = isa_class(_topology().isa)
+            if not cls.native_bf16:
+                return f"bf16 is emulated on {cls.name} (no native bfloat16): not run"
+        kernel = self.overrides.get("int8_kernel")
+        if kernel and kernel == choose_int8_kernel("auto", _topology()).value:
+            return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
         if self.overrides.get("backend") == "ipex":
             from ..engine.backends import ipex_status
 
             status = ipex_status()
             return None if status.usable else status.reason
         if self.instances > 1:
-            from ..cpu import read_topology
-
-            topology = read_topology()
+            topology = _topology()
             if topology.usable_cores < self.instances:
                 return f"{topology.usable_cores} usable core(s): fewer than {self.instances} instances"
         return None
 
 
+def _topology():
+    from ..cpu import read_topology
+
+    return read_topology()
+
+
 _SINGLE = {"slots": 1, "page_window": 1}
 _FP32_WEIGHTS = {"lm_quant": "none", "lm_head_quant": "none"}  # the exact preset's LM, in float32 storage
 ROWS: list[Row] = [
-    Row("reference fp32", "reference-fp32"),
-    Row("reference bf16", "reference", quick=True),
+    Row("reference fp32", "reference-fp32", quick="emulated-bf16"),  # the baseline where bf16 is emulated
+    Row("reference bf16", "reference", quick="native-bf16"),
     Row("fast engine fp32 (static KV)", "exact", {**_SINGLE, **_FP32_WEIGHTS}),
     Row("+ compiled vision (torch.compile)", "exact", {**_SINGLE, **_FP32_WEIGHTS, "vision_mode": "compile"}),
     # eager vision from here on: compile bought nothing in steady state (benchmarks/README.md)
     Row("+ dynamic INT8 (eager vision)", "fast", {**_SINGLE}),
-    Row("+ continuous batching", "fast", quick=True),  # the fast preset as shipped
-    # The row above's options on IPEX (torch 2.8 + the ipex extra).
-    Row("+ IPEX backend", "fast", {"backend": "ipex"}, quick=True),
+    # The fast preset as shipped; its candidate is int8-<the kernel int8_kernel=auto runs>.
+    Row("+ continuous batching", "fast", quick="always", candidate="int8-auto"),
+    # The same with each other INT8 kernel (a kernel int8_kernel=auto already runs is not repeated).
+    Row("  INT8 per token, oneDNN", "fast", {"int8_kernel": "onednn"}, "always", candidate="int8-onednn"),
+    Row("  INT8 per tensor, torch.ao", "fast", {"int8_kernel": "torch_ao"}, "always", candidate="int8-torch_ao"),
+    Row("  INT8 per token, torch._int_mm", "fast", {"int8_kernel": "int_mm"}, candidate="int8-int_mm"),
+    Row("bf16 preset", "bf16", candidate="bf16"),
+    # The fast preset's options on IPEX (torch 2.8 + the ipex extra).
+    Row("+ IPEX backend", "fast", {"backend": "ipex"}, quick="always"),
     # 2 pinned processes on half the cores each, against the fast preset row (one process, all
     # cores): `bench --only "continuous batching" --only instance` runs the pair.
     Row("+ 2 pinned instances", "fast", instances=2),
@@ -107,6 +145,7 @@ def run_row(spec: dict) -> dict:
     failures = [p.errors for p in document.pages if p.status != "success"]
     return {
         "label": spec["label"],
+        "numerics": getattr(parser.engine, "numerics", None),
         "pages": [p.name for p in pages],
         "page_seconds": [p.timings.get("total", 0.0) for p in document.pages],
         "wall_s": wall_s,

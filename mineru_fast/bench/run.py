@@ -1,9 +1,15 @@
 """``mineru-fast bench``: the latency tables on this CPU.
 
-Stage table (cumulative rows, each in its own process, replayed workload pages), concurrency
-table (N concurrent ``parse`` calls through one parser), roofline (measured peaks and the
-engine's achieved fraction), a header describing the machine, then Markdown on stdout, a JSON file
-with every raw sample and, with matplotlib installed, a PNG plot.
+Stage table (cumulative rows, each in its own process, replayed workload pages), with the
+fidelity of each fast-engine row's numerics against the float32 engine on the median page
+(``bench.fidelity``, its own process), concurrency table (N concurrent ``parse`` calls through one
+parser), roofline (measured peaks and the engine's achieved fraction), a header describing the
+machine (ISA class, and what ``auto`` picks there and why, checked against the rows measured), then
+Markdown on stdout, a JSON file with every raw sample and, with matplotlib installed, a PNG plot.
+
+The ISA class follows ``cpu.isa_class``: run the benchmark with ``cpu.simulation_env(...)`` set
+(e.g. ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2``) to measure as a lower class; every row process inherits it.
 """
 
 from __future__ import annotations
@@ -26,17 +32,27 @@ def system_header(threads: int, model: str) -> dict:
     import torch
     import transformers
 
-    from ..cpu import read_topology
+    from ..choice import CANDIDATES, choose_int8_kernel, choose_preset
+    from ..cpu import isa_class, read_topology
     from ..engine.backends import ipex_status
     from ..synthetic import synthetic_identity
 
     topology = read_topology()
+    cls = isa_class(topology.isa)
+    preset, kernel = choose_preset(topology), choose_int8_kernel("auto", topology)
     ipex = ipex_status()
     ipex_version = f"{ipex.version} ({'usable' if ipex.usable else ipex.reason})" if ipex.version else ipex.reason
     return {
         "cpu": topology.model,
+        "vendor": topology.vendor,
         "physical_cores_available": topology.usable_cores,
         "isa": topology.isa,
+        "isa_class": cls.name,
+        "hardware_isa_class": cls.hardware,
+        "isa_capped_by": cls.capped_by,
+        "native_bf16": cls.native_bf16,
+        "auto_preset": {"candidate": preset.value, "options": CANDIDATES[preset.value], "reason": preset.reason},
+        "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
         "numa_nodes": len(topology.nodes),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -62,12 +78,13 @@ def run_rows(
         spec = {"label": row.label, "preset": row.preset, "overrides": row.overrides, "model": model,
                 "pages": pages, "workload": str(workload) if workload else None, "threads": threads,
                 "profile": str(profile) if profile else None}  # fmt: skip
+        tag = {"candidate": row.candidate, "preset": row.preset, "overrides": row.overrides}
         print(f"[bench] {row.label} ...", file=sys.stderr, flush=True)
         if row.instances > 1:
             from .instances import run_instances
 
             try:
-                results.append(run_instances(spec, row.instances))
+                results.append({**run_instances(spec, row.instances), **tag})
             except (RuntimeError, ValueError) as exc:
                 results.append({"label": row.label, "error": str(exc)})
             continue
@@ -78,8 +95,71 @@ def run_rows(
             tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
             results.append({"label": row.label, "error": tail[0]})
             continue
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        result = {**json.loads(proc.stdout.strip().splitlines()[-1]), **tag}
+        if row.candidate == "int8-auto":
+            result["candidate"] = f"int8-{result['numerics']['int8_kernel']}"
+        results.append(result)
     return results
+
+
+def _numerics_key(row: dict) -> str:
+    """Rows with equal weights, activations and kernels give equal logits at batch 1."""
+    n = row.get("numerics") or {}
+    if n.get("engine") != "fast":
+        return ""
+    options = {k: row["overrides"].get(k) for k in ("precision", "vision_quant", "lm_quant", "lm_head_quant")}
+    return json.dumps([row["preset"], options, n.get("precision"), n.get("int8_kernel")], sort_keys=True)
+
+
+def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: int) -> dict:
+    """Every fast-engine row's numerics against the float32 engine on the median page, in one
+    child process (``bench.fidelity``); adds ``row["fidelity"]`` in place and returns the run's
+    record (``{"page", "requests", "seconds"}``, or ``{"error"}``)."""
+    from .fidelity import FP32
+
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        if "error" not in row and _numerics_key(row):
+            groups.setdefault(_numerics_key(row), []).append(row)
+    not_numerics = ("slots", "page_window", "vision_mode")  # batch 1, eager: these change no logits
+    configs = {}
+    for i, members in enumerate(groups.values()):
+        overrides = {k: v for k, v in members[0]["overrides"].items() if k not in not_numerics}
+        configs[f"c{i}"] = {"preset": members[0]["preset"], "overrides": overrides}
+    reference = {key for key, config in zip(groups, configs.values(), strict=True) if config == FP32}
+    configs = {label: c for label, c in configs.items() if c != FP32}
+    spec = {"model": model, "threads": threads, "workload": str(workload) if workload else None, "configs": configs}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mineru_fast.bench.fidelity", json.dumps(spec)], capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines()[-1:] or ["no output"])[0]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for i, (key, members) in enumerate(groups.items()):
+        result = {"reference": True} if key in reference else out["results"].get(f"c{i}")
+        for row in members:
+            row["fidelity"] = result
+    return {"page": out["page"], "requests": out["requests"], "seconds": time.perf_counter() - start}
+
+
+def auto_check(header: dict, rows: list[dict]) -> dict:
+    """What ``auto`` picks (from the recorded measurements) against the fastest candidate row of
+    this run, and this run's figures as a measurement entry for ``assets/backend_measurements.json``."""
+    measured = {r["candidate"]: r["mean_s_per_page"] for r in rows if r.get("candidate") and "error" not in r}
+    pick = header["auto_preset"]["candidate"]
+    fastest = min(measured, key=measured.__getitem__) if measured else None
+    return {
+        "auto_picks": pick,
+        "measured_s_per_page": {k: round(v, 1) for k, v in measured.items()},
+        "fastest_measured": fastest,
+        "agrees": None if pick not in measured else pick == fastest,  # None: auto's pick was not measured
+        "entry": {
+            "cpu": header["cpu"],
+            "vendor": header["vendor"],
+            "isa_tier": header["isa_class"],
+            "candidates_s": {k: round(v, 1) for k, v in measured.items()},
+        },
+    }
 
 
 def concurrency_table(parser, page, levels: tuple[int, ...]) -> list[dict]:
@@ -160,7 +240,10 @@ def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[di
             labels = "; ".join(r.label for r in ROWS)
             raise BenchmarkError(f"--only {' / '.join(only)} matches no stage row; the rows are: {labels}")
     else:
-        rows = [r for r in ROWS if r.quick or not quick]
+        from ..cpu import isa_class, read_topology
+
+        native_bf16 = isa_class(read_topology().isa).native_bf16
+        rows = [r for r in ROWS if r.in_quick(native_bf16) or not quick]
     reasons = {r.label: r.unavailable() for r in rows}
     return [r for r in rows if not reasons[r.label]], [
         {"label": r.label, "reason": reasons[r.label]} for r in rows if reasons[r.label]
@@ -169,12 +252,15 @@ def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[di
 
 def main(model: str | None, quick: bool, pages: int | None, workload: Path | None, threads: int | None,
          out_dir: Path, plot: bool = True, only: list[str] | None = None,
-         profile: Path | None = None) -> int:  # fmt: skip
+         profile: Path | None = None, fidelity: bool | None = None) -> int:  # fmt: skip
     """Run the benchmark and write ``out_dir/bench.json`` (+ ``bench.png``); returns an exit status.
 
     ``only``: run just the stage rows whose label contains one of these strings (and neither the
     concurrency table nor the roofline). ``profile``: a page-profile JSON file instead of the
-    shipped one (``workload.load_profile``; tests run a page of a few tokens).
+    shipped one (``workload.load_profile``; tests run a page of a few tokens). ``fidelity``:
+    compare the rows' logits with the float32 engine on the median page (default: in the full
+    run, not in ``quick``; on the full-size model on 2 cores it costs about one float32 page plus
+    one page per distinct configuration).
 
     Raises:
         BenchmarkError: ``pages`` outside 1..the workload's page count, or ``only`` matching no row.
@@ -216,6 +302,10 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     }
     summarize(results["rows"])
     results["extra_rows"] = unavailable
+    results["auto_check"] = auto_check(results["header"], results["rows"])
+    if fidelity if fidelity is not None else not quick:
+        print("[bench] fidelity vs fp32 ...", file=sys.stderr, flush=True)
+        results["fidelity"] = run_fidelity(results["rows"], model, workload, threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # the rows are kept whatever follows
     if not only:  # a row subset (--only) skips the concurrency table and the roofline

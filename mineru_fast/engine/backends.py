@@ -28,7 +28,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cpu import Topology, read_topology
+from ..cpu import Topology, isa_class, read_topology
 from ..options import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -74,14 +74,10 @@ def ipex_status() -> BackendStatus:
 
 
 def isa_tier(topology: Topology) -> str:
-    """The best matrix ISA of the CPU: ``amx``, ``avx512_bf16``, ``avx512_vnni``, ``avx512``, ``avx2`` or
-    ``baseline`` (the key of the measurement table)."""
-    isa = topology.isa
-    for tier, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512_vnni", "avx512_vnni"),
-                       ("avx512", "avx512f"), ("avx2", "avx2")):  # fmt: skip
-        if isa.get(flag):
-            return tier
-    return "baseline"
+    """The ISA class the kernels run at (``cpu.isa_class``: ``amx``, ``avx512_bf16``,
+    ``avx512_vnni``, ``avx512``, ``avx2`` or ``baseline``, lowered by simulation caps), the key of
+    the measurement table."""
+    return isa_class(topology.isa).name
 
 
 def load_measurements(path: Path = MEASUREMENTS) -> list[dict]:

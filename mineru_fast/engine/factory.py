@@ -1,4 +1,8 @@
-"""Build the engine ``ParserOptions`` ask for, with threads and quantization applied."""
+"""Build the engine ``ParserOptions`` ask for, with threads and quantization applied.
+
+The built engine carries ``engine.numerics``: ``choice.describe(options)`` (ISA class, precision,
+native or emulated bfloat16, INT8 kernel and why) for result metadata.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,10 @@ from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 logger = logging.getLogger(__name__)
 
 QUANT_CONFIGS = {
-    "int8-dynamic": Int8DynamicConfig(),
     "int8-weight-only": Int8WeightOnlyConfig(),
     "bf16-weights": Bf16WeightsConfig(),
     "none": None,
-}
+}  # "int8-dynamic": Int8DynamicConfig of the kernel choice.choose_int8_kernel resolves
 
 
 def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
@@ -27,20 +30,31 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
     Raises:
         ModelLoadError: the checkpoint cannot be loaded.
     """
+    from ..choice import describe, warn_if_emulated_bf16
+
     set_torch_threads(options.threads)
+    warn_if_emulated_bf16(options)
+    numerics = describe(options)
     if options.engine == "reference":
         from .reference import ReferenceEngine
 
-        return ReferenceEngine(model_dir, precision=options.precision)
+        engine = ReferenceEngine(model_dir, precision=options.precision)
+        engine.numerics = numerics
+        return engine
     from .backends import apply_ipex, choose_backend
     from .generate import FastEngine
 
+    configs = {**QUANT_CONFIGS, "int8-dynamic": Int8DynamicConfig(numerics["int8_kernel"] or "auto")}
     choice = choose_backend(options.backend)
     int8_parts = {part: getattr(options, f"{part}_quant") == "int8-dynamic" for part in ("vision", "lm", "lm_head")}
     ipex_int8 = choice.backend == "ipex" and choice.int8 == "ipex"
+    if ipex_int8 and any(int8_parts.values()):
+        numerics.update(
+            int8_kernel="ipex", int8_kernel_path="IPEX INT8 linear (WoqLowpMode.INT8)", int8_reason=choice.reason
+        )
 
     def quant(part: str) -> object | None:  # IPEX's INT8 starts from the float layer
-        return None if ipex_int8 and int8_parts[part] else QUANT_CONFIGS[getattr(options, f"{part}_quant")]
+        return None if ipex_int8 and int8_parts[part] else configs[getattr(options, f"{part}_quant")]
 
     engine = FastEngine(
         model_dir,
@@ -57,6 +71,9 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
         repetition_window=options.repetition_window,
     )
     logger.info("backend: %s (%s)", choice.backend, choice.reason)
+    if numerics["int8_kernel"]:
+        logger.info("INT8 kernel: %s (%s)", numerics["int8_kernel_path"], numerics["int8_reason"])
     if choice.backend == "ipex":
         apply_ipex(engine, int8_parts, ipex_int8)
+    engine.numerics = numerics
     return engine

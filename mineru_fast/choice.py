@@ -1,0 +1,171 @@
+"""ISA-aware choices: the INT8 kernel of ``int8_kernel="auto"`` and the options of the ``auto`` preset.
+
+Both follow the CPU's ISA class (``cpu.isa_class``: the hardware's, or a simulated lower one) and
+the figures recorded in ``assets/backend_measurements.json``. An entry there (per CPU vendor and
+ISA class, ``isa_tier``) may hold ``candidates_s``: seconds per page of each candidate
+configuration below, from ``mineru-fast bench`` on the full-size model, or, before a page was
+timed, ``int8_layers_ms``: the summed milliseconds of the INT8 kernels over MinerU2.5's linear
+shapes (``benchmarks/int8_kernels.py``). Entries of the same vendor win over another vendor's.
+
+- ``int8_kernel="auto"`` (the ``fast`` preset): the faster per-token kernel (``onednn`` or
+  ``int_mm``) unless the per-tensor ``torch_ao`` kernel is recorded more than 5% faster on this
+  class; the per-token ``onednn`` kernel where nothing is recorded.
+- the ``auto`` preset: the fastest recorded candidate of this class, never bfloat16 where the
+  class lacks native bfloat16 (PyTorch would emulate it, several times slower than float32);
+  without a record, the ``fast`` preset with ``int8_kernel="auto"``.
+
+``describe(options)`` says what an engine built from ``options`` runs here and why, as a dict
+for result metadata and ``mineru-fast info``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from .cpu import IsaClass, Topology, isa_class, read_topology
+from .engine.backends import load_measurements
+from .options import ParserOptions
+
+logger = logging.getLogger(__name__)
+
+PER_TOKEN_MARGIN = 1.05  # per-token INT8 stays the default while within 5% of per-tensor (issue 17)
+
+# Candidate configurations of the auto preset: name -> (preset, overrides).
+CANDIDATES: dict[str, tuple[str, dict]] = {
+    "int8-onednn": ("fast", {"int8_kernel": "onednn"}),
+    "int8-int_mm": ("fast", {"int8_kernel": "int_mm"}),
+    "int8-torch_ao": ("fast", {"int8_kernel": "torch_ao"}),
+    "bf16": ("bf16", {}),
+}
+_KERNEL_OF = {"int8-onednn": "onednn", "int8-int_mm": "int_mm", "int8-torch_ao": "torch_ao"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A resolved choice: ``value`` (a kernel or a candidate name) and why."""
+
+    value: str
+    reason: str
+    isa: IsaClass
+    source: str | None = None  # the measurement entry's ``cpu``, when one decided
+    figures: dict = field(default_factory=dict)
+
+
+def _entry(topology: Topology, cls: IsaClass, entries: list[dict], key: str) -> dict | None:
+    """This class's entry holding ``key``: the same vendor's first, else any vendor's."""
+    matching = [e for e in entries if e.get("isa_tier") == cls.name and e.get(key)]
+    return next((e for e in matching if e.get("vendor") == topology.vendor), matching[0] if matching else None)
+
+
+def _figures(topology: Topology, cls: IsaClass, entries: list[dict]) -> tuple[dict, str, str | None]:
+    """``({candidate: seconds}, unit, source cpu)`` recorded for this class: pages if timed, else
+    the INT8 kernels' summed milliseconds (candidates named like ``CANDIDATES``)."""
+    entry = _entry(topology, cls, entries, "candidates_s")
+    if entry:
+        return dict(entry["candidates_s"]), "s/page", entry.get("cpu")
+    entry = _entry(topology, cls, entries, "int8_layers_ms")
+    if entry:
+        return {f"int8-{k}": v for k, v in entry["int8_layers_ms"].items()}, "ms of INT8 layers", entry.get("cpu")
+    return {}, "", None
+
+
+def _context(topology: Topology | None, entries: list[dict] | None, environ: dict[str, str] | None):
+    topology = topology or read_topology()
+    return topology, isa_class(topology.isa, environ), load_measurements() if entries is None else entries
+
+
+def choose_int8_kernel(
+    requested: str = "auto",
+    topology: Topology | None = None,
+    entries: list[dict] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Choice:
+    """The INT8 kernel for ``ParserOptions.int8_kernel`` (see the module docstring).
+
+    Args:
+        requested: ``"auto"`` or a kernel name (returned as is).
+        topology: the machine (default: this one).
+        entries: measurement entries (default: the shipped file).
+        environ: where the ISA cap variables are read (default ``os.environ``).
+    """
+    topology, cls, entries = _context(topology, entries, environ)
+    if requested != "auto":
+        return Choice(requested, "requested", cls)
+    figures, unit, source = _figures(topology, cls, entries)
+    per_token = {k: v for k, v in figures.items() if k in ("int8-onednn", "int8-int_mm")}
+    if not per_token:
+        return Choice("onednn", f"per-token INT8 on oneDNN: nothing recorded for {cls.name}", cls)
+    best = min(per_token, key=per_token.__getitem__)
+    per_tensor = figures.get("int8-torch_ao")
+    shown = {k: round(v, 1) for k, v in figures.items() if k in _KERNEL_OF}
+    if per_tensor is not None and per_token[best] > PER_TOKEN_MARGIN * per_tensor:
+        reason = f"per-tensor torch_ao more than 5% faster on {source} ({cls.name}), {unit}: {shown}"
+        return Choice("torch_ao", reason, cls, source, shown)
+    reason = (
+        f"per-token {_KERNEL_OF[best]}: within 5% of per-tensor or faster on {source} ({cls.name}), {unit}: {shown}"
+    )
+    return Choice(_KERNEL_OF[best], reason, cls, source, shown)
+
+
+def choose_preset(
+    topology: Topology | None = None, entries: list[dict] | None = None, environ: dict[str, str] | None = None
+) -> Choice:
+    """The candidate (``CANDIDATES`` key) the ``auto`` preset runs (see the module docstring)."""
+    topology, cls, entries = _context(topology, entries, environ)
+    figures, unit, source = _figures(topology, cls, entries)
+    allowed = {k: v for k, v in figures.items() if k in CANDIDATES and (k != "bf16" or cls.native_bf16)}
+    if not allowed:
+        kernel = choose_int8_kernel("auto", topology, entries, environ)
+        return Choice(f"int8-{kernel.value}", f"nothing recorded for {cls.name}: fast preset; {kernel.reason}", cls)
+    best = min(allowed, key=allowed.__getitem__)
+    shown = {k: round(v, 1) for k, v in allowed.items()}
+    skipped = " (bf16 left out: emulated on this class)" if "bf16" in figures and "bf16" not in allowed else ""
+    return Choice(best, f"fastest recorded on {source} ({cls.name}), {unit}: {shown}{skipped}", cls, source, shown)
+
+
+def auto_options(**overrides: object) -> ParserOptions:
+    """``ParserOptions`` of the ``auto`` preset on this machine, with field overrides."""
+    preset, fields = CANDIDATES[choose_preset().value]
+    return ParserOptions.preset(preset, **{**fields, **overrides})
+
+
+def describe(options: ParserOptions, topology: Topology | None = None, environ: dict[str, str] | None = None) -> dict:
+    """What an engine built from ``options`` runs on this machine, and why (JSON-ready): ISA class
+    (and the caps that lowered it), precision and whether bfloat16 is native or emulated, the INT8
+    kernel with its exact numerics (``quantize.int8_kernel_path``; imports torch) and the reason."""
+    from .engine.quantize import int8_kernel_path
+
+    topology = topology or read_topology()
+    cls = isa_class(topology.isa, environ)
+    uses_int8 = "int8-dynamic" in (options.vision_quant, options.lm_quant, options.lm_head_quant)
+    kernel = choose_int8_kernel(options.int8_kernel, topology, environ=environ) if uses_int8 else None
+    bf16 = options.precision == "bf16"
+    return {
+        "isa_class": cls.name,
+        "hardware_isa_class": cls.hardware,
+        "isa_capped_by": cls.capped_by,
+        "engine": options.engine,
+        "precision": options.precision,
+        "bf16": ("native" if cls.native_bf16 else "emulated") if bf16 else None,
+        "int8_kernel": kernel.value if kernel else None,
+        "int8_kernel_path": int8_kernel_path(kernel.value) if kernel else None,
+        "int8_reason": kernel.reason if kernel else None,
+    }
+
+
+def warn_if_emulated_bf16(options: ParserOptions, topology: Topology | None = None) -> bool:
+    """Log a warning when ``options`` compute in bfloat16 on a class without native bfloat16.
+
+    Returns:
+        Whether it warned.
+    """
+    cls = isa_class((topology or read_topology()).isa)
+    if options.precision != "bf16" or cls.native_bf16:
+        return False
+    logger.warning(
+        "precision bf16 on an %s CPU class without native bfloat16: PyTorch emulates it, several "
+        "times slower than float32 (use the fast, auto or reference-fp32 preset)",
+        cls.name,
+    )
+    return True

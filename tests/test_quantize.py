@@ -1,0 +1,118 @@
+"""Dynamic INT8 kernels: the documented math, per-token vs per-tensor, exactness on every ISA class."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mineru_fast.cpu import simulation_env
+from mineru_fast.engine.quantize import (
+    Int8DynamicConfig,
+    int8_kernel_path,
+    int8_weight_max,
+    quantize_,
+    resolve_int8_backend,
+)
+
+PER_TOKEN = ("onednn", "int_mm")
+
+
+def _layer(backend: str, k: int = 96, n: int = 40, seed: int = 0) -> tuple[nn.Linear, nn.Module]:
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n)
+    copy = nn.Linear(k, n)
+    copy.load_state_dict(linear.state_dict())
+    return linear, quantize_(nn.Sequential(copy), Int8DynamicConfig(backend))[0]
+
+
+def _expected(linear: nn.Linear, x: torch.Tensor, wmax: int, half_up: bool) -> torch.Tensor:
+    """The module docstring's math in float64: symmetric per-channel weights to +-wmax, symmetric
+    per-token activations to +-127, exact integer products, both scales, bias."""
+    w = linear.weight.detach().double()
+    w_scale = w.abs().amax(1) / wmax
+    w_q = torch.round(w / w_scale[:, None])
+    absmax = x.double().abs().amax(1, keepdim=True)
+    v = x.double() * (127 / absmax)
+    x_q = torch.floor(v + 0.5) if half_up else torch.round(v)
+    return (x_q @ w_q.t()) * absmax / 127 * w_scale + linear.bias.detach().double()
+
+
+@pytest.mark.parametrize("backend", PER_TOKEN)
+def test_per_token_kernels_compute_the_documented_math(backend):
+    linear, quantized = _layer(backend)
+    x = torch.randn(7, 96)
+    with torch.inference_mode():
+        got = quantized(x)
+    expected = _expected(linear, x, int8_weight_max(backend), half_up=backend == "onednn")
+    # Same integers; float32 scaling of sums up to ~1e6 leaves ~1e-6 relative error.
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert got.dtype == torch.float32 and quantized(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", [*PER_TOKEN, "torch_ao"])
+def test_only_torch_ao_lets_one_token_change_the_others(backend):
+    """Per-token scales: an outlier row leaves every other row's output bit-identical. The
+    per-tensor kernel's one scale follows the outlier and coarsens the other rows."""
+    _, quantized = _layer(backend)
+    x = torch.randn(6, 96)
+    loud = x.clone()
+    loud[0] *= 1000
+    with torch.inference_mode():
+        same = torch.equal(quantized(x)[1:], quantized(loud)[1:])
+    assert same == (backend in PER_TOKEN)
+
+
+def test_backend_names():
+    assert resolve_int8_backend("auto") == "onednn"  # oneDNN's quantized linear ops ship in torch 2.13 CPU
+    assert resolve_int8_backend("torch_ao") == "torch_ao"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_int8_backend("fbgemm")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Int8DynamicConfig("fbgemm")
+    assert "per token" in int8_kernel_path("onednn") and "per tensor, 7-bit" in int8_kernel_path("torch_ao")
+
+
+_PROBE = """
+import json, torch
+from torch import nn
+from mineru_fast.engine.quantize import Int8DynamicConfig, int8_weight_max, quantize_
+torch.manual_seed(0)
+out = {"capability": torch.backends.cpu.get_cpu_capability()}
+for backend in ("onednn", "int_mm"):
+    linear = nn.Linear(256, 24, bias=False)
+    w = linear.weight.detach().double()
+    wmax = int8_weight_max(backend)
+    w_q = torch.round(w / (w.abs().amax(1) / wmax)[:, None])
+    x = torch.randn(16, 256)
+    x[:, :64] = x[:, :64].sign() * x.abs().amax(1, keepdim=True)  # many +-127 codes: worst case for 16-bit sums
+    x_q = torch.round(x.double() * 127 / x.double().abs().amax(1, keepdim=True))
+    layer = quantize_(nn.Sequential(linear), Int8DynamicConfig(backend))[0]
+    with torch.inference_mode():
+        y = layer(x).double()
+    exact = (x_q @ w_q.t()) * x.double().abs().amax(1, keepdim=True) / 127 * (w.abs().amax(1) / wmax)
+    out[backend] = {"weight_max": wmax, "max_rel_err": float(((y - exact).abs() / exact.abs().max()).max())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "native"])
+def test_integer_products_are_exact_on_every_isa_class(isa):
+    """Without VNNI, int8 GEMMs sum u8 x s8 pairs in saturating 16-bit registers; the probe must
+    notice and drop to 7-bit weights, so results stay exact. Each class runs in a subprocess with
+    the simulation variables set before torch loads."""
+    env = {**os.environ, **(simulation_env(isa) if isa != "native" else {})}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if isa == "avx2":
+        assert out["capability"] == "AVX2"
+    for backend in PER_TOKEN:
+        if isa != "native":  # AVX2 and AVX-512 without VNNI saturate 8-bit products
+            assert out[backend]["weight_max"] == 63
+        # Exact integers; the float32 scaling leaves ~1e-7 of the output range.
+        assert out[backend]["max_rel_err"] < 1e-5, (isa, backend, out)
