@@ -9,8 +9,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from mineru_fast.engine.base import GenerationRequest
-from mineru_fast.engine.generate import _Sequence
 from mineru_fast.engine.sampling import BatchLogitsProcessor
+from mineru_fast.engine.scheduler import SequenceState
 from mineru_fast.inputs import open_document
 from mineru_fast.page_protocol import ContentOutput, finish_blocks, read_layout
 from mineru_fast.protocol import LAYOUT_TASK, SamplingParams, layout_image, prompt_for, sampling_for
@@ -27,7 +27,7 @@ def page_image() -> Image.Image:
 @pytest.fixture(scope="module")
 def layout_sequence(tiny_engine):
     request = GenerationRequest(layout_image(page_image()), prompt_for(LAYOUT_TASK), sampling_for(LAYOUT_TASK))
-    seq = _Sequence(0, request, tiny_engine.preprocessor.encode(request))
+    seq = SequenceState(0, request, tiny_engine.preprocessor.encode(request))
     tiny_engine.encode_images([seq])
     return seq
 

@@ -31,13 +31,15 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..engine.base import GenerationRequest
 from ..options import ParserOptions
-from ..protocol import LAYOUT_TASK, NOT_READ_TYPES, crop_block, layout_image, parse_layout, prompt_for, task_of
+from ..page_protocol import plan_content, read_layout
+from ..protocol import LAYOUT_TASK, layout_image, prompt_for
 from .workload import WorkloadPage
 
 FP32 = {"preset": "exact", "overrides": {"lm_quant": "none", "lm_head_quant": "none"}}  # the float32 engine
@@ -94,14 +96,12 @@ def page_requests(page: WorkloadPage, options: ParserOptions) -> list[tuple[str,
         layout_image(page.image), prompt_for(LAYOUT_TASK), options.sampling(LAYOUT_TASK), page.trace.layout
     )
     out = [(LAYOUT_TASK, layout)]
-    blocks, _ = parse_layout(page.trace.layout)
-    for block, forced in zip(blocks, page.trace.contents, strict=False):
-        if block.type in NOT_READ_TYPES or forced is None:
-            continue
-        crop = crop_block(page.image, block)
-        if crop is not None:
-            task = task_of(block.type)
-            out.append((task, GenerationRequest(crop, prompt_for(task), options.sampling(task), forced)))
+    page_layout = read_layout(page.trace.layout)
+    for request in plan_content(page.image, page_layout, image_analysis=False):
+        forced = page.trace.content_for(page_layout.blocks[request.block_index])
+        if forced is not None:
+            sampling = options.sampling(request.task)
+            out.append((request.task, GenerationRequest(request.image, request.prompt, sampling, forced)))
     return out
 
 
@@ -122,7 +122,7 @@ def forced_logits(engine, request: GenerationRequest) -> Iterator[torch.Tensor]:
         yield engine.lm.decode(tokens, torch.tensor([rope + step]), torch.tensor([cache + step]))[0]
 
 
-def compare(engines: dict[str, object], reference, requests: list[tuple[str, GenerationRequest]]) -> dict[str, dict]:
+def compare(engines: dict[str, Any], reference, requests: list[tuple[str, GenerationRequest]]) -> dict[str, dict]:
     """Each engine of ``engines`` against ``reference`` over every forced step of ``requests``
     (``(task, request)`` pairs); returns ``{label: Agreement.summary()}``."""
     agreements = {label: Agreement() for label in engines}
