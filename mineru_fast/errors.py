@@ -16,6 +16,7 @@ __all__ = [
     "ImageTooLarge",
     "PageRangeError",
     "ModelLoadError",
+    "LayoutModelMissing",
     "TraceError",
     "BenchmarkError",
 ]
@@ -51,6 +52,12 @@ class PageRangeError(InputError):
 
 class ModelLoadError(MineruFastError):
     """A model directory or hub id cannot be resolved or loaded."""
+
+
+class LayoutModelMissing(ModelLoadError):
+    """The layout detector's weights (PP-DocLayoutV2, for ``tier="standard"``) are not on this
+    machine and cannot be downloaded; the message says what to download and where it was looked
+    for."""
 
 
 class TraceError(MineruFastError):
