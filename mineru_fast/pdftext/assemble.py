@@ -290,7 +290,10 @@ def _suspicious(chars: list[PdfChar]) -> bool:
     min_count, min_run, min_ratio = PRIVATE_USE_SUSPICIOUS
     if count >= min_count and (longest >= min_run or count / len(counted) >= min_ratio):
         return True
-    bad = sum(c.map_error or c.text in ("\x00", "\ufffd") or unicodedata.category(c.text[0]) == "Cc" for c in counted)
+    bad = sum(
+        c.map_error or c.text in ("\x00", "\ufffd") or (unicodedata.category(c.text[0]) == "Cc" and c.text != "\x02")
+        for c in counted
+    )  # "\x02" is PDFium's line-end hyphen
     return bad / len(counted) >= 0.03
 
 
