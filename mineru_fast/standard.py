@@ -64,8 +64,10 @@ class VlmRead:
         type: the task type (selects prompt, sampling and post-processing): the block's type, or
             ``"equation"`` for an inline formula.
         bbox: crop box normalized to the page (0..1).
-        angle: clockwise rotation of the content in degrees; the crop is rotated by it before
-            reading, as for blocks of the VLM's own layout.
+        angle: the block's angle (0, 90, 180, 270) as mineru-vl-utils uses it: the crop is turned
+            with ``PIL.Image.rotate(angle, expand=True)`` before reading, as for blocks of the
+            VLM's own layout. The detector gives 0 (MinerU's table-orientation classifier, which
+            can set 90/180/270 on tables, is not part of this tier yet).
         block: index of the block in ``PagePlan.blocks`` whose content the output becomes, or
             None for an inline formula.
         formula: index of the inline formula (``PageLayout.inline_formulas``), or None.

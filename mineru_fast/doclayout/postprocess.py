@@ -80,7 +80,8 @@ class LayoutBlock:
     Attributes:
         type: MinerU block type (``"text"``, ``"table"``, ``"caption"``, ...).
         bbox: ``(x0, y0, x1, y1)`` normalized to the page, 0..1.
-        angle: clockwise rotation of the block's content in degrees (0, 90, 180, 270).
+        angle: the content's rotation in degrees (0, 90, 180, 270), mineru-vl-utils' convention
+            (its crop is turned with ``PIL.Image.rotate(angle, expand=True)``).
         content: text filled in later (from the PDF or the VLM); None until then.
         sub_type: ``"seal"`` for seals (typed ``image``), else None.
         score: the detector's score, None for blocks not from a detector.
