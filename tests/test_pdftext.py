@@ -105,8 +105,9 @@ def _chars(text: str, **flags) -> list[PdfChar]:
 def test_page_verdict_flags_scanned_and_garbled_pages_of_a_text_document(page):
     assert page_verdict(page).mode == "txt"
     scan = PageText([], (612, 792), image_coverage=0.95, char_count=0)
-    assert page_verdict(scan).mode == "ocr"
+    assert page_verdict(scan).reason == "pages covered by images (scans)"
     assert page_verdict(PageText([], (612, 792))).mode == "txt"  # blank page: nothing to read either way
+    assert page_verdict(PageText(_chars("Figure 3"), (612, 792))).mode == "txt"  # little text is not a scan
     garbled = PageText(_chars("x" * 100, map_error=True), (612, 792), char_count=100)
     assert page_verdict(garbled).reason == "100 of 100 characters have no Unicode mapping"
     private = PageText(_chars("\ue001" * 20 + "a" * 300), (612, 792), char_count=320)

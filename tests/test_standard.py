@@ -101,7 +101,10 @@ def test_ocr_page_reads_every_readable_block(layout, text):
 def test_a_txt_document_page_without_a_trustworthy_layer_is_read_as_ocr(layout):
     assert (plan_page(layout, None, "txt").mode, plan_page(layout, None, "txt").reason) == ("ocr", "no text layer")
     scan = PageText([], (612, 792), image_coverage=1.0)
-    assert plan_page(layout, scan, "txt").mode == "ocr"
+    assert (plan_page(layout, scan, "txt").mode, plan_page(layout, scan, "txt").reason) == (
+        "ocr",
+        "pages covered by images (scans)",
+    )
     with pytest.raises(ValueError, match="mode"):
         plan_page(layout, None, "auto")
 

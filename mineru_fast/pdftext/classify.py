@@ -117,8 +117,8 @@ def _counts(page: PageText) -> _Counts:
     return counts
 
 
-def _verdict(counts: _Counts, pages: int, covered_pages: int) -> TextLayerVerdict:
-    if counts.visible / max(pages, 1) < MIN_CHARS_PER_PAGE:
+def _verdict(counts: _Counts, pages: int, covered_pages: int, min_chars: bool = True) -> TextLayerVerdict:
+    if min_chars and counts.visible / max(pages, 1) < MIN_CHARS_PER_PAGE:
         return TextLayerVerdict("ocr", f"fewer than {MIN_CHARS_PER_PAGE} characters per page")
     if counts.chars and counts.map_errors / counts.chars >= MAX_MAP_ERROR_RATIO:
         return TextLayerVerdict("ocr", f"{counts.map_errors} of {counts.chars} characters have no Unicode mapping")
@@ -181,13 +181,12 @@ def classify_pdf(pdf) -> TextLayerVerdict:
 
 def page_verdict(page: PageText) -> TextLayerVerdict:
     """The same checks on one page of a ``"txt"`` document (a scan among born-digital pages, a
-    page with a broken font); a page with too many characters for MinerU is also ``"ocr"``."""
+    page with a broken font), except the minimum character count: a page with little text and no
+    page-sized image stays ``"txt"`` (its blocks without PDF text are read from the image anyway).
+    A page with more characters than MinerU reads from a text layer (65535) is ``"ocr"``."""
     if page.char_count > MAX_CHARS_PER_PAGE:
         return TextLayerVerdict("ocr", f"more than {MAX_CHARS_PER_PAGE} characters")
-    counts = _counts(page)
-    if counts.visible == 0 and page.image_coverage < IMAGE_COVERAGE:
-        return TextLayerVerdict("txt", "no text and no page-sized image (nothing to read)")
-    return _verdict(counts, 1, page.image_coverage >= IMAGE_COVERAGE)
+    return _verdict(_counts(page), 1, page.image_coverage >= IMAGE_COVERAGE, min_chars=False)
 
 
 def resolve_ocr_mode(ocr_mode: str, pdf=None) -> TextLayerVerdict:
