@@ -17,8 +17,9 @@ cannot be checked against the image). MinerU's two font-dictionary checks (usage
 Identity CID fonts without ToUnicode, Type1 fonts with a Latin CharSet decoding as CJK) need a
 PDF object parser and are not made; the Unicode-map-error share stands in for the first.
 
-``page_verdict`` applies the same signals to one page of a ``"txt"`` document, so a scanned page
-inside a born-digital PDF is read from its image (MinerU decides per document only).
+``page_verdict`` applies the same signals (but the minimum character count) to one page of a
+``"txt"`` document, so a scanned page inside a born-digital PDF is read from its image (MinerU
+decides per document only).
 """
 
 from __future__ import annotations
