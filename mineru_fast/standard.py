@@ -134,7 +134,7 @@ def plan_page(layout: PageLayout, text: PageText | None, mode: str, image_analys
     formulas_taken: set[int] = set()
     for index, block in enumerate(layout.blocks):
         content = None
-        if mode == "txt" and block.type in TEXT_FROM_PDF:
+        if mode == "txt" and text is not None and block.type in TEXT_FROM_PDF:
             free = [None if k in formulas_taken else f for k, f in enumerate(layout.inline_formulas)]
             assembled = block_text(text, block.bbox, free, skip=taken)
             if (assembled.chars or assembled.formulas) and not assembled.suspicious:

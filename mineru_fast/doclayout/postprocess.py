@@ -155,7 +155,7 @@ def select_rows(rows: np.ndarray) -> list[Detection]:
     keep = valid_query[query] & (scores >= thresholds)
     kept = rows[keep]
     kept = kept[np.lexsort((-kept[:, 7], kept[:, 6]))]
-    return [Detection(LABELS[int(r[0])], float(r[1]), tuple(float(v) for v in r[2:6])) for r in kept]
+    return [Detection(LABELS[int(r[0])], float(r[1]), as_box(r[2:6])) for r in kept]
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -402,7 +402,12 @@ def postprocess(detections: Sequence[Detection], image_size: tuple[int, int], ru
         boxes = _drop_formulas_in_marginals(boxes)
     _relabel_page_regions(boxes, height, width, formulas_exempt=rules == "torch")
     boxes = _drop_internal_captions(boxes)
-    return [Detection(b.label, b.score, tuple(float(v) for v in b.bbox)) for b in boxes]
+    return [Detection(b.label, b.score, as_box(b.bbox)) for b in boxes]
+
+
+def as_box(values: Sequence[float]) -> Box:
+    """The first four values as a float ``(x0, y0, x1, y1)``."""
+    return (float(values[0]), float(values[1]), float(values[2]), float(values[3]))
 
 
 def scale_box(bbox: Sequence[float], sx: float, sy: float) -> Box:

@@ -21,6 +21,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 from ..errors import MineruFastError
 from ..synthetic import MARKER
@@ -33,7 +34,7 @@ __all__ = ["ARCHITECTURES", "make_synthetic_doclayout", "cached_synthetic_doclay
 # decoder with 300 queries at width 256, and a 6-layer LayoutLMv3-style reading-order encoder of
 # width 512: 53,556,083 parameters with the 25 labels, 214 MB in float32 (204.3 MiB; PaddleOCR lists
 # the model at 203.8 MB).
-_FULL = {
+_FULL: dict[str, Any] = {
     "backbone_config": {
         "model_type": "hgnet_v2",
         "arch": "L",
@@ -98,7 +99,7 @@ _FULL = {
 
 # Same structure (three feature levels, 300 queries, reading-order head over them) at a size
 # whose forward takes well under a second.
-_TINY = {
+_TINY: dict[str, Any] = {
     **_FULL,
     "backbone_config": {
         **_FULL["backbone_config"],
@@ -131,7 +132,7 @@ _TINY = {
     },
 }
 
-ARCHITECTURES: dict[str, dict] = {"full": _FULL, "tiny": _TINY}
+ARCHITECTURES: dict[str, dict[str, Any]] = {"full": _FULL, "tiny": _TINY}
 
 # Image processor of the published checkpoint (preprocessor_config.json): 800x800 bicubic, 1/255.
 _PREPROCESSOR = {
@@ -189,12 +190,15 @@ def _gather_for_export():
     batch size; with full-shape indices it equals ``torch.gather``, used here while exporting."""
     import torch
 
+    def by_gather(input: torch.Tensor, indices: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.gather(input, dim, indices)
+
     original = torch.take_along_dim
-    torch.take_along_dim = lambda input, indices, dim=None: torch.gather(input, dim, indices)
+    setattr(torch, "take_along_dim", by_gather)  # noqa: B010 (a module function, replaced for the export)
     try:
         yield
     finally:
-        torch.take_along_dim = original
+        setattr(torch, "take_along_dim", original)  # noqa: B010
 
 
 def _export_onnx(model, path: Path) -> None:
@@ -243,6 +247,8 @@ def _export_onnx(model, path: Path) -> None:
             dynamo=True,
             verbose=False,
         )
+    if onnx_program is None:
+        raise MineruFastError("torch.onnx.export returned no program")
     onnx_program.save(str(path), external_data=False)
 
 
@@ -294,7 +300,8 @@ def cached_synthetic_doclayout(size: str = "full", seed: int = 0, cache: str | P
     ``$MINERU_FAST_CACHE`` (default ``~/.cache/mineru-fast``) ``/synthetic-doclayout-<size>-seed<seed>``."""
     import os
 
-    root = Path(cache or os.environ.get("MINERU_FAST_CACHE", Path.home() / ".cache" / "mineru-fast"))
+    default = Path.home() / ".cache" / "mineru-fast"
+    root = Path(cache) if cache is not None else Path(os.environ.get("MINERU_FAST_CACHE") or default)
     path = root / f"synthetic-doclayout-{size}-seed{seed}"
     if not (path / MARKER).is_file():  # written last: a half-written model is redone
         make_synthetic_doclayout(path, size, seed)

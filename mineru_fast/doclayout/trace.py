@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import TraceError
 from .labels import LABELS
-from .postprocess import Detection, PageLayout, scale_box
+from .postprocess import Detection, PageLayout, as_box, scale_box
 
 __all__ = ["LayoutTrace", "load_layout_trace", "LABEL_BY_BLOCK_TYPE", "detections_from_blocks"]
 
@@ -91,9 +91,9 @@ class LayoutTrace:
         Raises:
             TraceError: any structure or value other than the schema in the module docstring.
         """
-        pages = data.get("pages") if isinstance(data, dict) else None
-        if not isinstance(pages, list):
+        if not isinstance(data, dict) or not isinstance(data.get("pages"), list):
             raise TraceError(f"{source}: expected an object with a 'pages' list")
+        pages = data["pages"]
         if data.get("layout_model", MODEL_NAME) != MODEL_NAME:
             raise TraceError(f"{source}: recorded for {data['layout_model']!r}, not {MODEL_NAME}")
         out: list[list[Detection]] = []
@@ -128,7 +128,7 @@ def _detection(item: object, where: str) -> Detection:
         or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox)
     ):
         raise TraceError(f"{where}: bbox must be 4 finite numbers, got {bbox!r}")
-    return Detection(label, float(score), tuple(float(v) for v in bbox))
+    return Detection(label, float(score), as_box(bbox))
 
 
 def load_layout_trace(path: str | Path) -> LayoutTrace:
@@ -155,5 +155,5 @@ def detections_from_blocks(blocks: Sequence[tuple[str, Sequence[float]]]) -> lis
         label = LABEL_BY_BLOCK_TYPE.get(block_type)
         if label is None:
             raise TraceError(f"block type {block_type!r} has no PP-DocLayoutV2 label")
-        out.append(Detection(label, 1.0, tuple(float(v) for v in bbox)))
+        out.append(Detection(label, 1.0, as_box(bbox)))
     return out

@@ -321,11 +321,13 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
     angles = [page.chars[i].angle for i in indices if not page.chars[i].text.isspace()]
     direction = max(set(angles), key=angles.count) if angles else 0
     horizontal = direction == 0
-    placed = [k for k, f in enumerate(formulas) if f is not None and _area_inside(f, bbox) > 0.5] if horizontal else []
+    placed: dict[int, Box] = {}
+    if horizontal:
+        placed = {k: f for k, f in enumerate(formulas) if f is not None and _area_inside(f, bbox) > 0.5}
     kept, used = [], []
     for i in indices:
         char = page.chars[i]
-        if any(_inside(_center(char.bbox), formulas[k]) for k in placed):
+        if any(_inside(_center(char.bbox), f) for f in placed.values()):
             used.append(i)
         elif char.text.isspace() or _near(char.angle, direction):
             kept.append(char)
@@ -334,7 +336,7 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
     if not visible and not placed:
         return BlockText("", (), 0, False)
     items = [_Item(c.text, c.bbox, generated=c.generated) for c in _compose_diacritics(kept)]
-    items += [_Item(f"\\(\x00{k}\x00\\)", formulas[k]) for k in placed]
+    items += [_Item(f"\\(\x00{k}\x00\\)", f) for k, f in placed.items()]
     lines = _lines(items, horizontal)
     if horizontal:
         for line in lines:
