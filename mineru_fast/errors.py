@@ -18,6 +18,7 @@ __all__ = [
     "PageRangeError",
     "ModelLoadError",
     "ModelNotCached",
+    "LayoutModelMissing",
     "TraceError",
     "BenchmarkError",
     "ServiceError",
@@ -67,6 +68,12 @@ class ModelNotCached(ModelLoadError):
     """Offline (``HF_HUB_OFFLINE=1``, ``--offline``, ``local_files_only=True``) and the model, the
     revision asked for, or some of its files are not in the local Hugging Face cache; the message
     names what is missing and the cache folder that was searched."""
+
+
+class LayoutModelMissing(ModelLoadError):
+    """The layout detector's weights (PP-DocLayoutV2, for ``tier="standard"``) are not on this
+    machine and cannot be downloaded; the message says what to download and where it was looked
+    for."""
 
 
 class TraceError(MineruFastError):

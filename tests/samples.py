@@ -89,3 +89,113 @@ def blank_png(width: int, height: int) -> bytes:
 
     header = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)  # 8-bit RGBA
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _pdfium_text(pdf, page, font, size: float, x: float, y: float, text: str, mode: int | None = None) -> None:
+    """Draw ``text`` with its baseline at (x, y) points (PDF user space, origin bottom left)."""
+    import ctypes
+
+    import pypdfium2.raw as pdfium_c
+
+    obj = pdfium_c.FPDFPageObj_CreateTextObj(pdf, font, size)
+    wide = ctypes.create_string_buffer((text + "\0").encode("utf-16-le"))
+    pdfium_c.FPDFText_SetText(obj, ctypes.cast(wide, ctypes.POINTER(pdfium_c.FPDF_WCHAR)))
+    if mode is not None:
+        pdfium_c.FPDFTextObj_SetTextRenderMode(obj, mode)
+    pdfium_c.FPDFPageObj_Transform(obj, 1, 0, 0, 1, x, y)
+    pdfium_c.FPDFPage_InsertObject(page, obj)
+
+
+def _saved(pdf) -> bytes:
+    buf = io.BytesIO()
+    pdf.save(buf)
+    return buf.getvalue()
+
+
+def born_digital_pdf(pages: list[list[tuple[float, float, float, str]]], size: tuple[int, int] = (612, 792)) -> bytes:
+    """A PDF with a real text layer (Helvetica), written by PDFium.
+
+    Args:
+        pages: per page, runs ``(x, y, font_size, text)`` with (x, y) the baseline start in points
+            from the top left of the page.
+        size: page size in points.
+    """
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+
+    pdf = pdfium.PdfDocument.new()
+    font = pdfium_c.FPDFText_LoadStandardFont(pdf, b"Helvetica")
+    for runs in pages:
+        page = pdf.new_page(*size)
+        for x, y, font_size, text in runs:
+            _pdfium_text(pdf, page, font, font_size, x, size[1] - y, text)
+        page.gen_content()
+    return _saved(pdf)
+
+
+def cid_font_without_tounicode_pdf(lines: int = 30) -> bytes:
+    """A PDF whose text is drawn with an embedded Identity-H CID font (DejaVu Sans) and no
+    ToUnicode map, so the glyph codes cannot be turned back into text: PDFium writes the font,
+    pypdf removes its /ToUnicode entry. Skips the calling test when DejaVu Sans is not installed."""
+    import ctypes
+    import random
+    from pathlib import Path
+
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+    import pytest
+
+    pypdf = pytest.importorskip("pypdf", reason="pypdf (the dev extra) removes the ToUnicode map")
+    font_path = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+    if not font_path.is_file():
+        pytest.skip(f"{font_path} not installed (a TrueType font to embed)")
+    font = font_path.read_bytes()
+    cid_to_gid = b"".join(cid.to_bytes(2, "big") for cid in range(4096))  # CID k draws glyph k
+    # PDFium insists on a ToUnicode CMap; this one maps nothing and is removed below.
+    cmap = b"/CIDInit /ProcSet findresource begin 12 dict begin begincmap /CMapName /None def endcmap end end\0"
+    pdf = pdfium.PdfDocument.new()
+    handle = pdfium_c.FPDFText_LoadCidType2Font(
+        pdf,
+        (ctypes.c_uint8 * len(font)).from_buffer_copy(font),
+        len(font),
+        cmap,
+        (ctypes.c_uint8 * len(cid_to_gid)).from_buffer_copy(cid_to_gid),
+        len(cid_to_gid),
+    )
+    page = pdf.new_page(612, 792)
+    rng = random.Random(0)
+    for line in range(lines):
+        obj = pdfium_c.FPDFPageObj_CreateTextObj(pdf, handle, 11.0)
+        codes = [rng.randint(36, 90) for _ in range(60)]  # glyph ids of letters in DejaVu Sans
+        pdfium_c.FPDFText_SetCharcodes(obj, (ctypes.c_uint32 * len(codes))(*codes), len(codes))
+        pdfium_c.FPDFPageObj_Transform(obj, 1, 0, 0, 1, 50, 740 - 22 * line)
+        pdfium_c.FPDFPage_InsertObject(page, obj)
+    page.gen_content()
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(_saved(pdf))))
+    for pdf_page in writer.pages:
+        for ref in pdf_page["/Resources"]["/Font"].values():
+            ref.get_object().pop("/ToUnicode", None)
+    buf = io.BytesIO()
+    writer.write(buf)
+    return buf.getvalue()
+
+
+def scan_with_hidden_text_pdf(n_pages: int = 2) -> bytes:
+    """Pages that are one full-page image each, under an invisible text layer (render mode 3)
+    that says something else than the image, as a bad OCR layer would."""
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+
+    pdf = pdfium.PdfDocument.new()
+    font = pdfium_c.FPDFText_LoadStandardFont(pdf, b"Helvetica")
+    for i in range(n_pages):
+        page = pdf.new_page(612, 792)
+        image = pdfium.PdfImage.new(pdf)
+        image.set_bitmap(pdfium.PdfBitmap.from_pil(text_page(size=(612, 792), seed=i)))
+        image.set_matrix(pdfium.PdfMatrix().scale(612, 792))
+        page.insert_obj(image)
+        for line in range(20):
+            text = f"hidden words that do not match the image, line {line}"
+            _pdfium_text(pdf, page, font, 11, 72, 700 - 14 * line, text, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
+        page.gen_content()
+    return _saved(pdf)

@@ -1,0 +1,178 @@
+"""The PDF text layer: ``ocr_mode="auto"`` on real and made-up PDFs, and block text assembly."""
+
+from __future__ import annotations
+
+import pypdfium2 as pdfium
+import pytest
+from conftest import CORPUS, need
+from samples import born_digital_pdf, cid_font_without_tounicode_pdf, pdf_bytes, scan_with_hidden_text_pdf
+
+from mineru_fast.pdftext import (
+    BlockText,
+    PageText,
+    PdfChar,
+    block_text,
+    classify_pdf,
+    merge_lines,
+    page_verdict,
+    read_page_text,
+    resolve_ocr_mode,
+)
+from mineru_fast.pdftext.assemble import _clean
+from mineru_fast.pdftext.classify import sample_pages
+
+BORN_DIGITAL = [
+    "academic_fig_eq_table_1p.pdf",
+    "academic_tableformer_10p.pdf",
+    "multicolumn_2col_latex.pdf",
+    "zh_financial_research_report_4p.pdf",
+    "slides_table_3p_rotate270.pdf",
+]
+SCANS = ["scanned_zh_book_8p.pdf", "rotated_scan_rotate270.pdf"]
+
+LINES = [
+    (72, 72, 18, "A Title"),
+    (72, 110, 11, "The quick brown fox jumps over the lazy"),
+    (72, 124, 11, "dog. A sentence broken by a hy-"),
+    (72, 138, 11, "phen, then the GLGE-"),
+    (72, 152, 11, "difficult case and E = mc"),
+    (192, 148, 7, "2"),  # raised and smaller: a superscript
+    (72, 166, 11, "with water H"),
+    (132.6, 169, 7, "2"),  # lowered and smaller: a subscript
+    (136.6, 166, 11, "O."),
+    (320, 110, 11, "Right column text"),
+]
+
+
+@pytest.fixture(scope="module")
+def page() -> PageText:
+    pdf = pdfium.PdfDocument(born_digital_pdf([LINES]))
+    return read_page_text(pdf[0])
+
+
+@pytest.mark.parametrize("name", BORN_DIGITAL)
+def test_auto_picks_txt_for_born_digital_corpus_pdfs(name):
+    pdf = pdfium.PdfDocument(need(CORPUS / name).read_bytes())
+    assert classify_pdf(pdf).mode == "txt"
+
+
+@pytest.mark.parametrize("name", SCANS)
+def test_auto_picks_ocr_for_scanned_corpus_pdfs(name):
+    pdf = pdfium.PdfDocument(need(CORPUS / name).read_bytes())
+    verdict = classify_pdf(pdf)
+    assert verdict == resolve_ocr_mode("auto", pdf)
+    assert (verdict.mode, verdict.reason) == ("ocr", "fewer than 50 characters per page")
+
+
+def test_auto_picks_ocr_for_a_cid_font_without_tounicode():
+    data = cid_font_without_tounicode_pdf()
+    assert b"/ToUnicode" not in data and b"/Identity-H" in data
+    verdict = classify_pdf(pdfium.PdfDocument(data))
+    assert verdict.mode == "ocr" and "no Unicode mapping" in verdict.reason
+
+
+def test_auto_picks_ocr_for_a_scan_under_a_hidden_text_layer():
+    pdf = pdfium.PdfDocument(scan_with_hidden_text_pdf())
+    text = read_page_text(pdf[0])
+    assert text.image_coverage == 1.0 and len(text.chars) > 500  # the hidden layer is there ...
+    assert classify_pdf(pdf) == resolve_ocr_mode("auto", pdf)
+    assert classify_pdf(pdf).reason == "pages covered by images (scans)"  # ... and not trusted
+
+
+def test_auto_picks_ocr_for_an_image_only_pdf_and_txt_for_a_text_pdf():
+    assert classify_pdf(pdfium.PdfDocument(pdf_bytes(2))).mode == "ocr"
+    assert classify_pdf(pdfium.PdfDocument(born_digital_pdf([LINES, LINES]))).mode == "txt"
+
+
+def test_requested_modes_and_images():
+    pdf = pdfium.PdfDocument(pdf_bytes(1))
+    assert resolve_ocr_mode("txt", pdf).mode == "txt" and resolve_ocr_mode("ocr", pdf).mode == "ocr"
+    assert resolve_ocr_mode("txt", None).mode == "ocr"  # an image has no text layer
+    with pytest.raises(ValueError, match="ocr_mode"):
+        resolve_ocr_mode("text", pdf)
+
+
+def test_sampled_pages_spread_over_the_document():
+    assert sample_pages(3) == [0, 1, 2]
+    assert sample_pages(100) == [0, 11, 22, 33, 44, 55, 66, 77, 88, 99]
+    assert sample_pages(0) == []
+
+
+def _chars(text: str, **flags) -> list[PdfChar]:
+    return [PdfChar(ch, (0.01 * i, 0.1, 0.01 * i + 0.01, 0.12), **flags) for i, ch in enumerate(text)]
+
+
+def test_page_verdict_flags_scanned_and_garbled_pages_of_a_text_document(page):
+    assert page_verdict(page).mode == "txt"
+    scan = PageText([], (612, 792), image_coverage=0.95, char_count=0)
+    assert page_verdict(scan).reason == "pages covered by images (scans)"
+    assert page_verdict(PageText([], (612, 792))).mode == "txt"  # blank page: nothing to read either way
+    assert page_verdict(PageText(_chars("Figure 3"), (612, 792))).mode == "txt"  # little text is not a scan
+    garbled = PageText(_chars("x" * 100, map_error=True), (612, 792), char_count=100)
+    assert page_verdict(garbled).reason == "100 of 100 characters have no Unicode mapping"
+    private = PageText(_chars("\ue001" * 20 + "a" * 300), (612, 792), char_count=320)
+    assert page_verdict(private).mode == "ocr"
+    huge = PageText(_chars("a" * 60), (612, 792), char_count=70_000)
+    assert page_verdict(huge).mode == "ocr"
+
+
+def test_block_text_reads_lines_in_order_with_hyphenation_and_scripts(page):
+    assert block_text(page, (0, 0, 1, 0.12)).text == "A Title"
+    body = block_text(page, (0, 0.12, 0.5, 0.3))
+    assert body.text == (
+        "The quick brown fox jumps over the lazy dog. A sentence broken by a hyphen, then the GLGE-difficult "
+        "case and E = mc<sup>2</sup> with water H<sub>2</sub>O."
+    )
+    assert not body.suspicious
+    assert block_text(page, (0.5, 0.12, 1, 0.3)).text == "Right column text"  # the other column only
+    assert block_text(page, (0, 0.9, 1, 1)) == BlockText("", (), 0, False)  # an empty region
+
+
+def test_block_text_takes_each_character_once_and_leaves_formulas_as_placeholders(page):
+    first = block_text(page, (0, 0.12, 0.5, 0.3))
+    assert block_text(page, (0, 0.12, 0.5, 0.3), skip=set(first.used)).text == ""
+    x0 = next(c.bbox[0] for c in page.chars if c.text == "E" and c.bbox[1] > 0.17)
+    formula = (x0 - 0.001, 0.17, 0.33, 0.2)  # "E = mc2" as an inline formula region
+    with_formula = block_text(page, (0, 0.12, 0.5, 0.3), [None, formula])
+    assert with_formula.formulas == (1,)
+    assert "case and \\(\x001\x00\\) with water" in with_formula.text
+
+
+def test_rotated_pages_and_rotated_text(tmp_path):
+    slides = pdfium.PdfDocument(need(CORPUS / "slides_table_3p_rotate270.pdf").read_bytes())
+    # /Rotate 270: boxes are on the displayed (landscape) page, where the title reads left to right.
+    assert block_text(read_page_text(slides[0]), (0.2, 0.0, 0.9, 0.25)).text == "Test Table Slide"
+    paper = pdfium.PdfDocument(need(CORPUS / "academic_fig_eq_table_1p.pdf").read_bytes())
+    # A table header set vertically (baseline at 270 degrees): PDFium's order, no geometric lines.
+    assert block_text(read_page_text(paper[0]), (0.58, 0.56, 0.61, 0.61)).text == "Model"
+
+
+@pytest.mark.parametrize(
+    ("lines", "joined"),
+    [
+        (["a hy-", "phen"], "a hyphen"),
+        (["the GLGE-", "difficult"], "the GLGE-difficult"),  # acronyms keep their hyphen
+        (["a non-", "linear map"], "a non-linear map"),  # compound prefixes too
+        (["pages 10-", "12"], "pages 10-12"),
+        (["see https://exa", "mple.com/x now"], "see https://example.com/x now"),
+        (["at https://a.org/", "https://b.org"], "at https://a.org/ https://b.org"),
+        (["中文", "文本"], "中文文本"),
+        (["a (", "b) c"], "a (b) c"),
+        (["end", ", then"], "end, then"),
+        (["two", "lines"], "two lines"),
+        (["", "  ", "only"], "only"),
+    ],
+)
+def test_merge_lines_follows_mineru_rules(lines, joined):
+    assert merge_lines(lines) == joined
+
+
+def test_ligatures_and_pdfium_line_end_hyphens_become_plain_text():
+    assert _clean("ﬁnal eﬀect ﬂow ﬃce ﬄe ﬅ ﬆ hy\x02") == "final effect flow ffice ffle ft st hy-"
+
+
+def test_private_use_runs_make_a_block_suspicious():
+    page = PageText(_chars("ab\ue001\ue002cd"), (612, 792), char_count=6)
+    assembled = block_text(page, (0, 0, 1, 1))
+    assert assembled.text == "ab\ue001\ue002cd" and assembled.suspicious
+    assert not block_text(PageText(_chars("abc\ue001d"), (612, 792)), (0, 0, 1, 1)).suspicious  # one is allowed
