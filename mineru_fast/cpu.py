@@ -127,12 +127,13 @@ def isa_class(isa: dict[str, bool], environ: dict[str, str] | None = None) -> Is
         if isa.get(_CLASS_FLAG[name]):
             hardware = name
     rank = ISA_CLASSES.index
-    name, capped_by = hardware, {}
+    name = hardware
+    capped_by: dict[str, str] = {}
     for variable in (*_CAPS, *_CAP_ALIASES):
         value = environ.get(variable)
         cap = _CAPS[_CAP_ALIASES.get(variable, variable)].get((value or "").strip().lower())
-        if cap is not None and rank(cap) < rank(hardware):
-            capped_by[variable] = value  # type: ignore[assignment]
+        if value is not None and cap is not None and rank(cap) < rank(hardware):
+            capped_by[variable] = value
             name = min(name, cap, key=rank)
     return IsaClass(name, hardware, capped_by)
 

@@ -399,7 +399,8 @@ def _lists_and_indexes(model: list[dict]) -> tuple[list, list, list, list]:
             counts[child["type"]] = counts.get(child["type"], 0) + 1
         item["sub_type"] = max(counts, key=counts.get)  # type: ignore[arg-type]
     for item in indexes:
-        spans = item.get("content") if isinstance(item.get("content"), list) else []
+        content = item.get("content")
+        spans: list[dict] = content if isinstance(content, list) else []
         item["content"] = [{"type": "text", "content": line} for line in _split_lines(spans)]
     return lists, texts, refs, indexes
 

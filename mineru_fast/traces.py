@@ -58,7 +58,8 @@ def layout_lines(layout: str) -> list[LayoutBlock]:
     0..1 floats (corners sorted), angle. ``PageTrace.contents`` runs parallel to this list."""
     lines = []
     for match in _LAYOUT_LINE_RE.finditer(layout):
-        x1, y1, x2, y2 = layout_line_key(*(int(v) for v in match.group(1, 2, 3, 4)), "", None)[:4]
+        a, b, c, d = (int(v) for v in match.group(1, 2, 3, 4))
+        x1, y1, x2, y2 = layout_line_key(a, b, c, d, "", None)[:4]
         angle = _ROTATE_ANGLES[match.group(6)] if match.group(6) else None
         lines.append(LayoutBlock(match.group(5).lower(), (x1 / 1000, y1 / 1000, x2 / 1000, y2 / 1000), angle))
     return lines
@@ -83,11 +84,11 @@ class PageTrace:
         """
         from .page_protocol import RAW_TYPE_KEY
 
-        box = [round(v * 1000) for v in block["bbox"]]
+        x1, y1, x2, y2 = (round(v * 1000) for v in block["bbox"])
         table = self._by_key()
         types = [block.get(RAW_TYPE_KEY) or block["type"]] + (["unknown"] if block["type"] == "image" else [])
         for block_type in types:
-            if (content := table.get(layout_line_key(*box, block_type, block.get("angle")))) is not None:
+            if (content := table.get(layout_line_key(x1, y1, x2, y2, block_type, block.get("angle")))) is not None:
                 return content
         return None
 

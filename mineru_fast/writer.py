@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from .document import Page
 from .mineru4 import page_model, plain_text
@@ -104,7 +104,8 @@ def _escape_rule(text: str) -> str:
 
 class _Node:
     def __init__(self, tag: str, attrs: dict) -> None:
-        self.tag, self.attrs, self.children = tag, attrs, []  # children: _Node or str
+        self.tag, self.attrs = tag, attrs
+        self.children: list[_Node | str] = []
 
 
 class _Tree(HTMLParser):
@@ -218,7 +219,8 @@ def render_table(markup: str) -> str | None:
     if len(tables) != 1 or _is_complex(tables[0]):
         return _format_embedded_html(markup).strip()
     rows = _find_all(tables[0], {"tr"})
-    rendered, flags = [], []
+    rendered: list[list[str]] = []
+    flags: list[list[bool]] = []
     for row in rows:
         cells = _find_all(row, {"td", "th"}, recursive=False)
         if not cells:
@@ -228,8 +230,8 @@ def render_table(markup: str) -> str | None:
     if not rendered:
         return _format_embedded_html(markup).strip()
     width = max(len(r) for r in rendered)
-    for row in rendered:
-        row.extend([""] * (width - len(row)))
+    for cells_text in rendered:
+        cells_text.extend([""] * (width - len(cells_text)))
     header = 0
     if not (_find_all(tables[0], {"thead"}) and _find_all(_find_all(tables[0], {"thead"})[0], {"tr"}, False)):
         header = next((i for i, f in enumerate(flags) if f and all(f)), 0)
@@ -253,6 +255,11 @@ def _details(content: str, summary: str) -> str:
     return f"<details>\n<summary>{html.escape(summary, quote=False)}</summary>\n\n{content.strip()}\n</details>"
 
 
+def _content(block: dict) -> Any:
+    """A block's ``content``: spans (list of dicts), a string, child blocks, or None by type."""
+    return block.get("content")
+
+
 class _PageRenderer:
     def __init__(self, page: Page, image_dir: str) -> None:
         self.page, self.image_dir = page, image_dir
@@ -265,7 +272,7 @@ class _PageRenderer:
 
     # -- markdown
     def markdown(self, block: dict) -> str:
-        kind, content = block["type"], block.get("content")
+        kind, content = block["type"], _content(block)
         if kind in _AUXILIARY:
             return ""
         if kind in ("text", "ref_text"):
@@ -311,7 +318,7 @@ class _PageRenderer:
         kind = child["type"]
         if not kind.endswith("_body"):
             return _escape_rule(render_spans(child["content"]))
-        visual, content = group["type"], child.get("content")
+        visual, content = group["type"], _content(child)
         if visual == "table":
             rendered = render_table(content) if content else None
             if rendered is None and content:
@@ -335,7 +342,7 @@ class _PageRenderer:
 
     # -- content list
     def item(self, block: dict) -> dict | None:
-        kind, content = block["type"], block.get("content")
+        kind, content = block["type"], _content(block)
         if kind == "text":
             item: dict = {"type": "text", "text": render_spans(content)}
         elif kind in ("doc_title", "paragraph_title"):
@@ -453,14 +460,14 @@ def render_page(page: Page, image_dir: str = "images") -> PageOutput:
             chunks.append(text.strip("\n"))
     renderer.crops.clear()  # the content list names every crop the page has; collect them once
     references: list[dict] = []
-    for block in [*blocks, None]:
-        if block is not None and block["type"] == "ref_text":
-            references.append(block)
+    for entry in [*blocks, None]:
+        if entry is not None and entry["type"] == "ref_text":
+            references.append(entry)
             continue
         if references:  # a run of reference entries is one list item
             items.append(_reference_item(references, page.index))
             references = []
-        if block is not None and (item := renderer.item(block)) is not None:
+        if entry is not None and (item := renderer.item(entry)) is not None:
             items.append(item)
     return PageOutput("\n\n".join(chunks), items, list(dict.fromkeys(renderer.crops)))
 

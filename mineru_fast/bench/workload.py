@@ -104,8 +104,8 @@ def load_workload(
     if not trace_dir.is_dir():
         build_omnidocbench_traces(workload_dir / "annotations.json", workload_dir / "images", trace_dir)
     out = []
-    for profile in profiles:
-        image_path = next((workload_dir / "images").glob(profile["name"] + ".*"))
-        trace = load_trace(trace_dir / f"{profile['name']}.json").pages[0]
-        out.append(WorkloadPage(profile["name"], Image.open(image_path).convert("RGB"), trace))
+    for entry in profiles:
+        image_path = next((workload_dir / "images").glob(entry["name"] + ".*"))
+        trace = load_trace(trace_dir / f"{entry['name']}.json").pages[0]
+        out.append(WorkloadPage(entry["name"], Image.open(image_path).convert("RGB"), trace))
     return out

@@ -38,9 +38,9 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
     if options.engine == "reference":
         from .reference import ReferenceEngine
 
-        engine = ReferenceEngine(model_dir, precision=options.precision)
-        engine.numerics = numerics
-        return engine
+        reference = ReferenceEngine(model_dir, precision=options.precision)
+        reference.numerics = numerics
+        return reference
     from .backends import apply_ipex, choose_backend
     from .generate import FastEngine
 

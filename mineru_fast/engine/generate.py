@@ -55,6 +55,8 @@ class FastEngine:
         ModelLoadError: the checkpoint cannot be read.
     """
 
+    numerics: dict | None = None  # set by engine.factory: choice.describe(options)
+
     def __init__(
         self,
         model_dir: str | Path,

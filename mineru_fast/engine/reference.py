@@ -97,6 +97,8 @@ class ReferenceEngine:
         ModelLoadError: the directory cannot be loaded by transformers.
     """
 
+    numerics: dict | None = None  # set by engine.factory: choice.describe(options)
+
     def __init__(self, model_dir: str | Path, precision: str = "bf16") -> None:
         from transformers import Qwen2VLForConditionalGeneration
         from transformers import logging as hf_logging
