@@ -20,7 +20,7 @@ from mineru_fast.engine import backends
 from mineru_fast.engine.backends import BackendStatus, choose_backend, ipex_status, isa_tier, load_measurements
 from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.factory import build_engine
-from mineru_fast.engine.generate import _Sequence
+from mineru_fast.engine.scheduler import SequenceState
 from mineru_fast.options import ParserOptions
 from mineru_fast.protocol import LayoutBlock, crop_block, layout_image, prompt_for
 from mineru_fast.protocol import SamplingParams as SP
@@ -125,7 +125,7 @@ def run(model: Path, preset: str, backend: str) -> tuple[list[torch.Tensor], lis
     assert engine.vision_mode == mode
     logits = []
     for request in requests():
-        seq = _Sequence(0, request, engine.preprocessor.encode(request))
+        seq = SequenceState(0, request, engine.preprocessor.encode(request))
         engine.encode_images([seq])
         logits.append(engine.prefill(seq, 0).float())
     return logits, [r.token_ids for r in engine.generate(requests())], {type(m).__name__ for m in engine.lm.modules()}
