@@ -3,10 +3,13 @@
 Starts the server on 127.0.0.1 (a tiny synthetic model unless ``--model`` is given), sends
 ``--requests`` synchronous parses (``POST /v1/document/parse``) with ``--concurrency`` in flight,
 stops after all of them or after ``--max-seconds``, prints throughput and latency percentiles, and
-stops the server. ``--url`` targets a server already running, on a loopback address only.
+stops the server. ``--url`` targets a server already running, on a loopback address only. For a
+server it started, it also prints the server's peak RSS (``VmHWM``): with ``--workers 4`` against
+``--workers 1`` it shows that job workers share one model.
 
     python benchmarks/serve_load.py [--model DIR] [--requests 40] [--concurrency 4] [--pages 1] [--threads 1]
-                                    [--max-seconds 120] [--url http://127.0.0.1:8000 --api-key KEY]
+                                    [--workers 4] [--preset exact] [--max-seconds 120]
+                                    [--url http://127.0.0.1:8000 --api-key KEY]
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ def document(pages: int) -> bytes:
     return buffer.getvalue()
 
 
-def start_server(model: Path, queue: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model: Path, queue: int, threads: int, workers: int, preset: str, log: Path
+) -> tuple[subprocess.Popen, str]:
     """Start ``mineru-fast serve`` on a free loopback port and wait (bounded) until it is ready."""
     import httpx
 
@@ -67,8 +72,8 @@ def start_server(model: Path, queue: int, threads: int, log: Path) -> tuple[subp
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "mineru_fast.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--model", str(model), "--preset", "exact", "--max-new-tokens", BOUNDS, "--workers-queue", str(queue)]
-    command += ["--threads", str(threads)]
+    command += ["--model", str(model), "--preset", preset, "--max-new-tokens", BOUNDS, "--workers-queue", str(queue)]
+    command += ["--threads", str(threads), "--workers", str(workers)]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -84,6 +89,17 @@ def start_server(model: Path, queue: int, threads: int, log: Path) -> tuple[subp
         time.sleep(0.2)
     process.kill()
     sys.exit(f"serve_load: the server was not ready within 300 s; see {log}")
+
+
+def peak_rss_gib(pid: int) -> float | None:
+    """``VmHWM`` of a live process in GiB (Linux), or None where /proc does not have it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -146,6 +162,8 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="server intra-op threads (default 1: the load client needs a core)"
     )
+    ap.add_argument("--workers", type=int, default=4, help="server job workers (default 4, serve's default)")
+    ap.add_argument("--preset", default="exact", help="server preset (default exact)")
     args = ap.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.pages < 1 or args.max_seconds <= 0:
         sys.exit("serve_load: --requests, --concurrency, --pages and --max-seconds must be positive")
@@ -161,11 +179,14 @@ def main() -> None:
                 from mineru_fast.synthetic import make_synthetic_model
 
                 model = make_synthetic_model(Path(tmp) / "tiny", size="tiny", seed=0)
-            process, url = start_server(model, max(8, 2 * args.concurrency), args.threads, Path(tmp) / "server.log")
+            queue = max(8, 2 * args.concurrency)
+            process, url = start_server(model, queue, args.threads, args.workers, args.preset, Path(tmp) / "server.log")
+        peak = None
         try:
             stats = run(url, args.api_key, document(args.pages), args.requests, args.concurrency, args.max_seconds)
         finally:
             if process is not None:
+                peak = peak_rss_gib(process.pid)
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout=60)
@@ -174,6 +195,8 @@ def main() -> None:
     ok, latencies = stats["ok"], stats["latencies"]
     print(f"target {url}: {stats['sent']} requests sent, concurrency {args.concurrency}, {args.pages} page(s) each")
     print(f"ok {ok}, rejected (429) {stats['rejected']}, errors {stats['errors']}, wall {stats['wall']:.2f} s")
+    if peak is not None:
+        print(f"server peak RSS {peak:.2f} GiB ({args.workers} job workers)")
     if not latencies:
         sys.exit("serve_load: no request succeeded")
     print(f"throughput {ok / stats['wall']:.2f} req/s, {ok * args.pages / stats['wall']:.2f} pages/s")
