@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .cli_options import (
@@ -24,6 +25,9 @@ from .cli_options import (
 )
 from .errors import MineruFastError
 from .serve.command import add_serve_command, run_serve_command
+
+if TYPE_CHECKING:
+    from .metadata import InputInfo
 
 EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -109,6 +113,7 @@ def _trace_for(replay: Path | None, source: Path, n_inputs: int) -> Path | None:
 
 def _cmd_parse(args: argparse.Namespace) -> int:
     from .inputs import open_document
+    from .metadata import InputInfo
     from .parser import DocumentParser
 
     mode = "none" if args.quiet else args.progress
@@ -124,23 +129,23 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     for source in sources:  # refuse unreadable inputs before paying for the model load
         try:
             with open_document(source, pages=args.pages, password=args.password) as opened:
-                readable.append((source, _trace_for(args.replay, source, len(sources)), len(opened.page_indices)))
+                readable.append((source, _trace_for(args.replay, source, len(sources)), InputInfo.from_opened(opened)))
         except MineruFastError as exc:
             print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
             status = EXIT_USAGE
     if not readable:
         return status
     parser = DocumentParser.from_pretrained(args.model, options, **hub_kwargs(args))
-    for source, trace, n_pages in readable:
+    for source, trace, info in readable:
         try:
-            status = max(status, _parse_one(parser, source, trace, n_pages, args, mode))
+            status = max(status, _parse_one(parser, source, trace, info, args, mode))
         except MineruFastError as exc:
             print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
             status = EXIT_USAGE
     return status
 
 
-def _parse_one(parser, source: Path, trace: Path | None, n_pages: int, args: argparse.Namespace, mode: str) -> int:
+def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: argparse.Namespace, mode: str) -> int:
     """Parse one input page by page into ``OUTPUT/<stem>/``; report progress and problems."""
     import json
     import time
@@ -148,12 +153,15 @@ def _parse_one(parser, source: Path, trace: Path | None, n_pages: int, args: arg
     from .writer import DocumentWriter
 
     start = time.perf_counter()
-    writer = DocumentWriter(args.output / source.stem, source.stem)
+    n_pages = len(info.pages)
+    writer = DocumentWriter(
+        args.output / source.stem, source.stem, metadata=parser.result_metadata(info), confidence=args.confidence
+    )
     pages = parser.iter_pages(source, pages=args.pages, password=args.password, replay=trace, keep_page_images=True)
     for done, page in enumerate(pages, start=1):
         writer.add_page(page)
         for error in page.errors:
-            print(f"mineru-fast: {source}: page {page.index + 1}: {error}", file=sys.stderr)
+            print(f"mineru-fast: {source}: page {page.index + 1}: {error.message}", file=sys.stderr)
         if page.status == "partial":
             for warning in page.warnings:
                 print(f"mineru-fast: {source}: page {page.index + 1}: {warning}", file=sys.stderr)

@@ -88,6 +88,11 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
         "(auto: bar on a terminal, lines otherwise)",
     )
     p.add_argument("--quiet", action="store_true", help="same as --progress none")
+    p.add_argument(
+        "--confidence",
+        action="store_true",
+        help="add the mf_confidence extension field (block token log-probabilities) to content_list.json items",
+    )
 
 
 INPUT_SUFFIXES = frozenset({".pdf", ".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp", ".gif", ".jp2"})
@@ -130,6 +135,12 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TASK=N,...",
         help=f"per-task generation bounds, tasks {', '.join(TASKS)}",
     )
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        metavar="LOGPROB",
+        help="flag blocks whose mean token log-probability is below this (<= 0), e.g. -1.0",
+    )
 
 
 def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOptions:
@@ -141,7 +152,8 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
                         ("vision_mode", "vision_mode"), ("slots", "slots"), ("kv_dtype", "kv_dtype"),
-                        ("backend", "backend"), ("int8_kernel", "int8_kernel")):  # fmt: skip
+                        ("backend", "backend"), ("int8_kernel", "int8_kernel"),
+                        ("confidence_threshold", "confidence_threshold")):  # fmt: skip
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
     if args.quantization is not None:

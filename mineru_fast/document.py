@@ -2,16 +2,19 @@
 
 Outputs are what official MinerU 4.0.12 writes for the same blocks (see ``writer``): ``<stem>.md``,
 ``<stem>_content_list.json`` and ``images/`` crops of image, table, chart and equation blocks, plus
-``<stem>.json`` (everything, including raw outputs, timings and errors) and a layout overlay PNG per
-page.
+``<stem>.json`` (everything, including raw outputs, timings, errors, block confidence and the result
+metadata; it validates against ``schema/document.schema.json``, see ``metadata``) and a layout overlay
+PNG per page.
 """
 
 from __future__ import annotations
 
 import io
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -26,6 +29,74 @@ _OVERLAY_COLORS = {
     "image": (200, 120, 0),
     "equation": (150, 40, 200),
 }
+
+
+@dataclass(frozen=True)
+class ParseError:
+    """A problem that cost content: a document that could not be opened, a page that failed.
+
+    Attributes:
+        code: stable machine-readable code: the input codes of ``errors.error_code``
+            (``"corrupt_document"``, ``"image_too_large"``, ...), ``"layout_unreadable"`` (the
+            layout output holds no valid block), ``"engine_error"`` (the engine refused or failed a
+            request) or ``"internal_error"`` (anything else while assembling a page).
+        message: a sentence for people (``str(error)`` is ``"code: message"``).
+        page: 0-based page index, None for a document-level error.
+    """
+
+    code: str
+    message: str
+    page: int | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, page: int | None = None, code: str | None = None) -> ParseError:
+        """An error from an exception; ``code`` default: ``errors.error_code(exc)``."""
+        from .errors import error_code
+
+        return cls(code or error_code(exc), f"{type(exc).__name__}: {exc}", page)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "page": self.page}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Confidence:
+    """How probable a block's tokens were under the model: natural-log probabilities of the tokens
+    of its raw output (``Block.logprobs``: the model's own distribution before penalties; in replay
+    the forced tokens'), the end token left out (it says the block ended, not what it holds).
+
+    Attributes:
+        mean_logprob: mean log-probability per token (0 = certain).
+        min_logprob: the least probable token's log-probability.
+        tokens: tokens the figures are over.
+    """
+
+    mean_logprob: float
+    min_logprob: float
+    tokens: int
+
+    @classmethod
+    def of(cls, logprobs: Sequence[float] | None) -> Confidence | None:
+        """Figures over ``logprobs``; None when there are none."""
+        if not logprobs:
+            return None
+        return cls(math.fsum(logprobs) / len(logprobs), min(logprobs), len(logprobs))
+
+    @classmethod
+    def combine(cls, parts: Iterable[Confidence | None]) -> Confidence | None:
+        """Figures over the tokens of several blocks (token-weighted mean, least min)."""
+        known = [p for p in parts if p is not None]
+        if not known:
+            return None
+        tokens = sum(p.tokens for p in known)
+        mean = math.fsum(p.mean_logprob * p.tokens for p in known) / tokens
+        return cls(mean, min(p.min_logprob for p in known), tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mean_logprob": self.mean_logprob, "min_logprob": self.min_logprob, "tokens": self.tokens}
 
 
 @dataclass
@@ -46,8 +117,9 @@ class Block:
         merge_prev: for text blocks, the model's "continues the previous block" flag
             (``txt_contd_tgt``), else None.
         sub_type: image-analysis class of an image or chart (``natural_image``, ``bar``, ...), else None.
-        logprobs: log-probability of each generated token (see ``GenerationResult.logprobs``);
-            not serialized.
+        logprobs: log-probability of each token of ``raw`` (``GenerationResult.logprobs`` without
+            the end token); not serialized (``confidence`` summarizes them).
+        low_confidence: the block's mean log-probability is below ``ParserOptions.confidence_threshold``.
     """
 
     type: str
@@ -61,10 +133,17 @@ class Block:
     merge_prev: bool | None = None
     sub_type: str | None = None
     logprobs: list[float] | None = field(default=None, repr=False)
+    low_confidence: bool = False
+
+    @property
+    def confidence(self) -> Confidence | None:
+        """Mean and min log-probability of the block's generated tokens; None if it was not read."""
+        return Confidence.of(self.logprobs)
 
     def to_dict(self) -> dict:
         """JSON-serializable fields; ``raw_type``, ``merge_prev`` and ``sub_type`` only when set."""
-        out = {
+        confidence = self.confidence
+        out: dict[str, Any] = {
             "type": self.type,
             "bbox": list(self.bbox),
             "angle": self.angle,
@@ -72,6 +151,8 @@ class Block:
             "raw": self.raw,
             "finish_reason": self.finish_reason,
             "error": self.error,
+            "confidence": confidence.to_dict() if confidence is not None else None,
+            "low_confidence": self.low_confidence,
         }
         for name in ("raw_type", "merge_prev", "sub_type"):
             if getattr(self, name) is not None:
@@ -81,11 +162,15 @@ class Block:
 
 @dataclass
 class Page:
-    """One page: its blocks in reading order, status, problems and timings (seconds).
+    """One page: its blocks in reading order, status, problems, timings and counts.
 
     Attributes:
         index: 0-based page index in the source document.
         size: ``(width, height)`` of the rendered page in pixels (0, 0 if it failed to render).
+        errors: what made the page fail (``ParseError``s); warnings: what made it partial (text).
+        timings: seconds by stage (``render``, ``vision``, ``prefill``, ``decode``, ``total``).
+        counts: the page's engine work: ``requests``, ``prompt_tokens`` (image tokens included)
+            and ``generated_tokens`` (end tokens included).
         image: the rendered page (None after a render failure, and once the parser releases it
             unless asked to keep page images); the layout overlay needs it.
         crops: the images the outputs reference (``images/<name>``), cut from the page when the
@@ -96,9 +181,10 @@ class Page:
     size: tuple[int, int] = (0, 0)
     blocks: list[Block] = field(default_factory=list)
     status: Status = "success"
-    errors: list[str] = field(default_factory=list)
+    errors: list[ParseError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
     layout_raw: str | None = None
     image: Image.Image | None = field(default=None, repr=False)
     crops: dict[str, Image.Image] = field(default_factory=dict, repr=False)
@@ -119,9 +205,10 @@ class Page:
             "page_idx": self.index,
             "size": list(self.size),
             "status": self.status,
-            "errors": self.errors,
+            "errors": [e.to_dict() for e in self.errors],
             "warnings": self.warnings,
             "timings": self.timings,
+            "counts": self.counts,
             "layout_raw": self.layout_raw,
             "blocks": [b.to_dict() for b in self.blocks],
         }
@@ -136,13 +223,28 @@ class Document:
         status: ``success`` (every page fine), ``partial`` (some pages or blocks failed) or
             ``failure`` (no page could be parsed, or the input could not be opened).
         errors: document-level errors (input errors); page problems are on the pages.
-        timings: seconds by stage, summed over pages (``vision``, ``prefill``, ``decode``, ...).
+        timings: seconds by stage, summed over pages (``vision``, ``prefill``, ``decode``, ...),
+            and ``wall``, the parse's wall-clock seconds.
+        counts: the pages' ``counts`` summed.
+        metadata: what produced the result (``metadata.result_metadata``: schema version, input
+            hash, model and revision, options, package version, tier, runtime choices); None for
+            a ``Document`` made by hand (``to_dict`` then writes the schema and package versions).
     """
 
     name: str
     pages: list[Page] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[ParseError] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    metadata: dict[str, Any] | None = None
+
+    def add_page_totals(self) -> None:
+        """Sum the pages' timings and counts into the document's (``wall`` is left as is)."""
+        for page in self.pages:
+            for key, value in page.timings.items():
+                self.timings[key] = self.timings.get(key, 0.0) + value
+            for key, count in page.counts.items():
+                self.counts[key] = self.counts.get(key, 0) + count
 
     @property
     def status(self) -> Status:
@@ -155,32 +257,44 @@ class Document:
 
         return join_markdown([render_page(page, image_dir).markdown for page in self.pages])
 
-    def to_content_list(self, image_dir: str = "images") -> list[dict]:
-        """MinerU 4 ``content_list.json`` items (content list V1), in reading order, paratext included."""
+    def to_content_list(self, image_dir: str = "images", *, confidence: bool = False) -> list[dict]:
+        """MinerU 4 ``content_list.json`` items (content list V1), in reading order, paratext included.
+
+        Args:
+            image_dir: the folder image paths point into.
+            confidence: add the ``mf_confidence`` extension field to every item (not in MinerU's
+                format; see ``writer.render_page``).
+        """
         from .writer import render_page
 
-        return [item for page in self.pages for item in render_page(page, image_dir).content_list]
+        return [
+            item for page in self.pages for item in render_page(page, image_dir, confidence=confidence).content_list
+        ]
 
     def to_dict(self) -> dict:
-        """Everything, JSON-serializable: status, errors, timings, pages with raw outputs."""
+        """Everything, JSON-serializable (``schema/document.schema.json``): status, metadata, errors,
+        timings, counts, pages with raw outputs and block confidence."""
+        from .metadata import head_dict
+
         return {
-            "name": self.name,
-            "status": self.status,
-            "errors": self.errors,
-            "timings": self.timings,
+            **head_dict(self.name, self.status, self.metadata, self.errors, self.timings, self.counts),
             "pages": [p.to_dict() for p in self.pages],
         }
 
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, *, confidence: bool = False) -> Path:
         """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops and
         ``layout/page_NNNN.png`` overlays into ``out_dir``, page by page (``writer.DocumentWriter``).
 
+        Args:
+            out_dir: the output directory (created if needed).
+            confidence: add the ``mf_confidence`` extension field to the content list items.
+
         Returns:
-            ``out_dir`` as a Path (created if needed).
+            ``out_dir`` as a Path.
         """
         from .writer import DocumentWriter
 
-        with DocumentWriter(out_dir, self.name, release=False) as writer:
+        with DocumentWriter(out_dir, self.name, release=False, metadata=self.metadata, confidence=confidence) as writer:
             for page in self.pages:
                 writer.add_page(page)
             return writer.close(self.errors, self.timings.get("wall"))
@@ -189,7 +303,7 @@ class Document:
         return self.to_markdown()
 
 
-def status_of(errors: list[str], page_statuses: list[str]) -> Status:
+def status_of(errors: Sequence[object], page_statuses: list[str]) -> Status:
     """A document's status from its errors and its pages' statuses."""
     if errors or (page_statuses and all(s == "failure" for s in page_statuses)):
         return "failure"

@@ -29,6 +29,8 @@ __all__ = [
     "JobFailed",
     "RateLimited",
     "ServiceUnavailable",
+    "INPUT_ERROR_CODES",
+    "error_code",
 ]
 
 
@@ -83,6 +85,27 @@ class TraceError(MineruFastError):
 class BenchmarkError(MineruFastError):
     """A benchmark run was asked for something it cannot do (more pages than the workload has,
     a row filter that matches no row)."""
+
+
+# Stable codes of input and trace errors (results' ``ParseError.code``, the service's error codes);
+# most specific first: the first matching class wins.
+INPUT_ERROR_CODES: tuple[tuple[type[MineruFastError], str], ...] = (
+    (UnsupportedFormat, "unsupported_format"),
+    (CorruptDocument, "corrupt_document"),
+    (PasswordRequired, "password_required"),
+    (ImageTooLarge, "image_too_large"),
+    (PageRangeError, "bad_page_range"),
+    (InputError, "invalid_document"),
+    (TraceError, "bad_replay_trace"),
+)
+
+
+def error_code(exc: BaseException, default: str = "internal_error") -> str:
+    """The stable code of an input or trace error (``INPUT_ERROR_CODES``); ``default`` for any other."""
+    for cls, code in INPUT_ERROR_CODES:
+        if isinstance(exc, cls):
+            return code
+    return default
 
 
 class ServiceError(MineruFastError):

@@ -10,6 +10,7 @@ at a time, so a long PDF never sits in memory as images.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import math
@@ -127,12 +128,14 @@ class OpenedDocument:
         format: ``"pdf"`` or the Pillow format name (``"PNG"``, ``"TIFF"``, ...).
         page_count: pages (frames) in the whole document.
         page_indices: 0-based indices of the selected pages, ascending.
+        sha256: hex SHA-256 of the file's bytes; None for a PIL image source.
     """
 
     name: str
     format: str
     page_count: int
     page_indices: list[int]
+    sha256: str | None = None
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_pixels: int = DEFAULT_MAX_PIXELS
@@ -368,7 +371,9 @@ def open_document(
     if not data:
         raise CorruptDocument(f"{name}: the file is empty (0 bytes)")
     if b"%PDF-" in data[:1024]:
-        return _open_pdf(name, data, password, pages, **limits)
+        opened = _open_pdf(name, data, password, pages, **limits)
+        opened.sha256 = hashlib.sha256(data).hexdigest()
+        return opened
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -381,6 +386,7 @@ def open_document(
         raise CorruptDocument(f"{name}: cannot decode image: {_describe(exc)}") from exc
     with _closing_on_error(image):
         opened = _open_image(name, image, pages, **limits)
+    opened.sha256 = hashlib.sha256(data).hexdigest()
     if decode_first:
         with _closing_on_error(opened), opened._decoding(0):
             image.load()  # decode the first frame now: a truncated file fails here, typed

@@ -215,12 +215,18 @@ def is_table_continuation_text(text: str) -> bool:
 # ---------------------------------------------------------------- analysis steps (mineru)
 
 
+CONFIDENCE_KEY = "_confidence"
+"""Key of the page model entries made from a block: ``(Block.confidence, Block.low_confidence)``,
+for the writer's optional ``mf_confidence`` field (MinerU has no such key)."""
+
+
 def _analysis_blocks(blocks: list[Block]) -> list[dict]:
     """mineru's xhigh steps from the VLM blocks to its normalized model list of one page."""
     model: list[dict] = []
     for block in blocks:
         kind = _CAPTION_TYPES.get(block.type) or _FOOTNOTE_TYPES.get(block.type) or block.type
         item: dict[str, Any] = {"type": kind, "bbox": list(block.bbox), "content": block.content}
+        item[CONFIDENCE_KEY] = (block.confidence, block.low_confidence)
         if block.sub_type:
             item["sub_type"] = block.sub_type
         if kind == "title":

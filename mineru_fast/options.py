@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .inputs import DEFAULT_DPI, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
@@ -17,7 +18,35 @@ BACKENDS = ("stock", "ipex", "auto")
 INT8_KERNELS = ("auto", "onednn", "int_mm", "torch_ao")  # see engine/quantize.py
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
 
-__all__ = ["ParserOptions", "PRESETS"]
+__all__ = ["ParserOptions", "PRESETS", "TokenBounds"]
+
+
+class TokenBounds(Mapping[str, int]):
+    """An immutable, hashable ``{task: max_new_tokens}`` mapping (``ParserOptions.max_new_tokens``).
+
+    Compares equal to a ``dict`` with the same items; iterates in sorted key order.
+    """
+
+    def __init__(self, bounds: Mapping[str, int] | None = None) -> None:
+        self._items = tuple(sorted((bounds or {}).items()))
+
+    def __getitem__(self, key: str) -> int:
+        for name, value in self._items:
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __repr__(self) -> str:
+        return f"TokenBounds({dict(self._items)!r})"
 
 
 @dataclass(frozen=True)
@@ -59,12 +88,18 @@ class ParserOptions:
         threads: intra-op threads; None = the physical cores available to the process.
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
-            ``"text"``, ``"table"``, ``"equation"``.
+            ``"text"``, ``"table"``, ``"equation"``. Any mapping is accepted and stored as an
+            immutable ``TokenBounds``.
         progress: show a tqdm progress bar over pages.
         model_version: ``"auto"`` (from the checkpoint's name, see ``protocol.detect_model_version``),
             ``"2509"`` (MinerU2.5-2509-1.2B) or ``"pro-2605"`` (MinerU2.5-Pro-2605-1.2B).
         image_analysis: read image and chart blocks with the "Image Analysis" prompt, as mineru 4
             does; None = on for MinerU2.5-Pro (trained for it), off for 2509 (which leaves them unread).
+        confidence_threshold: flag blocks whose mean token log-probability (natural log, see
+            ``Block.confidence``) is below this value (``Block.low_confidence``); None (default)
+            flags nothing. Flags never change a page's status.
+
+    Options are immutable and hashable; ``to_dict`` / ``from_dict`` give their JSON form.
     """
 
     engine: str = "fast"
@@ -84,12 +119,15 @@ class ParserOptions:
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_image_pixels: int = DEFAULT_MAX_PIXELS
-    max_new_tokens: dict[str, int] = field(default_factory=dict)
+    max_new_tokens: Mapping[str, int] = field(default_factory=TokenBounds)
     progress: bool = False
     model_version: str = "auto"
     image_analysis: bool | None = None
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, TokenBounds):
+            object.__setattr__(self, "max_new_tokens", TokenBounds(self.max_new_tokens))
         choices = {
             "engine": ENGINES,
             "precision": PRECISIONS,
@@ -122,6 +160,27 @@ class ParserOptions:
                 raise ValueError(f"max_new_tokens keys must be in {TASKS}, got {task!r}")
             if bound < 1:
                 raise ValueError(f"max_new_tokens[{task!r}] must be >= 1, got {bound}")
+        if self.confidence_threshold is not None and not self.confidence_threshold <= 0:
+            raise ValueError(f"confidence_threshold is a log-probability (<= 0), got {self.confidence_threshold}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: every field by name (``max_new_tokens`` as a plain dict)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["max_new_tokens"] = dict(self.max_new_tokens)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParserOptions:
+        """Options from ``to_dict``'s form.
+
+        Raises:
+            ValueError: an unknown field or an invalid value.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ParserOptions fields: {unknown}")
+        return cls(**data)
 
     def sampling(self, task: str) -> SamplingParams:
         """Sampling parameters of a task (``"layout"`` or a block type), bounds applied."""

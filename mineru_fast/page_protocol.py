@@ -222,7 +222,7 @@ class ContentOutput:
         text: the raw generated text ("" when it failed).
         finish_reason: ``"stop"``, ``"length"``, ``"repetition"`` or ``"error"``.
         error: the error message when ``finish_reason == "error"``.
-        logprobs: the generated tokens' log-probabilities (``GenerationResult.logprobs``).
+        logprobs: log-probabilities of the tokens of ``text`` (``GenerationResult.logprobs``, end token left out).
     """
 
     text: str

@@ -11,20 +11,23 @@ parser once it is done and yielded. A page that fails is a page result; the othe
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
-from .document import Document, Page, cut_crops
+from .document import Document, Page, ParseError, cut_crops
 from .engine.base import Engine, GenerationRequest, GenerationResult, RequestHandle
 from .errors import InputError, TraceError
 from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
-from .inputs import Source, open_document
+from .inputs import OpenedDocument, Source, open_document
+from .metadata import InputInfo, result_metadata
 from .options import ParserOptions
 from .page_protocol import ContentOutput, PageLayout, finish_blocks, plan_content, read_layout
 from .protocol import LAYOUT_TASK, detect_model_version, layout_image, prompt_for
@@ -38,9 +41,17 @@ CUT_REASONS = ("length", "repetition", "timeout", "cancelled")
 """Finish reasons of an output that ended before the model did: the block's text may be incomplete."""
 
 
-def _add_timings(timings: dict[str, float], result: GenerationResult) -> None:
+def _add_result(page: Page, result: GenerationResult) -> None:
+    """Add a request's seconds to the page's timings and its tokens to the page's counts."""
     for key, value in (("vision", result.vision_s), ("prefill", result.prefill_s), ("decode", result.decode_s)):
-        timings[key] = timings.get(key, 0.0) + value
+        page.timings[key] = page.timings.get(key, 0.0) + value
+    counts = {"requests": 1, "prompt_tokens": result.prompt_tokens, "generated_tokens": len(result.token_ids)}
+    for name, count in counts.items():
+        page.counts[name] = page.counts.get(name, 0) + count
+
+
+class _EngineFailure(RuntimeError):
+    """The engine answered a request with ``finish_reason="error"``."""
 
 
 @dataclass(eq=False)
@@ -63,7 +74,7 @@ class _ImagePages:
     """A list of PIL images as one document (``OpenedDocument``'s reading interface)."""
 
     def __init__(self, images: list[Image.Image], limits: dict[str, int]) -> None:
-        self.name, self.images, self.limits = "document", images, limits
+        self.name, self.format, self.sha256, self.images, self.limits = "document", "images", None, images, limits
         self.page_count = len(images)
         self.page_indices = list(range(len(images)))
 
@@ -103,6 +114,23 @@ class DocumentParser:
         self.model_info = model_info if model_info is not None else ModelInfo.from_dir(model_dir)
         self.model_version = detect_model_version(model_dir, options.model_version)
         self.image_analysis = options.resolved_image_analysis(self.model_version)
+
+    @functools.cached_property
+    def runtime(self) -> dict[str, Any]:
+        """What the engine runs on this machine and why (``choice.describe``: ISA class, precision,
+        bfloat16 native or emulated, INT8 kernel and the reason for it); JSON-ready."""
+        from .choice import describe
+
+        return describe(self.options)
+
+    def result_metadata(self, source: InputInfo | None) -> dict[str, Any]:
+        """The metadata block of a result of this parser (``metadata.result_metadata``).
+
+        Args:
+            source: the input (``InputInfo.from_opened(open_document(...))``); None if it could not
+                be opened.
+        """
+        return result_metadata(self, source)
 
     @classmethod
     def from_pretrained(
@@ -183,16 +211,15 @@ class DocumentParser:
             TraceError: the replay trace is unreadable or has fewer pages than the document.
         """
         start = time.perf_counter()
-        name, collected = "document", []
+        info, collected = None, []
         for page in self._iter_pages(source, pages, password, replay, keep_page_images):
-            if isinstance(page, str):
-                name = page
+            if isinstance(page, InputInfo):
+                info = page
             else:
                 collected.append(page)
-        document = Document(name, pages=collected)
-        for page in document.pages:
-            for key, value in page.timings.items():
-                document.timings[key] = document.timings.get(key, 0.0) + value
+        assert info is not None  # _iter_pages yields it first
+        document = Document(info.name, pages=collected, metadata=self.result_metadata(info))
+        document.add_page_totals()
         document.timings["wall"] = time.perf_counter() - start
         return document
 
@@ -214,7 +241,7 @@ class DocumentParser:
         Arguments and errors as ``parse``; errors are raised on the first ``next()``.
         """
         for page in self._iter_pages(source, pages, password, replay, keep_page_images):
-            if not isinstance(page, str):
+            if isinstance(page, Page):
                 yield page
 
     def parse_many(self, sources: Iterable[Source], **kwargs: object) -> Iterator[Document]:
@@ -228,7 +255,7 @@ class DocumentParser:
                 yield self.parse(source, **kwargs)  # type: ignore[arg-type]
             except InputError as exc:
                 name = Path(source).stem if isinstance(source, (str, Path)) else "document"
-                yield Document(name, errors=[f"{type(exc).__name__}: {exc}"])
+                yield Document(name, errors=[ParseError.from_exception(exc)], metadata=self.result_metadata(None))
 
     # -- the page pipeline -----------------------------------------------------------------------
 
@@ -239,19 +266,20 @@ class DocumentParser:
         password: str | None,
         replay: Trace | str | Path | None,
         keep_page_images: bool,
-    ) -> Iterator[Page | str]:
-        """Yields the document's name first, then its pages."""
+    ) -> Iterator[Page | InputInfo]:
+        """Yields the document's ``InputInfo`` first, then its pages."""
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
         o = self.options
         limits = {"dpi": o.dpi, "max_side": o.max_side, "max_pixels": o.max_image_pixels}
+        opened: _ImagePages | OpenedDocument
         if isinstance(source, list):
             opened = _ImagePages(source, limits)
         else:
-            opened = open_document(source, pages=pages, password=password, **limits)  # type: ignore[assignment]
+            opened = open_document(source, pages=pages, password=password, **limits)
         with opened:
             if trace is not None and len(trace.pages) < opened.page_count:
                 raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
-            yield opened.name
+            yield InputInfo.from_opened(opened)
             progress = self._progress(len(opened.page_indices), opened.name)
             try:
                 for page in self._run_pages(opened, trace, keep_page_images):
@@ -295,7 +323,7 @@ class DocumentParser:
             page.image = opened.render(index)
             page.size = page.image.size
         except InputError as exc:
-            page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
+            page.status, page.errors = "failure", [ParseError.from_exception(exc, index)]
             work.done = True
         page.timings["render"] = time.perf_counter() - start
         if page.image is not None:
@@ -309,7 +337,7 @@ class DocumentParser:
                 work.layout = self.engine.submit(request)
             except Exception as exc:  # engines report failures as results; this guards a broken one
                 logger.exception("page %d: the engine refused its layout request", index + 1)
-                page.status, page.errors = "failure", [f"{type(exc).__name__}: {exc}"]
+                page.status, page.errors = "failure", [ParseError.from_exception(exc, index, "engine_error")]
                 work.done = True
         return work
 
@@ -331,7 +359,9 @@ class DocumentParser:
             except Exception as exc:  # a broken page fails alone; the document goes on
                 logger.exception("page %d failed", work.page.index + 1)
                 page = work.page
-                page.status, page.errors, page.blocks = "failure", [*page.errors, f"{type(exc).__name__}: {exc}"], []
+                code = "engine_error" if isinstance(exc, _EngineFailure) else None
+                error = ParseError.from_exception(exc, page.index, code)
+                page.status, page.errors, page.blocks = "failure", [*page.errors, error], []
                 for handle in work.contents.values():
                     handle.cancel()
                 work.done = True
@@ -343,9 +373,9 @@ class DocumentParser:
         page, trace = work.page, work.trace
         assert work.layout is not None and page.image is not None
         layout = work.layout.result()
-        _add_timings(page.timings, layout)
+        _add_result(page, layout)
         if layout.finish_reason == "error":
-            raise RuntimeError(f"layout step failed: {layout.error}")
+            raise _EngineFailure(f"layout step failed: {layout.error}")
         page.layout_raw = layout.text
         work.page_layout = page_layout = read_layout(layout.text)
         page.warnings.extend(page_layout.warnings)
@@ -353,7 +383,7 @@ class DocumentParser:
             page.warnings.append(f"layout output was cut ({layout.finish_reason}); later blocks may be missing")
         if not page_layout.blocks and layout.text.strip():
             page.status = "failure"
-            page.errors.append("layout output holds no valid block")
+            page.errors.append(ParseError("layout_unreadable", "layout output holds no valid block", page.index))
         elif page.warnings:
             page.status = "partial"
         for request in plan_content(page.image, page_layout, image_analysis=self.image_analysis):
@@ -375,12 +405,20 @@ class DocumentParser:
         assert work.page_layout is not None
         for i, handle in work.contents.items():
             result = handle.result()
-            _add_timings(page.timings, result)
-            outputs[i] = ContentOutput(result.text, result.finish_reason, result.error, result.logprobs)
+            _add_result(page, result)
+            logprobs = result.logprobs
+            if logprobs and result.finish_reason == "stop":  # the end token is no part of the block's text
+                logprobs = logprobs[:-1]
+            outputs[i] = ContentOutput(result.text, result.finish_reason, result.error, logprobs)
             if result.finish_reason in CUT_REASONS:
                 kind = work.page_layout.blocks[i]["type"]
                 page.warnings.append(f"block {i} ({kind}) was cut: {result.finish_reason}")
         page.blocks = finish_blocks(work.page_layout, outputs)
+        threshold = self.options.confidence_threshold
+        if threshold is not None:
+            for block in page.blocks:
+                confidence = block.confidence
+                block.low_confidence = confidence is not None and confidence.mean_logprob < threshold
         if page.status == "success" and any(b.error or b.finish_reason in CUT_REASONS for b in page.blocks):
             page.status = "partial"
 

@@ -9,6 +9,11 @@ the content list, images named ``images/page_<page>_<kind>_<index>.jpg``.
 ``render_page`` is all a streaming writer needs: one finished ``Page`` in, its Markdown chunk, its
 content-list items and its crops out; ``DocumentWriter`` writes a document that way, keeping no page
 image after the page is written.
+
+Extension (off by default, so the content list stays MinerU's byte for byte): with ``confidence=True``
+every content-list item gets ``mf_confidence``: ``{"mean_logprob", "min_logprob", "tokens",
+"low_confidence"}`` over the tokens of the blocks it was made from (``document.Confidence``), or None
+when none of them was read by the model.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import IO, Any
 
-from .document import Page
-from .mineru4 import page_model, plain_text
+from .document import Confidence, Page, ParseError
+from .metadata import head_dict
+from .mineru4 import CONFIDENCE_KEY, page_model, plain_text
 
 __all__ = ["PageOutput", "render_page", "join_markdown", "DocumentWriter", "render_spans"]
 
 _AUXILIARY = {"header", "footer", "page_number", "aside_text"}
+CONFIDENCE_FIELD = "mf_confidence"  # the content-list extension field (see the module docstring)
 
 
 @dataclass
@@ -397,6 +404,26 @@ class _PageRenderer:
         return item
 
 
+def _confidences(entry: dict) -> Iterable[tuple[Confidence | None, bool]]:
+    """``(confidence, low_confidence)`` of a page-model entry and of the entries nested in it."""
+    if CONFIDENCE_KEY in entry:
+        yield entry[CONFIDENCE_KEY]
+    content = entry.get("content")
+    if isinstance(content, list):
+        for child in content:
+            if isinstance(child, dict):
+                yield from _confidences(child)
+
+
+def confidence_field(entries: list[dict]) -> dict | None:
+    """The ``mf_confidence`` value of an item made from ``entries`` (see the module docstring)."""
+    parts = [part for entry in entries for part in _confidences(entry)]
+    combined = Confidence.combine(confidence for confidence, _ in parts)
+    if combined is None:
+        return None
+    return {**combined.to_dict(), "low_confidence": any(low for _, low in parts)}
+
+
 def _reference_item(blocks: list[dict], page_idx: int) -> dict:
     boxes = [b["bbox"] for b in blocks]
     bbox = [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)]
@@ -441,12 +468,13 @@ def _algorithm_html(spans: list[dict]) -> str:
     return f'<div class="docvortex-algorithm" style="white-space: pre-wrap; font-family:monospace;">\n{body}\n</div>'
 
 
-def render_page(page: Page, image_dir: str = "images") -> PageOutput:
+def render_page(page: Page, image_dir: str = "images", *, confidence: bool = False) -> PageOutput:
     """Render one finished page as mineru 4.0.12 would (see the module docstring).
 
     Args:
         page: a parsed page (its image is not needed here; crops are only named).
         image_dir: the folder that image paths in the outputs point into.
+        confidence: add the ``mf_confidence`` extension field to each content-list item.
 
     Returns:
         The page's Markdown chunk, content-list items and the crops they reference.
@@ -466,8 +494,12 @@ def render_page(page: Page, image_dir: str = "images") -> PageOutput:
             continue
         if references:  # a run of reference entries is one list item
             items.append(_reference_item(references, page.index))
+            if confidence:
+                items[-1][CONFIDENCE_FIELD] = confidence_field(references)
             references = []
         if entry is not None and (item := renderer.item(entry)) is not None:
+            if confidence:
+                item[CONFIDENCE_FIELD] = confidence_field([entry])
             items.append(item)
     return PageOutput("\n\n".join(chunks), items, list(dict.fromkeys(renderer.crops)))
 
@@ -505,12 +537,25 @@ class DocumentWriter:
         overlays: also write ``layout/page_NNNN.png`` (needs the page image).
         release: drop each page's image and crops once written (a caller keeping the pages, as
             ``Document.save`` does, passes False).
+        metadata: the result's metadata block (``DocumentParser.result_metadata``), written into
+            ``<stem>.json``.
+        confidence: add the ``mf_confidence`` extension field to the content-list items.
     """
 
-    def __init__(self, out_dir: str | Path, name: str, *, overlays: bool = True, release: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        name: str,
+        *,
+        overlays: bool = True,
+        release: bool = True,
+        metadata: dict[str, Any] | None = None,
+        confidence: bool = False,
+    ) -> None:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.name, self.overlays, self.release = name, overlays, release
+        self.metadata, self.confidence = metadata, confidence
         self._md: IO[str] = (self.out / f"{name}.md").open("w", encoding="utf-8")
         self._cl: IO[str] = (self.out / f"{name}_content_list.json").open("w", encoding="utf-8")
         self._pages_path = self.out / f"{name}.pages.jsonl"
@@ -518,13 +563,14 @@ class DocumentWriter:
         self._md_started = self._cl_started = False
         self.statuses: list[str] = []
         self.timings: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
         self.document_status: str | None = None  # set by close
 
     def add_page(self, page: Page) -> PageOutput:
         """Render and write one finished page; returns what it contributed."""
         from .document import cut_crops, layout_overlay
 
-        output = render_page(page)
+        output = render_page(page, confidence=self.confidence)
         if output.markdown:
             self._md.write(("\n\n" if self._md_started else "") + output.markdown)
             self._md_started = True
@@ -546,6 +592,8 @@ class DocumentWriter:
         self.statuses.append(page.status)
         for key, value in page.timings.items():
             self.timings[key] = self.timings.get(key, 0.0) + value
+        for key, count in page.counts.items():
+            self.counts[key] = self.counts.get(key, 0) + count
         if self.release:
             page.image, page.crops = None, {}
         return output
@@ -557,7 +605,7 @@ class DocumentWriter:
         if not self._md.closed:
             self.close()
 
-    def close(self, errors: list[str] | None = None, wall_s: float | None = None) -> Path:
+    def close(self, errors: list[ParseError] | None = None, wall_s: float | None = None) -> Path:
         """Finish the files and assemble ``<stem>.json`` (``Document.to_dict``'s layout).
 
         Args:
@@ -577,7 +625,7 @@ class DocumentWriter:
         if wall_s is not None:
             timings["wall"] = wall_s
         self.document_status = status_of(errors, self.statuses)
-        head = {"name": self.name, "status": self.document_status, "errors": errors, "timings": timings}
+        head = head_dict(self.name, self.document_status, self.metadata, errors, timings, self.counts)
         with (self.out / f"{self.name}.json").open("w", encoding="utf-8") as full, self._pages_path.open() as lines:
             full.write(json.dumps(head, ensure_ascii=False, indent=2)[:-2] + ',\n  "pages": ')
             _write_json_array(full, (json.loads(line) for line in lines), indent=2, level=1)

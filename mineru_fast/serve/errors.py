@@ -10,28 +10,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..errors import (
-    CorruptDocument,
-    ImageTooLarge,
-    InputError,
-    PageRangeError,
-    PasswordRequired,
-    TraceError,
-    UnsupportedFormat,
-)
+from ..errors import INPUT_ERROR_CODES
 
 __all__ = ["ApiError", "error_body", "error_bytes", "from_exception"]
-
-# Most specific first: the first matching class wins.
-_INPUT_ERRORS: tuple[tuple[type[Exception], str], ...] = (
-    (UnsupportedFormat, "unsupported_format"),
-    (CorruptDocument, "corrupt_document"),
-    (PasswordRequired, "password_required"),
-    (ImageTooLarge, "image_too_large"),
-    (PageRangeError, "bad_page_range"),
-    (InputError, "invalid_document"),
-    (TraceError, "bad_replay_trace"),
-)
 
 
 @dataclass(eq=False)
@@ -73,7 +54,7 @@ def from_exception(exc: BaseException) -> ApiError:
     """
     if isinstance(exc, ApiError):
         return exc
-    for cls, code in _INPUT_ERRORS:
+    for cls, code in INPUT_ERROR_CODES:
         if isinstance(exc, cls):
             return ApiError(422, code, str(exc))
     return ApiError(500, "internal_error", "the server failed to process the document; see its logs")

@@ -21,6 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 from ..document import Document, Page, layout_overlay
 from ..errors import TraceError
 from ..inputs import open_document
+from ..metadata import InputInfo
 from ..parser import DocumentParser
 from ..traces import PageTrace, Trace, trace_from_dict
 from .errors import ApiError
@@ -204,7 +205,8 @@ def run_parse(
         request.data, pages=request.pages, password=request.password, decode_first=False, **limits
     ) as opened:
         total = len(opened.page_indices)
-    document = Document("document")
+        info = InputInfo.from_opened(opened)
+    document = Document(opened.name, metadata=parser.result_metadata(info))
     overlays: list[dict] = []
     if progress is not None:
         progress(0, total)
@@ -223,9 +225,7 @@ def run_parse(
         document.pages.append(page)
         if progress is not None:
             progress(len(document.pages), total)
-    for page in document.pages:
-        for key, value in page.timings.items():
-            document.timings[key] = document.timings.get(key, 0.0) + value
+    document.add_page_totals()
     document.timings["wall"] = time.perf_counter() - start
     return document, overlays
 
@@ -251,13 +251,20 @@ def render_result(document: Document, formats: frozenset[str], overlays: list[di
     (``overlays``: the pages' layout overlays from ``run_parse``, returned for ``layout``)."""
     result: dict = {
         "status": document.status,
-        "errors": document.errors,
+        "errors": [e.to_dict() for e in document.errors],
         "page_count": len(document.pages),
         "pages": [
-            {"page_idx": p.index, "status": p.status, "size": list(p.size), "errors": p.errors, "warnings": p.warnings}
+            {
+                "page_idx": p.index,
+                "status": p.status,
+                "size": list(p.size),
+                "errors": [e.to_dict() for e in p.errors],
+                "warnings": p.warnings,
+            }
             for p in document.pages
         ],
         "timings": document.timings,
+        "counts": document.counts,
     }
     if "markdown" in formats:
         result["markdown"] = document.to_markdown()
@@ -315,7 +322,8 @@ def run_canary(parser: DocumentParser) -> dict:
     document = parser.parse(canary_image(), replay=Trace([CANARY_TRACE]))
     seconds = time.perf_counter() - start
     if document.status != "success":
-        problems = "; ".join(e for p in document.pages for e in p.errors + p.warnings) or "; ".join(document.errors)
+        notes = [e.message for p in document.pages for e in p.errors] + [w for p in document.pages for w in p.warnings]
+        problems = "; ".join(notes) or "; ".join(e.message for e in document.errors)
         raise RuntimeError(f"the canary page failed to parse: {problems}")
     return {
         "status": document.status,
