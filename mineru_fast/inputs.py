@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -39,6 +40,14 @@ _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame 
 MAX_PAGE_RANGE_CHARS = 4096
 MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
 _RANGE_PART = re.compile(r"(\d{1,9})?\s*(?:(-)\s*(\d{1,9})?)?")
+
+
+class PageLimits(TypedDict):
+    """Rendering limits of ``open_document`` (its ``dpi``, ``max_side`` and ``max_pixels`` arguments)."""
+
+    dpi: int
+    max_side: int
+    max_pixels: int
 
 
 def parse_page_range(spec: str | None, page_count: int) -> list[int]:
@@ -250,7 +259,7 @@ class OpenedDocument:
         self.close()
 
 
-def _read_source(source: Source) -> tuple[str, bytes]:
+def _read_source(source: str | Path | bytes | bytearray) -> tuple[str, bytes]:
     if isinstance(source, (bytes, bytearray)):
         return "document", bytes(source)
     path = Path(source)
@@ -264,7 +273,7 @@ def _read_source(source: Source) -> tuple[str, bytes]:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
-def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, **limits: int) -> OpenedDocument:
+def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, limits: PageLimits) -> OpenedDocument:
     import pypdfium2 as pdfium
 
     with _PDFIUM_LOCK:
@@ -289,7 +298,9 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, *
     return OpenedDocument(name, "pdf", page_count, indices, _pdf=pdf, **limits)
 
 
-def _open_image(name: str, image: Image.Image, pages: str | None, owned: bool = True, **limits: int) -> OpenedDocument:
+def _open_image(
+    name: str, image: Image.Image, pages: str | None, limits: PageLimits, owned: bool = True
+) -> OpenedDocument:
     try:
         frames = _count_frames(name, image) if image.format in _MULTI_FRAME_FORMATS else 1
     except InputError:
@@ -364,14 +375,14 @@ def open_document(
         ImageTooLarge: the first frame is over ``max_pixels`` (later frames fail at ``render``).
         PageRangeError: bad ``pages``.
     """
-    limits = {"dpi": dpi, "max_side": max_side, "max_pixels": max_pixels}
+    limits = PageLimits(dpi=dpi, max_side=max_side, max_pixels=max_pixels)
     if isinstance(source, Image.Image):
-        return _open_image("document", source, pages, owned=False, **limits)
+        return _open_image("document", source, pages, limits, owned=False)
     name, data = _read_source(source)
     if not data:
         raise CorruptDocument(f"{name}: the file is empty (0 bytes)")
     if b"%PDF-" in data[:1024]:
-        opened = _open_pdf(name, data, password, pages, **limits)
+        opened = _open_pdf(name, data, password, pages, limits)
         opened.sha256 = hashlib.sha256(data).hexdigest()
         return opened
     try:
@@ -385,7 +396,7 @@ def open_document(
     except Exception as exc:  # Pillow's format plugins raise many types on malformed headers
         raise CorruptDocument(f"{name}: cannot decode image: {_describe(exc)}") from exc
     with _closing_on_error(image):
-        opened = _open_image(name, image, pages, **limits)
+        opened = _open_image(name, image, pages, limits)
     opened.sha256 = hashlib.sha256(data).hexdigest()
     if decode_first:
         with _closing_on_error(opened), opened._decoding(0):

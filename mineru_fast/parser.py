@@ -26,7 +26,7 @@ from .document import Document, Page, ParseError, cut_crops
 from .engine.base import Engine, GenerationRequest, GenerationResult, RequestHandle
 from .errors import InputError, TraceError
 from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
-from .inputs import OpenedDocument, Source, open_document
+from .inputs import OpenedDocument, PageLimits, Source, open_document
 from .metadata import InputInfo, result_metadata
 from .options import ParserOptions
 from .page_protocol import ContentOutput, PageLayout, finish_blocks, plan_content, read_layout
@@ -73,7 +73,7 @@ class _PageWork:
 class _ImagePages:
     """A list of PIL images as one document (``OpenedDocument``'s reading interface)."""
 
-    def __init__(self, images: list[Image.Image], limits: dict[str, int]) -> None:
+    def __init__(self, images: list[Image.Image], limits: PageLimits) -> None:
         self.name, self.format, self.sha256, self.images, self.limits = "document", "images", None, images, limits
         self.page_count = len(images)
         self.page_indices = list(range(len(images)))
@@ -270,7 +270,7 @@ class DocumentParser:
         """Yields the document's ``InputInfo`` first, then its pages."""
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
         o = self.options
-        limits = {"dpi": o.dpi, "max_side": o.max_side, "max_pixels": o.max_image_pixels}
+        limits = PageLimits(dpi=o.dpi, max_side=o.max_side, max_pixels=o.max_image_pixels)
         opened: _ImagePages | OpenedDocument
         if isinstance(source, list):
             opened = _ImagePages(source, limits)

@@ -60,7 +60,7 @@ def test_garbage_layout_is_a_failure_and_dropped_lines_make_a_page_partial(parse
     image = text_page()
     garbage = Trace([PageTrace("<|box_start|>1 2 3<|box_end|> junk <|ref_start|>text", [])])
     (page,) = parser.parse(image, replay=garbage).pages
-    assert page.status == "failure" and page.blocks == [] and "no valid block" in page.errors[0]
+    assert page.status == "failure" and page.blocks == [] and "no valid block" in page.errors[0].message
     mixed = SAMPLE_LAYOUT + "\n<|box_start|>100 900 900 2000<|box_end|><|ref_start|>text<|ref_end|>"
     (page,) = parser.parse(image, replay=Trace([PageTrace(mixed, [*SAMPLE_CONTENTS, "lost"])])).pages
     assert page.status == "partial" and len(page.blocks) == 4
@@ -155,7 +155,9 @@ def test_bad_page_fails_alone(tiny_model, tmp_path):
     broken = DocumentParser(BrokenOnPage(parser.engine, first_layout), parser.options, parser.model_dir)
     doc = broken.parse(path)
     assert [p.status for p in doc.pages] == ["failure", "partial"]
-    assert "engine blew up" in doc.pages[0].errors[0] and doc.status == "partial"
+    (error,) = doc.pages[0].errors
+    assert (error.code, error.page) == ("engine_error", 0) and "engine blew up" in error.message
+    assert doc.status == "partial"
 
 
 def ground_truth_tables(image_name: str) -> list[str]:

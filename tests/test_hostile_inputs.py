@@ -38,13 +38,14 @@ def test_an_oversized_tiff_frame_fails_alone_and_the_next_input_goes_on(parser):
     document = parser.parse(bomb)
     first, second = document.pages
     assert (first.status, first.size) == ("success", (300, 400))
-    assert second.status == "failure" and second.errors[0].startswith("ImageTooLarge: document: frame 2 is 20000x20000")
+    assert second.status == "failure" and (second.errors[0].code, second.errors[0].page) == ("image_too_large", 1)
+    assert second.errors[0].message.startswith("ImageTooLarge: document: frame 2 is 20000x20000")
     assert document.status == "partial"
 
     good = image_bytes(text_page(size=(200, 260)), "PNG")
     documents = list(parser.parse_many([bomb, b"not a document at all", good]))
     assert [d.status for d in documents] == ["partial", "failure", "success"]
-    assert documents[1].errors[0].startswith("UnsupportedFormat")
+    assert documents[1].errors[0].code == "unsupported_format"
     assert documents[2].pages[0].size == (200, 260)
 
 

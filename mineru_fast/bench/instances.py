@@ -39,11 +39,13 @@ def run_instances(spec: dict, instances: int) -> dict:
         procs.append(spawn(argv, group, len(topology.nodes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=logs[-1], text=True))  # fmt: skip
     for proc, log in zip(procs, logs, strict=True):  # each says "ready" after loading and warming up
+        assert proc.stdout is not None and proc.stdin is not None  # spawned with pipes
         if proc.stdout.readline().strip() != "ready":
             for p in procs:
                 p.kill()
             raise RuntimeError(_last_line(log, proc))
     for proc in procs:
+        assert proc.stdin is not None
         proc.stdin.write("\n")
         proc.stdin.flush()
     results = []

@@ -11,6 +11,7 @@ weights read per step over its time).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -43,14 +44,14 @@ def gemm_peaks(dim: int = VISION_DIM, mlp: int = VISION_MLP, tokens: int = N_LAY
         giga = 2 * m * k * n / 1e9
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            out[name] = max(out[name], giga / _best_seconds(lambda a=a, b=b: a @ b))
+            out[name] = max(out[name], giga / _best_seconds(functools.partial(torch.matmul, a, b)))
         a8 = torch.randint(-127, 127, (m, k), dtype=torch.int8)
         b8 = torch.randint(-127, 127, (k, n), dtype=torch.int8)
         linear = quantize_(torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)), Int8DynamicConfig())
         x = torch.randn(m, k)
         with torch.inference_mode():
-            int_mm = _best_seconds(lambda a8=a8, b8=b8: torch._int_mm(a8, b8))
-            seconds = min(int_mm, _best_seconds(lambda linear=linear, x=x: linear(x)))
+            int_mm = _best_seconds(functools.partial(torch._int_mm, a8, b8))
+            seconds = min(int_mm, _best_seconds(functools.partial(linear, x)))
         out["int8"] = max(out["int8"], giga / seconds)
     return out
 

@@ -142,7 +142,7 @@ def run_row(spec: dict) -> dict:
     start = time.perf_counter()
     document = parser.parse([p.image for p in pages], replay=Trace([p.trace for p in pages]))
     wall_s = time.perf_counter() - start
-    failures = [p.errors for p in document.pages if p.status != "success"]
+    failures = [[str(e) for e in p.errors] for p in document.pages if p.status != "success"]
     return {
         "label": spec["label"],
         "numerics": getattr(parser.engine, "numerics", None),

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import BenchmarkError
 from .rows import ROWS, Row, warm_up
@@ -194,19 +195,18 @@ def roofline(engine) -> dict:
 
     vision = engine.vision.config
     full_size = vision.embed_dim == rf.VISION_DIM  # a test model: small shapes, and fractions of little meaning
-    peaks = {
-        "gemm": rf.gemm_peaks(vision.embed_dim, vision.embed_dim * vision.mlp_ratio),
-        "memory_gbps": rf.memory_bandwidth(512 if full_size else 64),
-    }
+    gemm = rf.gemm_peaks(vision.embed_dim, vision.embed_dim * vision.mlp_ratio)
+    memory_gbps = rf.memory_bandwidth(512 if full_size else 64)
+    peaks = {"gemm": gemm, "memory_gbps": memory_gbps}
     got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
     return {
         "full_size": full_size,
         "peaks": peaks,
         "achieved": got,
         "fraction": {
-            "vision_linears_of_int8_peak": got["vision_linears_gops"] / peaks["gemm"]["int8"],
-            "vision_attention_of_fp32_peak": got["vision_attention_gflops"] / peaks["gemm"]["fp32"],
-            "decode_batch1_of_bandwidth": got["decode_batch1_gbps"] / peaks["memory_gbps"],
+            "vision_linears_of_int8_peak": got["vision_linears_gops"] / gemm["int8"],
+            "vision_attention_of_fp32_peak": got["vision_attention_gflops"] / gemm["fp32"],
+            "decode_batch1_of_bandwidth": got["decode_batch1_gbps"] / memory_gbps,
         },
     }
 
@@ -214,7 +214,9 @@ def roofline(engine) -> dict:
 def summarize(rows: list[dict]) -> None:
     """Add per-row statistics in place: mean/P95 seconds per page, pages/min, speed-up, Markdown equality."""
     ok = [r for r in rows if "error" not in r]
-    base = ok[0] if ok else None
+    if not ok:
+        return
+    base = ok[0]
     for r in ok:
         r["mean_s_per_page"] = statistics.mean(r["page_seconds"])
         r["p95_s_per_page"] = _percentile(r["page_seconds"], 0.95)
@@ -291,7 +293,7 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             model = str(pool.submit(cached_synthetic_model, "full").result())
     started = time.time()
-    results = {
+    results: dict[str, Any] = {
         "header": {
             **system_header(threads, model),
             "quick": quick,

@@ -101,7 +101,7 @@ class _Tensors:
             raise ValueError(f"{name}: {end - begin} bytes stored for shape {entry['shape']} {entry['dtype']}")
         with path.open("rb") as f:
             f.seek(data_start + begin)
-            if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
+            if f.readinto(tensor.view(-1).view(torch.uint8).numpy().data) != end - begin:
                 raise ValueError(f"{name}: {path.name} is truncated")
         return tensor
 

@@ -39,6 +39,9 @@ class KVCache(nn.Module):
         dtype: storage dtype (the activation dtype, or bfloat16 to halve the buffers).
     """
 
+    k: torch.Tensor  # buffers [slots, kv_heads, max_len, head_dim]
+    v: torch.Tensor
+
     def __init__(self, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         shape = (slots, kv_heads, max_len, head_dim)

@@ -8,7 +8,9 @@ gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -182,11 +184,16 @@ class Qwen2LM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = MRoPE(config)
 
+    @property
+    def decoder_layers(self) -> Iterable[DecoderLayer]:
+        """``layers`` as ``DecoderLayer``s (an ``nn.ModuleList`` yields plain modules to a type checker)."""
+        return cast("Iterable[DecoderLayer]", self.layers)
+
     def setup_cache(self, slots: int, max_len: int, dtype: torch.dtype) -> None:
         """Allocate the static KV buffers: ``slots`` sequences of at most ``max_len`` tokens,
         stored in ``dtype`` (see ``KVCache``)."""
         c = self.config
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             layer.attention.kv_cache = KVCache(slots, c.num_kv_heads, max_len, c.head_dim, dtype)
 
     @property
@@ -226,7 +233,7 @@ class Qwen2LM(nn.Module):
         parts = [(slot, start, c.shape[0]) for c, _, slot, start in chunks]
         cos, sin = self.rope(positions[:, None], embeds.dtype)
         h = embeds
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             h = h + layer.attention.prefill(layer.attention_norm(h), cos, sin, parts)
             h = h + layer.feed_forward(layer.ffn_norm(h))
         last = torch.tensor(list(itertools.accumulate(length for _, _, length in parts))) - 1
@@ -247,7 +254,7 @@ class Qwen2LM(nn.Module):
         cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
         length = int(cache_positions.max()) + 1
         mask = (torch.arange(length) <= cache_positions[:, None])[:, None, None]  # [B, 1, 1, L]
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             h = h + layer.attention.decode(layer.attention_norm(h), cos, sin, cache_positions, mask)
             h = h + layer.feed_forward(layer.ffn_norm(h))
         return self._logits(h[:, 0])

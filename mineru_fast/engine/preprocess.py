@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -73,13 +74,19 @@ class Preprocessor:
             raise ModelLoadError(f"cannot load tokenizer/image processor from {model_dir}: {exc}") from exc
         finally:
             hf_logging.set_verbosity(verbosity)
-        self.end_ids: list[int] = [self.tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS]
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.end_ids: list[int] = [self._token_id(t, model_dir) for t in END_TOKENS]
+        self.image_token_id = self._token_id("<|image_pad|>", model_dir)
         self.merge_size = self.image_processor.merge_size
         # The image processor resizes every image to at most size["longest_edge"] pixels (Qwen2-VL's
         # max_pixels; 2048 * 28 * 28 for MinerU2.5), i.e. this many LM tokens after the 2x2 merge.
         max_pixels = self.image_processor.size["longest_edge"]
         self.max_image_tokens = max_pixels // (self.image_processor.patch_size * self.merge_size) ** 2
+
+    def _token_id(self, token: str, model_dir: str | Path) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == self.tokenizer.unk_token_id:
+            raise ModelLoadError(f"the tokenizer of {model_dir} has no {token} token")
+        return token_id
 
     def encode(self, request: GenerationRequest) -> EncodedRequest:
         """Prompt ids and pixels of a request (raises the image processor's ValueError on images it
@@ -100,7 +107,7 @@ class Preprocessor:
         """Output text of generated ids, end tokens dropped; special tokens kept unless
         ``skip_special_tokens`` (MinerU's outputs need them: boxes, refs, OTSL)."""
         ids = [t for t in token_ids if t not in self.end_ids]
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))  # one sequence in
 
     def mrope_positions(self, encoded: EncodedRequest) -> torch.Tensor:
         """M-RoPE positions ``[3, L]`` (temporal, height, width) of a prompt with one image.

@@ -172,6 +172,8 @@ class _PerTokenInt8Linear(nn.Module):
     """Shared by the per-token kernels: int8 weights, one float32 scale per output channel."""
 
     backend = ""
+    weight_scale: torch.Tensor  # buffers: [out] float32, [out] float32 or None
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -239,6 +241,7 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
     """
 
     backend = "int_mm"
+    weight_t: torch.Tensor  # buffer [in, out] int8
 
     def _pack(self, q: torch.Tensor) -> None:
         self.register_buffer("weight_t", q.t().contiguous())  # [in, out] for _int_mm
@@ -256,6 +259,10 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
 class Int8WeightOnlyLinear(nn.Module):
     """``y = x (q * scale)^T + b`` with the int8 weight dequantized to ``x``'s dtype per call."""
 
+    weight_q: torch.Tensor  # buffers: [out, in] int8, [out] float32, [out] float32 or None
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         q, scale = _per_channel_int8(linear.weight)
@@ -272,6 +279,9 @@ class Int8WeightOnlyLinear(nn.Module):
 
 class Bf16WeightsLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` stored in bfloat16 and cast to ``x``'s dtype per call."""
+
+    weight_bf16: torch.Tensor  # buffers: [out, in] bfloat16, [out] float32 or None
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -297,7 +307,8 @@ class _TorchAoDynamicLinear(nn.Module):
         float_linear.weight = nn.Parameter(linear.weight.detach().float())
         if linear.bias is not None:
             float_linear.bias = nn.Parameter(linear.bias.detach().float())
-        float_linear.qconfig = per_channel_dynamic_qconfig  # int8 weights, one scale per output channel
+        # int8 weights, one scale per output channel; Module.__setattr__ is typed for tensors and modules only
+        float_linear.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]
         with warnings.catch_warnings():  # the deprecation is known and handled: see the module docstring
             warnings.filterwarnings(
                 "ignore", message=".*quantize_per_(tensor|channel).*deprecated", category=UserWarning

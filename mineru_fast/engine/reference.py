@@ -79,7 +79,7 @@ class _GeneratedTokensProcessor:
         self.rules = rules
         self.prompt_len = prompt_len
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         generated = input_ids.shape[1] - self.prompt_len
         if generated > len(self.rules.blockers[0].tokens):
             self.rules.observe([int(input_ids[0, -1])])

@@ -101,6 +101,7 @@ class BatchLogitsProcessor:
 
         Logits row ``i`` belongs to sequence row ``rows[i]`` (default: row ``i``).
         """
+        select: slice | torch.Tensor
         if rows is None:
             rows = range(logits.shape[0])
             select = slice(0, logits.shape[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,8 @@ class VisionEncoder(nn.Module):
         tables = [self.rotary(g) for g in grids]
         cos = torch.cat([c for c, _ in tables]) if len(tables) > 1 else tables[0][0]
         sin = torch.cat([s for _, s in tables]) if len(tables) > 1 else tables[0][1]
-        x = self.patch_embed(pixel_values.to(self.blocks[0].norm1.weight.dtype))  # norms are never quantized
+        first = cast(VisionBlock, self.blocks[0])
+        x = self.patch_embed(pixel_values.to(first.norm1.weight.dtype))  # norms are never quantized
         return x, cos[None], sin[None], lengths  # tables broadcast over heads
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:

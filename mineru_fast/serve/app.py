@@ -267,8 +267,12 @@ async def _wait(job: Job) -> None:
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
 
+    def finish() -> None:
+        if not finished.done():
+            finished.set_result(None)
+
     def wake(_: Job) -> None:
-        loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+        loop.call_soon_threadsafe(finish)
 
     job.add_done_callback(wake)
     await finished

@@ -1,8 +1,9 @@
 """The bounded job queue and its worker threads.
 
 A ``Job`` waits in a queue of at most ``max_queued`` entries until one of the worker threads takes
-it; each worker owns one runner (one parser: parsers are not thread-safe), so documents are parsed
-off the event loop and at most ``len(runners)`` at a time. A submission to a full queue raises
+it; each worker owns one runner (the runners share one parser, which is thread-safe: concurrent
+documents share its engine batch), so documents are parsed off the event loop and at most
+``len(runners)`` at a time. A submission to a full queue raises
 ``QueueFull``, one whose cost would take the jobs admitted (queued and running) over ``max_cost``
 raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Finished jobs keep
 their result for ``result_ttl`` seconds, then a sweeper thread deletes them; jobs submitted with

@@ -20,8 +20,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..document import Document, Page, layout_overlay
 from ..errors import TraceError
-from ..inputs import open_document
+from ..inputs import PageLimits, open_document
 from ..metadata import InputInfo
+from ..options import ParserOptions
 from ..parser import DocumentParser
 from ..traces import PageTrace, Trace, trace_from_dict
 from .errors import ApiError
@@ -116,12 +117,10 @@ def trace_from_json(data: bytes) -> Trace:
     return trace_from_dict(raw, "the replay trace")
 
 
-def _limits(parser_options: object) -> dict[str, int]:
-    return {
-        "dpi": parser_options.dpi,  # type: ignore[attr-defined]
-        "max_side": parser_options.max_side,  # type: ignore[attr-defined]
-        "max_pixels": parser_options.max_image_pixels,  # type: ignore[attr-defined]
-    }
+def _limits(parser_options: ParserOptions) -> PageLimits:
+    return PageLimits(
+        dpi=parser_options.dpi, max_side=parser_options.max_side, max_pixels=parser_options.max_image_pixels
+    )
 
 
 def decode_cost(sizes: list[tuple[int, int]], page_window: int, max_side: int) -> int:
@@ -146,7 +145,7 @@ def decode_cost(sizes: list[tuple[int, int]], page_window: int, max_side: int) -
     return int(full + (min(page_window, len(sizes)) - 1) * kept)
 
 
-def inspect_document(request: ParseRequest, parser_options: object, max_pages: int) -> DocumentInfo:
+def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_pages: int) -> DocumentInfo:
     """Read a document's headers: format, page count, selected pages, and what decoding will cost.
 
     No page is rendered or decoded, so this is cheap whatever the upload holds; every selected page
@@ -176,7 +175,7 @@ def inspect_document(request: ParseRequest, parser_options: object, max_pages: i
         page_count, format_name = opened.page_count, opened.format
     if request.trace is not None and len(request.trace.pages) < page_count:
         raise TraceError(f"the replay trace has {len(request.trace.pages)} pages, the document {page_count}")
-    cost = decode_cost(sizes, parser_options.page_window, limits["max_side"])  # type: ignore[attr-defined]
+    cost = decode_cost(sizes, parser_options.page_window, limits["max_side"])
     return DocumentInfo(format_name, page_count, selected, cost)
 
 

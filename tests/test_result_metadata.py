@@ -1,0 +1,178 @@
+"""The result's metadata, schema, structured errors, counts and block confidence (issue 16)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
+
+from mineru_fast import DocumentParser, ParserOptions, __version__
+from mineru_fast.cli import main
+from mineru_fast.document import Confidence, ParseError
+from mineru_fast.metadata import SCHEMA_PATH, SCHEMA_VERSION, load_schema
+from mineru_fast.options import TokenBounds
+from mineru_fast.traces import PageTrace, Trace
+from mineru_fast.writer import CONFIDENCE_FIELD, render_page
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the dev extra) validates results")
+
+THRESHOLD = -5.0  # mean log-probability; the tiny model's own tokens score about 0, forced prose about -40
+
+
+@pytest.fixture(scope="module")
+def parser(tiny_model):
+    return DocumentParser.from_pretrained(tiny_model, ParserOptions.preset("exact", confidence_threshold=THRESHOLD))
+
+
+@pytest.fixture(scope="module")
+def validator():
+    schema = load_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def forced_len(parser, text: str) -> int:
+    return len(parser.engine.preprocessor.forced_ids(text))  # the text's tokens and the end token
+
+
+def test_parse_result_validates_against_the_shipped_schema(parser, validator, tmp_path):
+    data = pdf_bytes(2)
+    document = parser.parse(data, replay=sample_trace(2))
+    result = json.loads(json.dumps(document.to_dict()))
+    validator.validate(result)
+    assert SCHEMA_PATH.is_file() and SCHEMA_PATH.parent.name == "schema"
+
+    meta = result["metadata"]
+    assert meta["schema_version"] == SCHEMA_VERSION
+    assert meta["package"] == {"name": "mineru-fast", "version": __version__}
+    assert meta["input"] == {
+        "name": "document",
+        "format": "pdf",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "page_count": 2,
+        "pages": [0, 1],
+    }
+    assert meta["model"] == {
+        "model_id": None,
+        "revision": None,
+        "commit": None,
+        "name": "tiny",
+        "protocol_version": "2509",
+    }
+    assert meta["tier"] == "advanced"
+    assert ParserOptions.from_dict(meta["options"]) == parser.options
+    assert meta["runtime"]["precision"] == "fp32" and meta["runtime"]["int8_kernel"] is None  # exact: no INT8
+
+    # The streamed <stem>.json is the same document.
+    document.save(tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "document.json").read_text())
+    assert written == result
+
+    # The schema is strict where it matters: an error as a bare string, or a token count among
+    # the timings, is refused.
+    broken = json.loads(json.dumps(result))
+    broken["pages"][0]["errors"] = ["something failed"]
+    assert not validator.is_valid(broken)
+    broken = json.loads(json.dumps(result))
+    broken["pages"][0]["timings"]["tokens"] = "12"
+    assert not validator.is_valid(broken)
+
+
+def test_timings_are_seconds_and_token_counts_apart(parser):
+    document = parser.parse(pdf_bytes(2), replay=sample_trace(2))
+    assert set(document.timings) == {"render", "vision", "prefill", "decode", "total", "wall"}
+    assert all(isinstance(v, float) and v >= 0 for v in document.timings.values())
+    per_page = forced_len(parser, SAMPLE_LAYOUT) + sum(forced_len(parser, c) for c in SAMPLE_CONTENTS if c)
+    for page in document.pages:
+        assert page.counts["requests"] == 4  # the layout and three readable blocks (the image is not read)
+        assert page.counts["generated_tokens"] == per_page
+        assert page.counts["prompt_tokens"] > 4 * per_page  # image tokens included
+    assert document.counts == {k: 2 * document.pages[0].counts[k] for k in document.pages[0].counts}
+
+
+def test_errors_are_structured(parser, validator):
+    garbage = Trace([PageTrace("no layout here at all", [])])
+    (page,) = parser.parse([text_page()], replay=garbage).pages
+    assert page.status == "failure"
+    assert page.errors == [ParseError("layout_unreadable", "layout output holds no valid block", 0)]
+    assert str(page.errors[0]) == "layout_unreadable: layout output holds no valid block"
+
+    (bad,) = parser.parse_many([b"not a document"])
+    assert bad.status == "failure" and [e.code for e in bad.errors] == ["unsupported_format"]
+    assert bad.errors[0].page is None and bad.errors[0].message.startswith("UnsupportedFormat: document:")
+    result = bad.to_dict()
+    validator.validate(result)
+    assert result["metadata"]["input"] is None and result["metadata"]["model"]["name"] == "tiny"
+
+
+def test_options_are_immutable_hashable_and_serializable():
+    options = ParserOptions(max_new_tokens={"text": 5, "layout": 64}, confidence_threshold=-1.0)
+    assert isinstance(options.max_new_tokens, TokenBounds)
+    assert options.max_new_tokens == {"layout": 64, "text": 5} and options.sampling("text").max_new_tokens == 5
+    with pytest.raises(TypeError):
+        options.max_new_tokens["text"] = 6  # type: ignore[index]
+    assert hash(options) == hash(ParserOptions(max_new_tokens={"layout": 64, "text": 5}, confidence_threshold=-1.0))
+    assert len({options, ParserOptions(), ParserOptions()}) == 2
+    data = json.loads(json.dumps(options.to_dict()))
+    assert data["max_new_tokens"] == {"layout": 64, "text": 5} and data["confidence_threshold"] == -1.0
+    assert ParserOptions.from_dict(data) == options
+    with pytest.raises(ValueError, match="unknown ParserOptions fields"):
+        ParserOptions.from_dict({**data, "color": "red"})
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        ParserOptions(confidence_threshold=0.5)
+
+
+def test_improbable_block_is_flagged(parser):
+    """The tiny model (random weights) says "\\n" with probability ~1 on every crop; forced prose is
+    improbable under it. Replay reports the forced tokens' log-probabilities, so the prose block,
+    and only it, falls below the threshold."""
+    prose = "A replayed paragraph of body text."
+    trace = Trace([PageTrace(SAMPLE_LAYOUT, ["\n", prose, None, "\n"])])
+    (page,) = parser.parse([text_page()], replay=trace).pages
+    title, text, image, caption = page.blocks
+    assert [b.type for b in page.blocks] == ["title", "text", "image", "image_caption"]
+    assert len(text.logprobs) == forced_len(parser, prose) - 1  # the end token left out
+    assert text.confidence == Confidence.of(text.logprobs)
+    assert text.confidence.mean_logprob < THRESHOLD and text.low_confidence
+    for block in (title, caption):
+        assert block.confidence.tokens == 1 and block.confidence.mean_logprob > -0.1 and not block.low_confidence
+    assert image.confidence is None and not image.low_confidence  # not read (2509: no image analysis)
+    assert page.status == "success"  # a flag is advice to review, not a failure
+
+    record = page.to_dict()["blocks"][1]
+    assert record["confidence"] == text.confidence.to_dict() and record["low_confidence"] is True
+
+    plain = render_page(page).content_list
+    assert all(CONFIDENCE_FIELD not in item for item in plain)  # MinerU's format by default
+    extended = render_page(page, confidence=True).content_list
+    assert [CONFIDENCE_FIELD in item for item in extended] == [True] * len(plain)
+    by_text = {item.get("text"): item[CONFIDENCE_FIELD] for item in extended}
+    assert by_text[prose] == {**text.confidence.to_dict(), "low_confidence": True}
+    print(
+        f"flagged: mean {text.confidence.mean_logprob:.2f} min {text.confidence.min_logprob:.2f}; "
+        f"others: mean {title.confidence.mean_logprob:.2e} / {caption.confidence.mean_logprob:.2e}"
+    )
+
+
+def test_cli_writes_metadata_and_the_confidence_extension(tiny_model, validator, tmp_path, capsys):
+    image = tmp_path / "scan.png"
+    text_page().save(image)
+    trace = tmp_path / "trace.json"
+    Trace([PageTrace(SAMPLE_LAYOUT, ["\n", "A replayed paragraph of body text.", None, "\n"])]).save(trace)
+    out = tmp_path / "out"
+    args = ["parse", str(image), "-o", str(out), "--model", str(tiny_model), "--replay", str(trace)]
+    assert main([*args, "--preset", "exact", "--confidence", "--confidence-threshold", "-5", "--quiet"]) == 0
+    result = json.loads((out / "scan" / "scan.json").read_text())
+    validator.validate(result)
+    assert result["metadata"]["input"]["sha256"] == hashlib.sha256(image.read_bytes()).hexdigest()
+    assert result["metadata"]["input"]["format"] == "PNG"
+    assert result["metadata"]["options"]["confidence_threshold"] == -5.0
+    assert [b["low_confidence"] for b in result["pages"][0]["blocks"]] == [False, True, False, False]
+    items = json.loads((out / "scan" / "scan_content_list.json").read_text())
+    # The empty title and caption leave no item of their own; the image was not read (2509).
+    assert {item["type"]: item[CONFIDENCE_FIELD] for item in items} == {
+        "text": {**result["pages"][0]["blocks"][1]["confidence"], "low_confidence": True},
+        "image": None,
+    }
