@@ -35,7 +35,14 @@ def main() -> int:
         parser = DocumentParser.from_pretrained(model, ParserOptions(progress=False))  # the "fast" preset
         document = parser.parse(HERE / "sample.pdf", replay=HERE / "sample_trace.json")
     print(f"{document.name}: {document.status}, {len(document.pages)} page(s), model {parser.model_info.to_dict()}")
-    print("seconds by stage:", {k: round(v, 3) for k, v in document.timings.items()})
+    print("seconds by stage:", {k: round(v, 3) for k, v in document.timings.items()}, "counts:", document.counts)
+    meta = document.metadata or {}
+    print(f"schema {meta.get('schema_version')}, input {meta.get('input')}, model {meta.get('model')}")
+    # Random weights find the replayed text improbable: every block's mean log-probability is very low.
+    print(
+        "block confidence:",
+        [(b.type, b.confidence and round(b.confidence.mean_logprob, 2)) for b in document.pages[0].blocks],
+    )
     print("\n--- Markdown ---\n" + document.to_markdown())
     print("--- content_list.json, first item ---")
     print(json.dumps(document.to_content_list()[0], indent=1))
