@@ -51,6 +51,7 @@ def tiny_profile(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
     from mineru_fast.cpu import isa_class, read_topology
@@ -173,6 +174,7 @@ def test_row_selection_and_unavailable_rows():
     assert ({"label": "+ IPEX backend", "reason": status.reason} in unavailable) == (not status.usable)
 
 
+@pytest.mark.slow
 def test_two_pinned_instances_row_on_the_tiny_model(tiny_model, tiny_profile):
     from mineru_fast.bench.rows import ROWS
     from mineru_fast.bench.run import run_rows, summarize

@@ -86,6 +86,7 @@ def test_a_crashed_workers_unfinished_inputs_are_reported():
     assert log[-1] == "worker 0 crashed (signal 9); not parsed: in_crash in_c"
 
 
+@pytest.mark.slow
 def test_launch_parses_with_the_tiny_model(tiny_model, tmp_path, capsys):
     (tmp_path / "traces").mkdir()
     for name in ("one", "two"):

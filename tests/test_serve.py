@@ -503,6 +503,7 @@ def test_oversize_upload_is_413_before_it_is_read(server):
     assert httpx.get(f"{server.url}/health").status_code == 200  # the server is fine
 
 
+@pytest.mark.slow
 def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client):
     blocker = client.post("/v1/jobs", **upload(pdf_bytes(4), replay=4)).json()  # keeps the one worker busy
     assert wait_for(lambda: client.get(blocker["status_url"]).json()["status"] == "running", 30)

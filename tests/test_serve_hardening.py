@@ -306,6 +306,7 @@ def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
             return
 
 
+@pytest.mark.slow
 def test_slow_headers_and_stalled_bodies_are_cut_off(open_server):
     """Connections trickling a byte at a time stayed open indefinitely."""
     port = _port(open_server)
@@ -347,6 +348,7 @@ def test_slow_headers_and_stalled_bodies_are_cut_off(open_server):
     assert httpx.get(f"{open_server.url}/health", timeout=30).status_code == 200
 
 
+@pytest.mark.slow
 def test_connections_are_capped_below_the_file_limit_without_accept_errors(open_server):
     """At the file limit every accept failed, /health timed out and the log grew by megabytes."""
     port = _port(open_server)
@@ -371,6 +373,7 @@ def test_connections_are_capped_below_the_file_limit_without_accept_errors(open_
     assert len(refused) <= 1 + seconds / 10  # one line per 10 s, however many were refused
 
 
+@pytest.mark.slow
 def test_foreign_hosts_and_origins_are_refused_without_api_keys(open_server):
     """Without keys any web page could post to the server, and DNS rebinding could read answers."""
     url = open_server.url
@@ -415,6 +418,7 @@ def huge_png() -> bytes:
     return blank_png(12000, 12000)  # 0.56 MB of file, 576 MB decoded (RGBA)
 
 
+@pytest.mark.slow
 def test_uploads_are_admitted_by_decoded_pixels_without_decoding_them(open_server, huge_png):
     """Each 12000x12000 upload cost ~0.5 GB of server memory before it was refused (4 at once +1.65 GB)."""
     url = open_server.url

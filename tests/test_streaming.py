@@ -22,6 +22,7 @@ def parser(tiny_model):
     return DocumentParser.from_pretrained(tiny_model, ParserOptions.preset("exact", page_window=2))
 
 
+@pytest.mark.slow
 def test_iter_pages_holds_at_most_a_window_of_rendered_pages(parser, tmp_path, monkeypatch):
     rendered: list[weakref.ref] = []
     render = OpenedDocument.render
@@ -43,6 +44,7 @@ def test_iter_pages_holds_at_most_a_window_of_rendered_pages(parser, tmp_path, m
     assert len(rendered) == 8 and max(alive) <= parser.options.page_window
 
 
+@pytest.mark.slow
 def test_streamed_outputs_equal_the_in_memory_document_and_exist_before_the_end(parser, tmp_path):
     path = tmp_path / "three.pdf"
     path.write_bytes(pdf_bytes(3))
@@ -79,6 +81,7 @@ def table_crop_page() -> Image.Image:
     return page
 
 
+@pytest.mark.slow
 def test_a_long_table_comes_out_whole_and_a_forced_cut_is_partial(tiny_model, parser, capsys, tmp_path):
     """A 100-row table (~4,700 output tokens after a ~2,000-token image prompt) used to be cut at
     the 6,144-position KV buffer; output bounds now count generated tokens only."""
@@ -106,6 +109,7 @@ def test_a_long_table_comes_out_whole_and_a_forced_cut_is_partial(tiny_model, pa
     assert saved["status"] == "partial" and saved["pages"][0]["blocks"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_directory_input_and_progress_lines(tiny_model, tmp_path, capsys):
     docs = tmp_path / "docs"
     (docs / "sub").mkdir(parents=True)

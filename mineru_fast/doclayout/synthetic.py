@@ -297,11 +297,10 @@ def make_synthetic_doclayout(out_dir: str | Path, size: str = "tiny", seed: int 
 
 def cached_synthetic_doclayout(size: str = "full", seed: int = 0, cache: str | Path | None = None) -> Path:
     """A synthetic PP-DocLayoutV2 (both forms) made once and reused:
-    ``$MINERU_FAST_CACHE`` (default ``~/.cache/mineru-fast``) ``/synthetic-doclayout-<size>-seed<seed>``."""
-    import os
+    ``<cache>/synthetic-doclayout-<size>-seed<seed>``, where ``cache`` defaults to ``hub.cache_dir()``."""
+    from ..hub import cache_dir
 
-    default = Path.home() / ".cache" / "mineru-fast"
-    root = Path(cache) if cache is not None else Path(os.environ.get("MINERU_FAST_CACHE") or default)
+    root = Path(cache) if cache is not None else cache_dir()
     path = root / f"synthetic-doclayout-{size}-seed{seed}"
     if not (path / MARKER).is_file():  # written last: a half-written model is redone
         make_synthetic_doclayout(path, size, seed)
