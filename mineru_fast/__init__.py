@@ -8,7 +8,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .document import Block, Document, Page
+from .document import Block, Confidence, Document, Page, ParseError
 from .errors import (
     CorruptDocument,
     ImageTooLarge,
@@ -42,6 +42,8 @@ __all__ = [
     "Document",
     "Page",
     "Block",
+    "Confidence",
+    "ParseError",
     "MineruFastError",
     "InputError",
     "UnsupportedFormat",

@@ -26,6 +26,7 @@ def test_python_dash_m_and_one_version():
 
 def test_typed_marker_and_lazy_imports():
     assert (resources.files("mineru_fast") / "py.typed").is_file()
+    assert (resources.files("mineru_fast") / "schema" / "document.schema.json").is_file()  # package data
     # Parsing needs neither httpx nor torch at import; the launcher does not import the CLI.
     loaded = run_python(
         "import sys, mineru_fast, mineru_fast.launch; "
