@@ -33,13 +33,19 @@ def validator():
     return jsonschema.Draft202012Validator(schema)
 
 
+@pytest.fixture(scope="module")
+def two_pages(parser):
+    """A replayed two-page PDF: its bytes and its Document."""
+    data = pdf_bytes(2)
+    return data, parser.parse(data, replay=sample_trace(2))
+
+
 def forced_len(parser, text: str) -> int:
     return len(parser.engine.preprocessor.forced_ids(text))  # the text's tokens and the end token
 
 
-def test_parse_result_validates_against_the_shipped_schema(parser, validator, tmp_path):
-    data = pdf_bytes(2)
-    document = parser.parse(data, replay=sample_trace(2))
+def test_parse_result_validates_against_the_shipped_schema(parser, two_pages, validator, tmp_path):
+    data, document = two_pages
     result = json.loads(json.dumps(document.to_dict()))
     validator.validate(result)
     assert SCHEMA_PATH.is_file() and SCHEMA_PATH.parent.name == "schema"
@@ -80,8 +86,8 @@ def test_parse_result_validates_against_the_shipped_schema(parser, validator, tm
     assert not validator.is_valid(broken)
 
 
-def test_timings_are_seconds_and_token_counts_apart(parser):
-    document = parser.parse(pdf_bytes(2), replay=sample_trace(2))
+def test_timings_are_seconds_and_token_counts_apart(parser, two_pages):
+    _, document = two_pages
     assert set(document.timings) == {"render", "vision", "prefill", "decode", "total", "wall"}
     assert all(isinstance(v, float) and v >= 0 for v in document.timings.values())
     per_page = forced_len(parser, SAMPLE_LAYOUT) + sum(forced_len(parser, c) for c in SAMPLE_CONTENTS if c)
