@@ -246,10 +246,12 @@ def _overlay_jpeg(page: Page) -> dict:
 
 
 def render_result(document: Document, formats: frozenset[str], overlays: list[dict] | None = None) -> dict:
-    """The JSON-ready result of a parse: status, per-page summary, timings, asked-for parts
+    """The JSON-ready result of a parse: status, metadata (``Document.metadata``), structured errors,
+    per-page summary, timings (seconds), counts (tokens), asked-for parts
     (``overlays``: the pages' layout overlays from ``run_parse``, returned for ``layout``)."""
     result: dict = {
         "status": document.status,
+        "metadata": document.metadata,
         "errors": [e.to_dict() for e in document.errors],
         "page_count": len(document.pages),
         "pages": [
