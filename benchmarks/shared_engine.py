@@ -194,9 +194,11 @@ def main() -> int:
         for mode in ("one call at a time", "one multi-page call", "concurrent one-page calls"):
             print(f"[shared-engine] parse: {mode} ...", file=sys.stderr, flush=True)
             results["parse"].append(timed_parse(parser, pages, mode))
+            args.output.write_text(json.dumps(results, indent=1))  # kept if a later section fails
     if "chat" in only:
         print("[shared-engine] chat ...", file=sys.stderr, flush=True)
         results["chat"] = chat_runs(parser, args.model, pages[0], args.chat)
+        args.output.write_text(json.dumps(results, indent=1))
     if "decode" in only:
         print("[shared-engine] decode ...", file=sys.stderr, flush=True)
         results["decode"] = decode_rates(parser.engine)
