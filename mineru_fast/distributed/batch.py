@@ -304,8 +304,8 @@ def run_batch(
         count = config.actors or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
         count = min(count, len(jobs))
         log(f"{len(jobs)} document(s) on {count} actor(s) x {cores} core(s)")
-        remote = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=0)(DocumentWorker)
-        actors = [remote.remote(config.model, config.options, cores) for _ in range(count)]
+        remote: Any = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=0)(DocumentWorker)
+        actors: list[Any] = [remote.remote(config.model, config.options, cores) for _ in range(count)]
         try:
             try:
                 hosts = ray.get([a.describe.remote() for a in actors])
