@@ -40,7 +40,7 @@ from .worker import DocumentWorker
 __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
 
 PARTIAL = ".partial"
-BACKPRESSURE = 4  # page events an actor may run ahead of the driver (bounds the object store's share)
+BACKPRESSURE = 2  # page events an actor may run ahead of the driver (bounds the object store's share)
 
 
 class BatchError(MineruFastError):
