@@ -162,7 +162,7 @@ def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_
     assert set(summary.skipped) == done_before
     assert parsed_now == {str(inputs / name) for name in documents} - done_before
     assert all(record.status == "success" for record in summary.records)
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "a_one", "b_long", "c_one"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, "a_one", "b_long", "c_one"])
 
 
 @pytest.mark.slow

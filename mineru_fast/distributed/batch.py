@@ -40,6 +40,7 @@ from .worker import DocumentWorker
 __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
 
 PARTIAL = ".partial"
+RESTART_TIMEOUT_S = 600.0  # longest wait for a restarted actor (it loads the model again)
 BACKPRESSURE = 2  # page events an actor may run ahead of the driver (bounds the object store's share)
 
 
@@ -215,6 +216,8 @@ class _Runner:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
             try:
+                if attempt > 1:
+                    _wait_alive(actor)
                 method = actor.parse.options(num_returns="streaming", _generator_backpressure_num_objects=BACKPRESSURE)
                 for ref in method.remote(job.name, data, trace, self.config.pages, self.config.password):
                     event = ray.get(ref)
@@ -238,6 +241,25 @@ class _Runner:
             shutil.rmtree(partial, ignore_errors=True)
         wall = round(time.perf_counter() - start, 3)
         return Record(str(job.source), job.name, "error", 0, error, attempts, wall)
+
+
+def _wait_alive(actor: Any) -> None:
+    """Wait until a restarting actor answers again (calls made while it restarts fail at once).
+
+    Raises:
+        ray.exceptions.RayError: it died for good, or is still unavailable after ``RESTART_TIMEOUT_S``.
+    """
+    import ray
+
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        try:
+            ray.get(actor.describe.remote(), timeout=RESTART_TIMEOUT_S)
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _cores_per_actor(config: BatchConfig) -> int:
