@@ -39,14 +39,14 @@ class ParseService:
 
         configure_process(config.options.threads, bind=False)  # before torch loads
         self.config = config
-        self.app: Any = None
+        self.service_app: Any = None
 
     def __serve_build_asgi_app__(self) -> Any:
         """The replica's ASGI application (Ray Serve runs its lifespan: model load, canary)."""
         from ..serve.app import create_app
 
-        self.app = create_app(self.config)
-        return self.app
+        self.service_app = create_app(self.config)  # (``app`` is the Serve wrapper's own property)
+        return self.service_app
 
     def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose model failed to load is replaced.
@@ -54,7 +54,7 @@ class ParseService:
         Raises:
             RuntimeError: start-up failed (the error is in the message).
         """
-        service = self.app.state.service if self.app is not None else None
+        service = self.service_app.state.service if self.service_app is not None else None
         if service is not None and service.state == "failed":
             raise RuntimeError(f"start-up failed: {service.load_error}")
 
