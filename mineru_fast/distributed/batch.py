@@ -181,14 +181,20 @@ class _Runner:
         self.progress = _Progress(len(jobs), log)
         self.records: list[Record] = []
         self.lock = threading.Lock()
+        self.stopping = threading.Event()  # set when the driver is interrupted
 
     def drive(self, actor: Any) -> None:
-        while True:
+        while not self.stopping.is_set():
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 return
-            record = self._parse(actor, job)
+            try:
+                record = self._parse(actor, job)
+            except Exception as exc:  # e.g. OSError writing OUTPUT: recorded, never lost
+                record = Record(str(job.source), job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
+            if self.stopping.is_set():
+                return  # interrupted: the document is left to --resume
             self.manifest.append(record)
             with self.lock:
                 self.records.append(record)
@@ -301,13 +307,12 @@ def run_batch(
     if config.max_retries < 0:
         raise BatchError(f"--max-retries must be >= 0, got {config.max_retries}")
     jobs = plan_jobs(config.inputs)
-    manifest = Manifest(config.output)
     shutil.rmtree(config.output / PARTIAL, ignore_errors=True)  # left by an interrupted run
     skipped = []
     if config.resume:
-        complete = manifest.complete()
-        skipped = [str(job.source) for job in jobs if str(job.source) in complete]
-        jobs = [job for job in jobs if str(job.source) not in complete]
+        complete = Manifest(config.output).complete()
+        skipped = [str(job.source) for job in jobs if job.name in complete]
+        jobs = [job for job in jobs if job.name not in complete]
         log(f"resume: {len(skipped)} document(s) complete, {len(jobs)} left")
     start = time.perf_counter()
     if not jobs:
@@ -328,21 +333,22 @@ def run_batch(
         log(f"{len(jobs)} document(s) on {count} actor(s) x {cores} core(s)")
         remote: Any = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=0)(DocumentWorker)
         actors: list[Any] = [remote.remote(config.model, config.options, cores) for _ in range(count)]
+        runner = _Runner(config, jobs, log, on_event)
         try:
             try:
                 hosts = ray.get([a.describe.remote() for a in actors])
             except ray.exceptions.RayError as exc:
                 raise BatchError(f"the parser actors failed to start: {exc}") from exc
             log("actors on " + ", ".join(sorted({h["host"] for h in hosts})))
-            runner = _Runner(config, jobs, log, on_event)
-            threads = [
-                threading.Thread(target=runner.drive, args=(a,), name=f"batch-{n}") for n, a in enumerate(actors)
-            ]
+            threads = [threading.Thread(target=runner.drive, args=(a,), name=f"batch-{n}", daemon=True)
+                       for n, a in enumerate(actors)]  # fmt: skip
             for t in threads:
                 t.start()
             for t in threads:
-                t.join()
+                while t.is_alive():
+                    t.join(timeout=0.5)  # wakes for Ctrl-C
         finally:
+            runner.stopping.set()  # on an interrupt, no record is written for what is left
             for a in actors:
                 ray.kill(a)
     finally:

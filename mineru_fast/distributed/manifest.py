@@ -53,7 +53,7 @@ class Manifest:
             out.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
 
     def records(self) -> dict[str, Record]:
-        """The last record of each document (by input path); a torn last line is ignored."""
+        """The last record of each output name; a torn last line is ignored."""
         last: dict[str, Record] = {}
         if not self.path.is_file():
             return last
@@ -62,13 +62,13 @@ class Manifest:
                 record = Record(**json.loads(line))
             except (ValueError, TypeError):
                 continue  # a line cut by a crash mid-write
-            last[record.document] = record
+            last[record.name] = record
         return last
 
     def complete(self) -> set[str]:
-        """Input paths whose outputs are complete: parsed, and the output JSON in place."""
+        """Names whose outputs are complete: parsed, and ``OUTPUT/<name>/<name>.json`` in place."""
         return {
-            document
-            for document, record in self.records().items()
-            if record.status in PARSED and (self.output / record.name / f"{record.name}.json").is_file()
+            name
+            for name, record in self.records().items()
+            if record.status in PARSED and (self.output / name / f"{name}.json").is_file()
         }
