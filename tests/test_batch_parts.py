@@ -56,3 +56,15 @@ def test_the_job_plan_refuses_clashing_names_and_empty_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(BatchError, match="no input files"):
         plan_jobs([tmp_path / "empty"])
+
+
+def test_batch_without_ray_is_a_usage_error_naming_the_extra(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from mineru_fast.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    text_page().save(tmp_path / "page.png")
+    assert main(["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--model", str(tmp_path)]) == 2
+    assert "pip install 'mineru-fast[ray]'" in capsys.readouterr().err
