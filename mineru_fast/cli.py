@@ -1,4 +1,4 @@
-"""``mineru-fast`` command line: parse, synth-model, bench, trace, serve, launch, info.
+"""``mineru-fast`` command line: parse, synth-model, bench, trace, serve, launch, batch, info.
 
 Exit status of ``parse``: 0 every page parsed, 1 some pages failed or are partial (the rest is
 saved; each problem is on stderr), 2 an input or usage error (one line on stderr, no traceback).
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .cli_options import (
+    add_batch_arguments,
     add_model_arguments,
     add_parse_arguments,
     expand_inputs,
@@ -92,6 +93,8 @@ def build_argparser() -> argparse.ArgumentParser:
     )
     la.add_argument("--cores-per-instance", type=positive_int, help="physical cores per worker")
     la.add_argument("parse_command", nargs=argparse.REMAINDER, metavar="-- parse INPUT... -o OUT [options]")
+
+    add_batch_arguments(sub.add_parser("batch", help="parse a collection on a Ray cluster (needs the ray extra)"))
 
     i = sub.add_parser("info", help="CPU topology, ISA, threads, backends and what auto would choose")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -232,6 +235,35 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return launch(command, args.instances, args.cores_per_instance)
 
 
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from .distributed.batch import BatchConfig, run_batch
+
+    options = options_from_args(args, progress=False)
+    config = BatchConfig(
+        inputs=args.inputs,
+        output=args.output,
+        model=args.model,
+        options=options,
+        address=args.ray_address,
+        actors=args.actors,
+        cores_per_actor=args.cores_per_actor,
+        max_retries=args.max_retries,
+        resume=args.resume,
+        replay=args.replay,
+        pages=args.pages,
+        password=args.password,
+    )
+    summary = run_batch(config)
+    counts: dict[str, int] = {}
+    for record in summary.records:
+        counts[record.status] = counts.get(record.status, 0) + 1
+    done = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing to do"
+    rate = 60 * summary.pages / summary.wall_s if summary.wall_s else 0.0
+    print(f"{done}; {len(summary.skipped)} skipped (complete); {summary.pages} pages in {summary.wall_s:.1f} s "
+          f"({rate:.2f} pages/min) -> {args.output / 'manifest.jsonl'}")  # fmt: skip
+    return summary.exit_status
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     _resolve_model_flag(args)  # every worker then loads the same snapshot, without a hub look-up each
     return run_serve_command(args)
@@ -270,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": _cmd_trace,
         "bench": _cmd_bench,
         "serve": _cmd_serve,
+        "batch": _cmd_batch,
     }
     try:
         return commands[args.command](args)

@@ -95,6 +95,21 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``mineru-fast batch`` (``distributed.batch``)."""
+    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files, or directories (searched recursively)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="OUTPUT/<stem>/ per input, OUTPUT/manifest.jsonl")
+    p.add_argument("--ray-address", help="Ray cluster address, e.g. HEAD:6379 or 'auto' (default: a local Ray)")
+    p.add_argument("--actors", type=positive_int, help="parser actors (default: cluster CPUs / --cores-per-actor)")
+    p.add_argument("--cores-per-actor", type=positive_int, help="CPUs and threads per actor (default: smallest node's)")
+    p.add_argument("--resume", action="store_true", help="skip documents complete in OUTPUT/manifest.jsonl")
+    p.add_argument("--max-retries", type=int, default=2, help="further attempts of a document whose actor died (2)")
+    p.add_argument("--pages", help="1-based page range of every input, e.g. '1-3,5'")
+    p.add_argument("--password", help="user password of encrypted PDFs")
+    p.add_argument("--replay", type=Path, help="directory of <stem>.json replay traces (tests, benchmarks)")
+    add_options_arguments(p)
+
+
 INPUT_SUFFIXES = frozenset({".pdf", ".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp", ".gif", ".jp2"})
 """Suffixes taken from a directory input (files named explicitly are read whatever their name)."""
 

@@ -72,6 +72,16 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    r = v.add_argument_group("Ray Serve (needs the ray extra: pip install 'mineru-fast[ray]')")
+    r.add_argument("--ray", action="store_true", help="run the service as a Ray Serve application (replicas)")
+    r.add_argument("--ray-address", help="Ray cluster address (default: start a local Ray)")
+    r.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model (default: 1)")
+    r.add_argument("--cores-per-replica", type=int, default=1, help="CPUs and parser threads per replica (default: 1)")
+    r.add_argument(
+        "--autoscale",
+        metavar="MIN,MAX",
+        help="scale between MIN and MAX replicas on ongoing requests (target: --workers per replica)",
+    )
     add_options_arguments(v)
 
 
@@ -132,6 +142,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
     require_serve_dependencies()
     config = config_from_args(args)
+    if args.ray:
+        return _run_on_ray(args, config)
     from .server import serve
 
     status = serve(config)
@@ -143,3 +155,21 @@ def run_serve_command(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+def _run_on_ray(args: argparse.Namespace, config: ServeConfig) -> int:
+    """``serve --ray``: the same application on Ray Serve (``distributed.serve_app``)."""
+    from ..distributed import require_ray
+
+    require_ray()
+    autoscaling = None
+    if args.autoscale:
+        low, _, high = args.autoscale.partition(",")
+        if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+            raise MineruFastError(f"--autoscale expects MIN,MAX with 1 <= MIN <= MAX, got {args.autoscale!r}")
+        autoscaling = (int(low), int(high))
+    if args.replicas < 1 or args.cores_per_replica < 1:
+        raise MineruFastError("--replicas and --cores-per-replica must be >= 1")
+    from ..distributed.serve_app import run
+
+    return run(config, args.ray_address, args.replicas, args.cores_per_replica, autoscaling)

@@ -1,0 +1,74 @@
+"""The batch manifest: ``OUTPUT/manifest.jsonl``, one JSON object per finished document.
+
+Fields: ``document`` (the input path as given), ``name`` (its output folder ``OUTPUT/<name>/``),
+``status`` (``success`` / ``partial`` / ``failure``: parsed, outputs written, as the document's
+status; ``error``: no outputs, the input was unreadable or every attempt failed), ``pages``,
+``error`` (None or the last error), ``attempts`` and ``wall_s``. Runs append; the last record of a
+document is its state. A resumed run skips the documents whose last record has outputs and whose
+``OUTPUT/<name>/<name>.json`` exists.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["MANIFEST", "Record", "Manifest"]
+
+MANIFEST = "manifest.jsonl"
+PARSED = ("success", "partial", "failure")  # statuses whose outputs were written
+
+
+@dataclass(frozen=True)
+class Record:
+    """The outcome of one document (see the module docstring for the fields)."""
+
+    document: str
+    name: str
+    status: str
+    pages: int
+    error: str | None
+    attempts: int
+    wall_s: float
+
+
+class Manifest:
+    """Appends records to ``OUTPUT/manifest.jsonl`` (thread-safe) and reads them back.
+
+    Args:
+        output: the batch output directory (created).
+    """
+
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.path = output / MANIFEST
+        self._lock = threading.Lock()
+        output.mkdir(parents=True, exist_ok=True)
+
+    def append(self, record: Record) -> None:
+        """Write one record and flush it to the file."""
+        with self._lock, self.path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+
+    def records(self) -> dict[str, Record]:
+        """The last record of each output name; a torn last line is ignored."""
+        last: dict[str, Record] = {}
+        if not self.path.is_file():
+            return last
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = Record(**json.loads(line))
+            except (ValueError, TypeError):
+                continue  # a line cut by a crash mid-write
+            last[record.name] = record
+        return last
+
+    def complete(self) -> set[str]:
+        """Names whose outputs are complete: parsed, and ``OUTPUT/<name>/<name>.json`` in place."""
+        return {
+            name
+            for name, record in self.records().items()
+            if record.status in PARSED and (self.output / name / f"{name}.json").is_file()
+        }

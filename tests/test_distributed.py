@@ -1,0 +1,219 @@
+"""Scale-out on Ray: ``mineru-fast batch`` and the Ray Serve service on a simulated two-node
+cluster (``ray.cluster_utils.Cluster``, two nodes of 1 CPU each, shared by every test here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from samples import pdf_bytes, sample_trace, text_page
+
+from mineru_fast.cli import main
+from mineru_fast.distributed.manifest import MANIFEST, Manifest
+
+ray = pytest.importorskip("ray")
+# Starting the two-node cluster alone takes ~18 s on 2 loaded cores; each test here is over 15 s.
+pytestmark = pytest.mark.slow
+
+from mineru_fast.distributed.batch import PARTIAL, BatchConfig, run_batch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# documents and their page counts: replay traces make every page "success", whatever the weights
+DOCUMENTS = {"a_one.png": 1, "b_three.pdf": 3, "c_one.png": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def make_collection(folder: Path, documents: dict[str, int], broken: bool = False) -> tuple[Path, Path]:
+    """Write the documents (PNG pages, image-only PDFs) and their traces; returns (inputs, traces)."""
+    inputs, traces = folder / "inputs", folder / "traces"
+    inputs.mkdir(parents=True)
+    traces.mkdir()
+    for name, pages in documents.items():
+        path = inputs / name
+        if path.suffix == ".png":
+            text_page(seed=len(name)).save(path)
+        else:
+            path.write_bytes(pdf_bytes(pages))
+        sample_trace(pages).save(traces / f"{path.stem}.json")
+    if broken:
+        (inputs / "d_broken.pdf").write_bytes(b"%PDF-1.7\n1 0 obj << /Type /Catalog >> truncated")
+        sample_trace(1).save(traces / "d_broken.json")
+    return inputs, traces
+
+
+def tree(folder: Path) -> dict[str, object]:
+    """Every file below ``folder`` by relative path: bytes, or for ``<stem>.json`` the JSON without
+    timings (wall-clock figures differ between any two runs)."""
+    out: dict[str, object] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel.endswith(".json") and not rel.endswith("_content_list.json"):
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data.pop("timings")
+            for page in data["pages"]:
+                page.pop("timings", None)
+            out[rel] = data
+        else:
+            out[rel] = path.read_bytes()
+    return out
+
+
+def sequential(inputs: Path, traces: Path, out: Path, model: Path) -> Path:
+    main(["parse", str(inputs), "-o", str(out), "--model", str(model), "--replay", str(traces), "--quiet"])
+    return out
+
+
+def manifest_lines(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / MANIFEST).read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def first_run(cluster, tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("collection")
+    inputs, traces = make_collection(folder, DOCUMENTS, broken=True)
+    config = BatchConfig([inputs], folder / "out", str(tiny_model), replay=traces, actors=2, cores_per_actor=1)
+    summary = run_batch(config, log=lambda line: None)
+    return folder, inputs, traces, summary
+
+
+def test_a_folder_parses_on_two_nodes_like_sequential_parse(first_run, tiny_model):
+    folder, inputs, traces, summary = first_run
+    (inputs / "d_broken.pdf").unlink()  # parse refuses a run with an unreadable input up front
+    expected = sequential(inputs, traces, folder / "sequential", tiny_model)
+    for name, pages in DOCUMENTS.items():
+        stem = Path(name).stem
+        produced = tree(folder / "out" / stem)
+        assert produced == tree(expected / stem)
+        assert len(produced[f"{stem}.json"]["pages"]) == pages  # type: ignore[index]
+    assert summary.actors == 2 and summary.pages == 5
+    assert not (folder / "out" / PARTIAL).exists()
+
+
+def test_a_broken_file_is_recorded_while_the_rest_complete(first_run):
+    folder, _, _, summary = first_run
+    records = {Path(line["document"]).name: line for line in manifest_lines(folder / "out")}
+    assert sorted(records) == ["a_one.png", "b_three.pdf", "c_one.png", "d_broken.pdf"]
+    assert [records[n]["status"] for n in sorted(records)] == ["success", "success", "success", "error"]
+    broken = records["d_broken.pdf"]
+    assert broken["error"].startswith("CorruptDocument: ") and broken["attempts"] == 1 and broken["pages"] == 0
+    assert not (folder / "out" / "d_broken").exists()
+    assert summary.exit_status == 1
+
+
+def test_a_killed_actor_s_document_is_retried_once_and_completes(cluster, tiny_model, tmp_path):
+    inputs, traces = make_collection(tmp_path, {"long.pdf": 5, "short.png": 1})
+    killed = []
+
+    def kill_mid_document(event):
+        if event["document"] == "long" and event["kind"] == "page" and not killed:
+            killed.append(event["index"])
+            ray.kill(event["actor"], no_restart=False)  # Ray restarts the actor; the document is retried
+
+    out = tmp_path / "out"
+    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=2, cores_per_actor=1)
+    summary = run_batch(config, log=lambda line: None, on_event=kill_mid_document)
+    assert killed == [0]
+    lines = manifest_lines(out)
+    assert sorted((line["name"], line["status"], line["attempts"], line["pages"]) for line in lines) == [
+        ("long", "success", 2, 5), ("short", "success", 1, 1)
+    ]  # fmt: skip
+    expected = sequential(inputs, traces, tmp_path / "sequential", tiny_model)
+    assert tree(out / "long") == tree(expected / "long")  # the pages of the killed attempt left no trace
+    assert summary.exit_status == 0 and not (out / PARTIAL).exists()
+
+
+def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_model, tmp_path):
+    documents = {"a_one.png": 1, "b_long.pdf": 6, "c_one.png": 1}
+    inputs, traces = make_collection(tmp_path, documents)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "mineru_fast", "batch", str(inputs), "-o", str(out), "--model", str(tiny_model),
+            "--replay", str(traces), "--ray-address", cluster.address, "--actors", "1",
+            "--cores-per-actor", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    driver = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not ((out / MANIFEST).is_file() and manifest_lines(out)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)  # the driver dies mid-run; its actor goes with it
+    driver.wait(timeout=30)
+    done_before = Manifest(out).complete()
+    assert done_before and len(done_before) < len(documents)
+
+    summary = run_batch(BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=1, cores_per_actor=1,
+                                    resume=True), log=lambda line: None)  # fmt: skip
+    parsed_now = {record.name for record in summary.records}
+    assert {Path(source).stem for source in summary.skipped} == done_before
+    assert parsed_now == {Path(name).stem for name in documents} - done_before
+    assert all(record.status == "success" for record in summary.records)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, "a_one", "b_long", "c_one"])
+
+
+def test_ray_serve_two_replicas_answer_every_request_when_one_is_killed(cluster, tiny_model, tmp_path):
+    import httpx
+    from ray import serve
+
+    from mineru_fast.distributed.serve_app import build_app
+    from mineru_fast.serve.config import ServeConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text("tester:secret-0123456789\n")
+    port = 18000 + os.getpid() % 1000
+    config = ServeConfig(model=str(tiny_model), workers=2, allow_replay=True, api_key_file=keys, port=port)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(config, replicas=2, cores_per_replica=1), name="mineru-fast", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        headers = {"Authorization": "Bearer secret-0123456789"}
+        deadline = time.monotonic() + 180
+        ready = 0
+        while ready < 10 and time.monotonic() < deadline:  # both replicas loaded (requests spread)
+            ready = ready + 1 if httpx.get(f"{url}/ready", timeout=30).status_code == 200 else 0
+            time.sleep(0.1)
+        assert ready == 10
+        refused = httpx.post(f"{url}/v1/document/parse", files={"file": ("x.pdf", pdf_bytes(1))})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_api_key"
+
+        def request(pages: int) -> tuple[int, list]:
+            files = {"file": ("doc.pdf", pdf_bytes(pages)),
+                     "replay": ("t.json", json.dumps(sample_trace(pages).to_dict()).encode())}  # fmt: skip
+            answers = []
+            # A client's retries. Serve's proxy answers 500 (plain text) for a request whose replica
+            # died under it: the request never reached a result, so sending it again parses it once.
+            for _ in range(20):
+                response = httpx.post(f"{url}/v1/document/parse", files=files, headers=headers, timeout=120)
+                answers.append(response.status_code)
+                if response.status_code == 200:
+                    return pages, [answers, response.json()]
+                time.sleep(1)
+            return pages, [answers, None]
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(request, n) for n in (3, 4, 5, 3, 4, 5)]
+            time.sleep(1.5)  # requests are in flight on both replicas
+            replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]]
+            assert len(replicas) == 2
+            ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+            results = [f.result() for f in futures]
+        for pages, (answers, body) in results:
+            assert body is not None, answers
+            assert body["status"] == "success" and body["page_count"] == pages
+    finally:
+        serve.shutdown()
