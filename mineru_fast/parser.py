@@ -430,9 +430,7 @@ class DocumentParser:
                     handle.cancel()
                 work.done = True
 
-    def _detect(
-        self, works: list[_PageWork], layouts: LayoutTrace | None, text_mode: tuple[str, str] | None
-    ) -> None:
+    def _detect(self, works: list[_PageWork], layouts: LayoutTrace | None, text_mode: tuple[str, str] | None) -> None:
         """Standard tier: PP-DocLayoutV2 over the pages that joined the window (one batched call),
         then each page's plan and its VLM requests. A page whose planning fails fails alone."""
         assert self.layout_detector is not None and text_mode is not None
