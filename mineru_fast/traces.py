@@ -93,14 +93,15 @@ class PageTrace:
                 return content
         return None
 
-    def content_near(self, block_type: str, bbox: Sequence[float], tolerance: float = 0.002) -> str | None:
+    def content_near(self, block_type: str, bbox: Sequence[float], tolerance: float = 0.005) -> str | None:
         """The recorded content of a block found by another layout model (the standard tier's
         detector replaying this trace's layout, ``LayoutTrace.from_trace``), or None.
 
-        The detector's post-processing moves boxes by pixel rounding and renames types (a
-        ``title`` line comes back as ``paragraph_title``), so a line matches when every corner
-        lies within ``tolerance`` (page fraction; 0.002 = 2 units of the layout's 0..1000 grid)
-        and, preferably, its type maps to the same PP-DocLayoutV2 label; the nearest such line wins.
+        The detector's post-processing moves boxes to whole pixels (up to 1/480 of a 480-pixel
+        page) and then to 3 decimals, and renames types (a ``title`` line comes back as
+        ``paragraph_title``), so a line matches when every corner lies within ``tolerance`` (page
+        fraction; 0.005 = 5 units of the layout's 0..1000 grid); among those, a line whose type
+        maps to the same PP-DocLayoutV2 label is preferred, then the nearest.
         """
         from .doclayout.trace import LABEL_BY_BLOCK_TYPE
 

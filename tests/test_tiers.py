@@ -264,3 +264,27 @@ def test_advanced_pages_record_their_tier_and_refuse_a_layout_replay(standard, t
     assert [b.content for b in page.blocks if b.type != "image"] == [c for c in SAMPLE_CONTENTS if c]
     with pytest.raises(TraceError, match="tier 'standard'"):
         advanced.parse([text_page()], layout_replay=LayoutTrace([[]]))
+
+
+def test_the_service_canary_replays_the_standard_tier(standard):
+    from mineru_fast.serve.parsing import run_canary
+
+    parser, engine = recording(standard)
+    result = run_canary(parser)
+    assert result["status"] == "success" and result["blocks"] == 3
+    assert len(engine.prompts) == 3  # an image: title, text and table read by the VLM
+
+
+def test_vlm_trace_contents_match_detected_blocks_by_box_then_label():
+    trace = PageTrace(_line(BODY, "text") + "\n" + _line(BODY, "title") + "\n" + _line(TABLE, "table"), ["t", "h", "x"])
+    assert trace.content_near("paragraph_title", BODY) == "h"  # title -> PP-DocLayoutV2 paragraph_title
+    assert trace.content_near("text", (0.101, 0.136, 0.9, 0.31)) == "t"  # within 0.005
+    assert trace.content_near("text", (0.106, 0.14, 0.9, 0.31)) is None  # too far
+    assert trace.content_near("caption", TABLE) == "x"  # no line of that label: the box decides
+    layouts = LayoutTrace.from_trace(
+        Trace([trace, PageTrace("<|box_start|>0 0 5 5<|box_end|><|ref_start|>unknown<|ref_end|>")])
+    )
+    assert [[d.label for d in page] for page in layouts.pages] == [["text", "paragraph_title", "table"], []]
+    assert layouts.pages[0][2].bbox == TABLE and layouts.pages[0][2].score == 1.0
+    with pytest.raises(TraceError):
+        LayoutTrace.from_trace("not a trace")
