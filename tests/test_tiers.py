@@ -4,6 +4,7 @@ the typed error without layout weights; options and CLI flags."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -222,6 +223,10 @@ def test_options_tier_defaults_and_checks():
         with pytest.raises(ValueError):
             ParserOptions(**bad)
     assert ParserOptions(tier="standard", ocr_mode="txt").ocr_mode == "txt"
+    options = ParserOptions(tier="standard", ocr_mode="ocr", layout_model="m.onnx", layout_backend="onnx")
+    assert ParserOptions(**dataclasses.asdict(options)) == options  # plain fields, serializable as before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.tier = "advanced"  # type: ignore[misc]
 
 
 def test_cli_flags_build_the_tier_options():
