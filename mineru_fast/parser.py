@@ -424,11 +424,7 @@ class DocumentParser:
                     work.done = True
             except Exception as exc:  # a broken page fails alone; the document goes on
                 logger.exception("page %d failed", work.page.index + 1)
-                page = work.page
-                page.status, page.errors, page.blocks = "failure", [*page.errors, f"{type(exc).__name__}: {exc}"], []
-                for handle in work.contents.values():
-                    handle.cancel()
-                work.done = True
+                self._fail(work, exc)
 
     def _detect(self, works: list[_PageWork], layouts: LayoutTrace | None, text_mode: tuple[str, str] | None) -> None:
         """Standard tier: PP-DocLayoutV2 over the pages that joined the window (one batched call),
@@ -474,6 +470,8 @@ class DocumentParser:
                 continue
             block = plan.blocks[request.block_index]
             forced = trace.content_near(block.type, block.bbox) if trace is not None else None
+            if trace is not None and forced is None:
+                page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
             work.contents[request.block_index] = self.engine.submit(
                 GenerationRequest(request.image, request.prompt, self.options.sampling(request.task), forced)
             )
@@ -489,6 +487,7 @@ class DocumentParser:
 
     @staticmethod
     def _fail(work: _PageWork, exc: Exception) -> None:
+        """Mark a page ``failure`` with the error, cancel its requests (the others go on)."""
         page = work.page
         page.status, page.errors, page.blocks = "failure", [*page.errors, f"{type(exc).__name__}: {exc}"], []
         for handle in work.handles():
