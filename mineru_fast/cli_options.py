@@ -14,10 +14,13 @@ from .options import (
     BACKENDS,
     INT8_KERNELS,
     KV_DTYPES,
+    LAYOUT_BACKENDS,
+    OCR_MODES,
     PRECISIONS,
     PRESET_NAMES,
     QUANTIZATIONS,
     TASKS,
+    TIERS,
     VISION_MODES,
     ParserOptions,
 )
@@ -144,6 +147,24 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
     p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")
     p.add_argument(
+        "--tier",
+        choices=TIERS,
+        help="MinerU 4 tier: standard (PP-DocLayoutV2 layout, PDF text, VLM for the rest) or advanced "
+        "(VLM layout and every block); default: standard when --layout-model is given, else advanced",
+    )
+    p.add_argument(
+        "--ocr-mode",
+        choices=OCR_MODES,
+        help="standard tier: auto (trust the PDF text layer when it passes the checks), txt, or ocr "
+        "(read every block from the image) (default: auto)",
+    )
+    p.add_argument(
+        "--layout-model",
+        help="PP-DocLayoutV2 for the standard tier: .onnx file, folder or hub id "
+        "(default: opendatalab/MinerU-4_models_onnx in the Hugging Face cache)",
+    )
+    p.add_argument("--layout-backend", choices=LAYOUT_BACKENDS, help="PP-DocLayoutV2 runtime (default: auto)")
+    p.add_argument(
         "--max-new-tokens",
         type=parse_max_new_tokens,
         default={},
@@ -167,7 +188,9 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
                         ("vision_mode", "vision_mode"), ("slots", "slots"), ("kv_dtype", "kv_dtype"),
-                        ("backend", "backend"), ("int8_kernel", "int8_kernel"),
+                        ("backend", "backend"), ("int8_kernel", "int8_kernel"), ("tier", "tier"),
+                        ("ocr_mode", "ocr_mode"), ("layout_model", "layout_model"),
+                        ("layout_backend", "layout_backend"),
                         ("confidence_threshold", "confidence_threshold")):  # fmt: skip
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)

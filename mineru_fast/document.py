@@ -175,6 +175,10 @@ class Page:
             unless asked to keep page images); the layout overlay needs it.
         crops: the images the outputs reference (``images/<name>``), cut from the page when the
             parser releases the page image; not serialized.
+        tier: the pipeline tier the page went through, ``"standard"`` or ``"advanced"``.
+        ocr_mode: where its text-like blocks came from: ``"txt"`` (the PDF's text layer) or
+            ``"ocr"`` (the page image, read by the VLM); always ``"ocr"`` on the advanced tier.
+        ocr_reason: the text-layer check that decided ``ocr_mode`` (or ``"requested"``).
     """
 
     index: int
@@ -188,6 +192,9 @@ class Page:
     layout_raw: str | None = None
     image: Image.Image | None = field(default=None, repr=False)
     crops: dict[str, Image.Image] = field(default_factory=dict, repr=False)
+    tier: str | None = None
+    ocr_mode: str | None = None
+    ocr_reason: str | None = None
 
     def _repr_png_(self) -> bytes | None:
         """Jupyter shows a page as its layout overlay, long side at most ``NOTEBOOK_MAX_SIDE``
@@ -209,6 +216,9 @@ class Page:
             "warnings": self.warnings,
             "timings": self.timings,
             "counts": self.counts,
+            "tier": self.tier,
+            "ocr_mode": self.ocr_mode,
+            "ocr_reason": self.ocr_reason,
             "layout_raw": self.layout_raw,
             "blocks": [b.to_dict() for b in self.blocks],
         }

@@ -20,12 +20,15 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import CorruptDocument, ImageTooLarge, InputError, PageRangeError, PasswordRequired, UnsupportedFormat
+
+if TYPE_CHECKING:
+    from .pdftext import PageText
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +199,50 @@ class OpenedDocument:
                 size = self._image.size  # type: ignore[union-attr]
         self._check_pixels(size, index)
         return size
+
+    def text_layer_mode(self, ocr_mode: str) -> tuple[str, str]:
+        """Whether this document's text layer is used (``pdftext.resolve_ocr_mode``).
+
+        Args:
+            ocr_mode: ``"auto"``, ``"txt"`` or ``"ocr"``.
+
+        Returns:
+            ``(mode, reason)``: ``"txt"`` or ``"ocr"`` and the check that decided; images are
+            always ``"ocr"``.
+
+        Raises:
+            ValueError: unknown ``ocr_mode``.
+        """
+        from .pdftext import resolve_ocr_mode
+
+        if self._pdf is None:
+            verdict = resolve_ocr_mode(ocr_mode, None)
+        else:
+            with _PDFIUM_LOCK:
+                verdict = resolve_ocr_mode(ocr_mode, self._pdf)
+        return verdict.mode, verdict.reason
+
+    def page_text(self, index: int) -> PageText | None:
+        """The text layer of page ``index`` (``pdftext.read_page_text``); None for images.
+
+        Raises:
+            CorruptDocument: PDFium cannot read the page.
+        """
+        import pypdfium2 as pdfium
+
+        from .pdftext import read_page_text
+
+        if self._pdf is None:
+            return None
+        with _PDFIUM_LOCK:
+            try:
+                page = self._pdf[index]  # type: ignore[index]
+                try:
+                    return read_page_text(page)
+                finally:
+                    page.close()
+            except pdfium.PdfiumError as exc:
+                raise CorruptDocument(f"{self.name}: cannot read the text of page {index + 1}: {exc}") from exc
 
     def _pdf_render_size(self, width_pt: float, height_pt: float, index: int) -> tuple[int, int]:
         if not (math.isfinite(width_pt) and math.isfinite(height_pt) and width_pt > 0 and height_pt > 0):

@@ -19,14 +19,13 @@ if TYPE_CHECKING:
     from .document import ParseError
     from .parser import DocumentParser
 
-__all__ = ["SCHEMA_VERSION", "SCHEMA_PATH", "DEFAULT_TIER", "InputInfo", "result_metadata", "head_dict", "load_schema"]
+__all__ = ["SCHEMA_VERSION", "SCHEMA_PATH", "InputInfo", "result_metadata", "head_dict", "load_schema"]
 
 SCHEMA_VERSION = "1.0"
 """Version of the result layout (``schema/document.schema.json``): the major part changes when a
 field is removed or changes meaning, the minor part when fields are added."""
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "document.schema.json"
-DEFAULT_TIER = "advanced"  # the VLM reads layout and content (the only tier wired into the parser)
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,8 @@ def result_metadata(parser: DocumentParser, source: InputInfo | None) -> dict[st
         source: the input; None when it could not be opened.
 
     Returns:
-        A JSON-ready dict (see the module docstring); ``tier`` is the options' ``tier`` when they
-        have one, else ``DEFAULT_TIER``.
+        A JSON-ready dict (see the module docstring); ``tier`` is the tier the parser runs
+        (``ParserOptions.resolved_tier``).
     """
     from . import __version__
 
@@ -91,7 +90,7 @@ def result_metadata(parser: DocumentParser, source: InputInfo | None) -> dict[st
             "name": info.local_dir.name,
             "protocol_version": parser.model_version,
         },
-        "tier": options.get("tier") or DEFAULT_TIER,
+        "tier": parser.tier,
         "options": options,
         "runtime": parser.runtime,
     }

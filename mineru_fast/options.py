@@ -17,6 +17,9 @@ VISION_MODES = ("eager", "trace", "compile")
 BACKENDS = ("stock", "ipex", "auto")
 INT8_KERNELS = ("auto", "onednn", "int_mm", "torch_ao")  # see engine/quantize.py
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
+TIERS = ("standard", "advanced")  # MinerU 4's names (effort "high" and "xhigh"); see README "Tiers"
+OCR_MODES = ("auto", "txt", "ocr")  # as pdftext.OCR_MODES
+LAYOUT_BACKENDS = ("auto", "onnx", "torch")  # as doclayout.detector.BACKENDS
 
 __all__ = ["ParserOptions", "PRESETS", "TokenBounds"]
 
@@ -95,6 +98,21 @@ class ParserOptions:
             ``"2509"`` (MinerU2.5-2509-1.2B) or ``"pro-2605"`` (MinerU2.5-Pro-2605-1.2B).
         image_analysis: read image and chart blocks with the "Image Analysis" prompt, as mineru 4
             does; None = on for MinerU2.5-Pro (trained for it), off for 2509 (which leaves them unread).
+        tier: MinerU 4's pipeline tier. ``"advanced"`` (effort ``xhigh``): the VLM's own layout
+            pass, then a VLM read of every block. ``"standard"`` (effort ``high``, MinerU 4's
+            default): layout from PP-DocLayoutV2, text-like blocks from the PDF's text layer where
+            ``ocr_mode`` resolves to ``"txt"``, the VLM reads only the other blocks. None (default):
+            ``"standard"`` when ``layout_model`` is given, else ``"advanced"`` (``resolved_tier``);
+            the standard tier needs a second model that a plain install does not have.
+        ocr_mode: ``"auto"`` (per document, then per page: trust the PDF's text layer only when it
+            passes MinerU 4's checks; images are always ``"ocr"``), ``"txt"`` (take text-like
+            blocks from the PDF) or ``"ocr"`` (read every block from the page image). The
+            advanced tier reads every block from the image; it accepts ``"auto"`` and ``"ocr"``.
+        layout_model: PP-DocLayoutV2 for the standard tier: an ``.onnx`` file, a checkpoint or
+            model-repository folder, or a hub id; None = MinerU 4's repositories in the hub cache
+            (``doclayout.resolve_layout_weights``).
+        layout_backend: ``"onnx"`` (ONNX Runtime), ``"torch"`` (transformers) or ``"auto"``
+            (ONNX when onnxruntime is installed).
         confidence_threshold: flag blocks whose mean token log-probability (natural log, see
             ``Block.confidence``) is below this value (``Block.low_confidence``); None (default)
             flags nothing. Flags never change a page's status.
@@ -123,6 +141,10 @@ class ParserOptions:
     progress: bool = False
     model_version: str = "auto"
     image_analysis: bool | None = None
+    tier: str | None = None
+    ocr_mode: str = "auto"
+    layout_model: str | None = None
+    layout_backend: str = "auto"
     confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
@@ -138,12 +160,18 @@ class ParserOptions:
             "vision_mode": VISION_MODES,
             "kv_dtype": KV_DTYPES,
             "backend": BACKENDS,
+            "ocr_mode": OCR_MODES,
+            "layout_backend": LAYOUT_BACKENDS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.model_version not in ("auto", *MODEL_VERSIONS):
             raise ValueError(f"model_version must be one of {('auto', *MODEL_VERSIONS)}, got {self.model_version!r}")
+        if self.tier is not None and self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS} (or None), got {self.tier!r}")
+        if self.resolved_tier == "advanced" and self.ocr_mode == "txt":
+            raise ValueError("ocr_mode 'txt' needs tier 'standard' (the advanced tier reads every block from images)")
         if self.engine == "reference" and self.backend == "ipex":
             raise ValueError("backend 'ipex' applies to the fast engine only")
         if self.threads is not None and self.threads < 1:
@@ -181,6 +209,14 @@ class ParserOptions:
         if unknown:
             raise ValueError(f"unknown ParserOptions fields: {unknown}")
         return cls(**data)
+
+    @property
+    def resolved_tier(self) -> str:
+        """The tier parsed with: ``tier``, or ``"standard"`` when a ``layout_model`` is given, else
+        ``"advanced"``."""
+        if self.tier is not None:
+            return self.tier
+        return "standard" if self.layout_model is not None else "advanced"
 
     def sampling(self, task: str) -> SamplingParams:
         """Sampling parameters of a task (``"layout"`` or a block type), bounds applied."""

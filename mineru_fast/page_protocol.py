@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -36,6 +37,7 @@ __all__ = [
     "ContentRequest",
     "ContentOutput",
     "read_layout",
+    "layout_from_blocks",
     "plan_content",
     "finish_blocks",
     "official_block_types",
@@ -174,6 +176,34 @@ def read_layout(text: str) -> PageLayout:
     return layout
 
 
+def layout_from_blocks(blocks: Sequence[tuple[str, Sequence[float], int | None, str | None]]) -> PageLayout:
+    """A ``PageLayout`` from blocks found by another layout model (the standard tier's detector),
+    as mineru-vl-utils' ``batch_extract_with_layout`` takes them: no content, reading order kept.
+
+    Args:
+        blocks: ``(type, bbox 0..1, angle, sub_type)`` per block, types of mineru-vl-utils'
+            ``BLOCK_TYPES``.
+
+    Raises:
+        ValueError: a type the protocol does not know, or a box outside 0..1 or empty.
+    """
+    from mineru_vl_utils.structs import ContentBlock
+
+    known = official_block_types()
+    layout = PageLayout()
+    for block_type, bbox, angle, sub_type in blocks:
+        if block_type not in known:
+            raise ValueError(f"block type {block_type!r} is not one of mineru-vl-utils' types")
+        x1, y1, x2, y2 = (float(v) for v in bbox)
+        if not (0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1):
+            raise ValueError(f"block box {tuple(bbox)} is not a non-empty box inside 0..1")
+        block = ContentBlock(block_type, [x1, y1, x2, y2], angle=angle)
+        if sub_type is not None:
+            block["sub_type"] = sub_type
+        layout.blocks.append(block)
+    return layout
+
+
 @dataclass(frozen=True)
 class ContentRequest:
     """One content-step request of a page.
@@ -231,7 +261,9 @@ class ContentOutput:
     logprobs: list[float] | None = None
 
 
-def finish_blocks(layout: PageLayout, outputs: dict[int, ContentOutput]) -> list[Block]:
+def finish_blocks(
+    layout: PageLayout, outputs: dict[int, ContentOutput], filled: dict[int, str] | None = None
+) -> list[Block]:
     """Post-process a page's contents into its final blocks (mineru-vl-utils ``post_process``).
 
     Tables: OTSL -> HTML, inline math in cells as ``<eq>``. Equations: delimiter, ``\\left``/``\\right``,
@@ -245,6 +277,9 @@ def finish_blocks(layout: PageLayout, outputs: dict[int, ContentOutput]) -> list
     Args:
         layout: the page's layout after ``plan_content``.
         outputs: ``block_index -> ContentOutput`` for the requests that ran (a failed one included).
+        filled: ``block_index -> content`` taken from elsewhere (the standard tier's PDF text):
+            set after post-processing, untouched by it, as MinerU 4 fills PDF text after the VLM
+            client's post-processing.
 
     Returns:
         The page's blocks in reading order; ``raw`` / ``finish_reason`` / ``error`` filled for the
@@ -262,12 +297,15 @@ def finish_blocks(layout: PageLayout, outputs: dict[int, ContentOutput]) -> list
         index = block.get(_INDEX_KEY)
         output = outputs.get(index) if index is not None else None
         x1, y1, x2, y2 = block["bbox"]
+        content = block.get("content")
+        if filled and index in filled:
+            content = filled[index]
         out.append(
             Block(
                 type=block["type"],
                 bbox=(x1, y1, x2, y2),
                 angle=block.get("angle"),
-                content=block.get("content"),
+                content=content,
                 raw=output.text if output is not None else None,
                 finish_reason=output.finish_reason if output is not None else None,
                 error=output.error if output is not None and output.finish_reason == "error" else None,

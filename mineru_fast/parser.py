@@ -1,7 +1,11 @@
 """``DocumentParser``: the one entry point. Source in, pages (streamed) or a ``Document`` out.
 
-Per page: render -> layout request (1036x1036, "Layout Detection:") -> blocks -> one content
-request per readable block (crop of the full-resolution page) -> post-processing -> ``Page``.
+Per page on the ``advanced`` tier: render -> layout request (1036x1036, "Layout Detection:") ->
+blocks -> one content request per readable block (crop of the full-resolution page) ->
+post-processing -> ``Page``. On the ``standard`` tier the layout comes from PP-DocLayoutV2 (run on
+the pages that joined the window together), text-like blocks take the PDF's text where the text
+layer is trusted (``standard.plan_page``), and only the other blocks (and inline formulas) become
+content requests; the same post-processing and writer follow.
 Requests go to the engine's shared loop as soon as they exist (a page's crops join the batch the
 moment its layout is read), so pages of one document, and the documents of concurrent callers,
 decode together. At most ``page_window`` pages of a document are in flight; each page leaves the
@@ -13,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -22,6 +27,8 @@ from typing import Any
 
 from PIL import Image
 
+from .doclayout import LayoutDetector, LayoutTrace, load_layout_trace
+from .doclayout import PageLayout as DetectedLayout
 from .document import Document, Page, ParseError, cut_crops
 from .engine.base import Engine, GenerationRequest, GenerationResult, RequestHandle
 from .errors import InputError, TraceError
@@ -29,8 +36,10 @@ from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
 from .inputs import OpenedDocument, PageLimits, Source, open_document
 from .metadata import InputInfo, result_metadata
 from .options import ParserOptions
-from .page_protocol import ContentOutput, PageLayout, finish_blocks, plan_content, read_layout
+from .page_protocol import ContentOutput, PageLayout, finish_blocks, layout_from_blocks, plan_content, read_layout
+from .pdftext import PageText
 from .protocol import LAYOUT_TASK, detect_model_version, layout_image, prompt_for
+from .standard import INLINE_FORMULA_TYPE, PagePlan, pdf_contents, plan_page, protocol_layout
 from .traces import PageTrace, Trace, load_trace
 
 logger = logging.getLogger(__name__)
@@ -56,7 +65,8 @@ class _EngineFailure(RuntimeError):
 
 @dataclass(eq=False)
 class _PageWork:
-    """A page in flight: its trace, its layout request, then its content requests."""
+    """A page in flight: its trace, its layout request (advanced) or detection (standard), then its
+    content requests (and, on the standard tier, its inline-formula requests)."""
 
     page: Page
     trace: PageTrace | None
@@ -65,9 +75,14 @@ class _PageWork:
     page_layout: PageLayout | None = None
     contents: dict[int, RequestHandle] = field(default_factory=dict)  # block index -> request
     done: bool = False
+    awaiting_detection: bool = False  # standard tier: rendered, layout model not run yet
+    page_text: PageText | None = None  # standard tier, "txt" documents: the page's text layer
+    plan: PagePlan | None = None  # standard tier: what the PDF filled and what the VLM reads
+    formulas: dict[int, RequestHandle] = field(default_factory=dict)  # inline formula index -> request
 
     def handles(self) -> list[RequestHandle]:
-        return ([self.layout] if self.layout is not None else []) + list(self.contents.values())
+        own = [self.layout] if self.layout is not None else []
+        return own + list(self.contents.values()) + list(self.formulas.values())
 
 
 class _ImagePages:
@@ -88,6 +103,13 @@ class _ImagePages:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def text_layer_mode(self, ocr_mode: str) -> tuple[str, str]:
+        """Images have no text layer: always ``"ocr"``."""
+        return "ocr", "an image has no text layer"
+
+    def page_text(self, index: int) -> None:
+        return None
+
 
 class DocumentParser:
     """Parses PDFs and images with a MinerU2.5 model.
@@ -103,10 +125,23 @@ class DocumentParser:
         model_dir: the checkpoint directory, for reference.
         model_info: which checkpoint this is (hub id, revision, commit); default: read from
             ``model_dir`` (``ModelInfo.from_dir``).
+        layout_detector: PP-DocLayoutV2 for the standard tier; None loads it from
+            ``options.layout_model`` / ``options.layout_backend`` when the tier is ``standard``.
+
+    Raises:
+        LayoutModelMissing: the standard tier and no PP-DocLayoutV2 weights found (the message
+            says what to download and where it looked); never a silent switch to ``advanced``.
     """
 
     def __init__(
-        self, engine: Engine, options: ParserOptions, model_dir: Path, model_info: ModelInfo | None = None
+        self,
+        engine: Engine,
+        options: ParserOptions,
+        model_dir: Path,
+        model_info: ModelInfo | None = None,
+        layout_detector: LayoutDetector | None = None,
+        *,
+        download: bool = True,
     ) -> None:
         self.engine = engine
         self.options = options
@@ -114,6 +149,17 @@ class DocumentParser:
         self.model_info = model_info if model_info is not None else ModelInfo.from_dir(model_dir)
         self.model_version = detect_model_version(model_dir, options.model_version)
         self.image_analysis = options.resolved_image_analysis(self.model_version)
+        self.tier = options.resolved_tier
+        if self.tier == "standard" and layout_detector is None:
+            layout_detector = LayoutDetector.from_pretrained(
+                options.layout_model,
+                backend=options.layout_backend,
+                threads=options.threads,
+                batch_size=options.page_window,
+                download=download,
+            )
+        self.layout_detector = layout_detector if self.tier == "standard" else None
+        self._detect_lock = threading.Lock()  # one detection at a time per detector
 
     @functools.cached_property
     def runtime(self) -> dict[str, Any]:
@@ -160,15 +206,26 @@ class DocumentParser:
         Raises:
             ModelNotCached: offline and the model or revision is not cached (says what is missing).
             ModelLoadError: the model cannot be found or loaded (the message says how to fix it).
+            LayoutModelMissing: ``tier="standard"`` and PP-DocLayoutV2 is not found (checked
+                before the VLM is loaded).
         """
         from .engine.factory import build_engine
 
         options = options or ParserOptions()
+        detector = None
+        if options.resolved_tier == "standard":
+            detector = LayoutDetector.from_pretrained(
+                options.layout_model,
+                backend=options.layout_backend,
+                threads=options.threads,
+                batch_size=options.page_window,
+                download=not local_files_only,
+            )
         info = resolve_model_info(
             path_or_id, revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only
         )
         engine = build_engine(info.local_dir, options)
-        return cls(engine, options, info.local_dir, info)
+        return cls(engine, options, info.local_dir, info, detector)
 
     def close(self) -> None:
         """Stop the engine loop (requests still running end ``cancelled``)."""
@@ -190,6 +247,7 @@ class DocumentParser:
         password: str | None = None,
         replay: Trace | str | Path | None = None,
         keep_page_images: bool = False,
+        layout_replay: LayoutTrace | str | Path | None = None,
     ) -> Document:
         """Parse one document.
 
@@ -202,17 +260,22 @@ class DocumentParser:
                 pipeline tests); see ``mineru_fast.traces``.
             keep_page_images: keep each rendered page on ``Page.image`` (layout overlays need
                 it); by default only the crops the outputs use are kept (``Page.crops``).
+            layout_replay: standard tier: PP-DocLayoutV2 detections (or their path) to use instead
+                of the model's (the model still runs); see ``doclayout.trace``. On this tier a
+                ``replay`` trace's contents are matched to the detected blocks by box
+                (``PageTrace.content_near``).
 
         Returns:
             The ``Document``; per-page failures are in ``page.errors`` and ``document.status``.
 
         Raises:
             InputError: the document cannot be opened (format, password, corruption, page range).
-            TraceError: the replay trace is unreadable or has fewer pages than the document.
+            TraceError: a replay trace is unreadable or has fewer pages than the document, or a
+                ``layout_replay`` on the advanced tier.
         """
         start = time.perf_counter()
         info, collected = None, []
-        for page in self._iter_pages(source, pages, password, replay, keep_page_images):
+        for page in self._iter_pages(source, pages, password, replay, keep_page_images, layout_replay):
             if isinstance(page, InputInfo):
                 info = page
             else:
@@ -231,6 +294,7 @@ class DocumentParser:
         password: str | None = None,
         replay: Trace | str | Path | None = None,
         keep_page_images: bool = False,
+        layout_replay: LayoutTrace | str | Path | None = None,
     ) -> Iterator[Page]:
         """Parse one document page by page, yielding each ``Page`` (in page order) as soon as it
         and the pages before it are done. The document is opened once; at most ``page_window``
@@ -240,7 +304,7 @@ class DocumentParser:
 
         Arguments and errors as ``parse``; errors are raised on the first ``next()``.
         """
-        for page in self._iter_pages(source, pages, password, replay, keep_page_images):
+        for page in self._iter_pages(source, pages, password, replay, keep_page_images, layout_replay):
             if isinstance(page, Page):
                 yield page
 
@@ -266,9 +330,13 @@ class DocumentParser:
         password: str | None,
         replay: Trace | str | Path | None,
         keep_page_images: bool,
+        layout_replay: LayoutTrace | str | Path | None = None,
     ) -> Iterator[Page | InputInfo]:
         """Yields the document's ``InputInfo`` first, then its pages."""
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
+        layouts = load_layout_trace(layout_replay) if isinstance(layout_replay, (str, Path)) else layout_replay
+        if layouts is not None and self.tier != "standard":
+            raise TraceError("a layout replay applies to tier 'standard' (PP-DocLayoutV2 detections)")
         o = self.options
         limits = PageLimits(dpi=o.dpi, max_side=o.max_side, max_pixels=o.max_image_pixels)
         opened: _ImagePages | OpenedDocument
@@ -279,18 +347,29 @@ class DocumentParser:
         with opened:
             if trace is not None and len(trace.pages) < opened.page_count:
                 raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
+            if layouts is not None and len(layouts.pages) < opened.page_count:
+                raise TraceError(f"layout trace has {len(layouts.pages)} pages, {opened.name} has {opened.page_count}")
+            text_mode = opened.text_layer_mode(o.ocr_mode) if self.tier == "standard" else None
             yield InputInfo.from_opened(opened)
             progress = self._progress(len(opened.page_indices), opened.name)
             try:
-                for page in self._run_pages(opened, trace, keep_page_images):
+                for page in self._run_pages(opened, trace, keep_page_images, layouts, text_mode):
                     progress.update(1)
                     yield page
             finally:
                 progress.close()
 
-    def _run_pages(self, opened, trace: Trace | None, keep_page_images: bool) -> Iterator[Page]:
-        """Render pages into a window of at most ``page_window``, submit their requests, advance
-        each page as its requests finish, yield pages in order."""
+    def _run_pages(
+        self,
+        opened,
+        trace: Trace | None,
+        keep_page_images: bool,
+        layouts: LayoutTrace | None = None,
+        text_mode: tuple[str, str] | None = None,
+    ) -> Iterator[Page]:
+        """Render pages into a window of at most ``page_window``, submit their requests (standard
+        tier: detect the layouts of the pages that joined, together), advance each page as its
+        requests finish, yield pages in order."""
         indices = iter(opened.page_indices)
         window: deque[_PageWork] = deque()
         exhausted = False
@@ -301,7 +380,10 @@ class DocumentParser:
                     if index is None:
                         exhausted = True
                         break
-                    window.append(self._start_page(opened, index, trace))
+                    window.append(self._start_page(opened, index, trace, text_mode))
+                fresh = [work for work in window if work.awaiting_detection]
+                if fresh:
+                    self._detect(fresh, layouts, text_mode)
                 if not window:
                     return
                 if window[0].done:
@@ -315,8 +397,8 @@ class DocumentParser:
                 for handle in work.handles():
                     handle.cancel()
 
-    def _start_page(self, opened, index: int, trace: Trace | None) -> _PageWork:
-        page = Page(index)
+    def _start_page(self, opened, index: int, trace: Trace | None, text_mode: tuple[str, str] | None) -> _PageWork:
+        page = Page(index, tier=self.tier)
         work = _PageWork(page, self._page_trace(trace, index))
         start = time.perf_counter()
         try:
@@ -326,6 +408,18 @@ class DocumentParser:
             page.status, page.errors = "failure", [ParseError.from_exception(exc, index)]
             work.done = True
         page.timings["render"] = time.perf_counter() - start
+        if self.tier == "standard":
+            if page.image is not None:
+                work.awaiting_detection = True
+                if text_mode is not None and text_mode[0] == "txt":
+                    start = time.perf_counter()
+                    try:
+                        work.page_text = opened.page_text(index)
+                    except InputError as exc:  # an unreadable text layer: the page is read from its image
+                        page.warnings.append(f"text layer not read ({exc}); page read from its image")
+                    page.timings["text_layer"] = time.perf_counter() - start
+            return work
+        page.ocr_mode, page.ocr_reason = "ocr", "the advanced tier reads every block from the page image"
         if page.image is not None:
             request = GenerationRequest(
                 layout_image(page.image),
@@ -353,18 +447,82 @@ class DocumentParser:
                 if not work.layout_read and work.layout is not None and work.layout.done():
                     work.layout_read = True
                     self._read_layout(work)
-                if work.layout_read and all(h.done() for h in work.contents.values()):
+                if work.layout_read and all(h.done() for h in [*work.contents.values(), *work.formulas.values()]):
                     self._read_contents(work)
                     work.done = True
             except Exception as exc:  # a broken page fails alone; the document goes on
                 logger.exception("page %d failed", work.page.index + 1)
-                page = work.page
-                code = "engine_error" if isinstance(exc, _EngineFailure) else None
-                error = ParseError.from_exception(exc, page.index, code)
-                page.status, page.errors, page.blocks = "failure", [*page.errors, error], []
-                for handle in work.contents.values():
-                    handle.cancel()
-                work.done = True
+                self._fail(work, exc)
+
+    def _detect(self, works: list[_PageWork], layouts: LayoutTrace | None, text_mode: tuple[str, str] | None) -> None:
+        """Standard tier: PP-DocLayoutV2 over the pages that joined the window (one batched call),
+        then each page's plan and its VLM requests. A page whose planning fails fails alone."""
+        assert self.layout_detector is not None and text_mode is not None
+        images = [work.page.image for work in works]
+        replay = [layouts.pages[work.page.index] for work in works] if layouts is not None else None
+        start = time.perf_counter()
+        try:
+            with self._detect_lock:
+                detected = self.layout_detector.detect(images, replay)  # type: ignore[arg-type]
+        except Exception as exc:  # the detector failed on this window: its pages fail, the document goes on
+            logger.exception("layout detection failed on pages %s", [w.page.index + 1 for w in works])
+            for work in works:
+                self._fail(work, exc)
+            return
+        share = (time.perf_counter() - start) / len(works)
+        for work, layout in zip(works, detected, strict=True):
+            work.awaiting_detection = False
+            work.page.timings["layout_model"] = share
+            try:
+                self._plan_standard(work, layout, text_mode)
+            except Exception as exc:
+                logger.exception("page %d failed", work.page.index + 1)
+                self._fail(work, exc)
+
+    def _plan_standard(self, work: _PageWork, layout: DetectedLayout, text_mode: tuple[str, str]) -> None:
+        """A detected layout -> the page's plan (``standard.plan_page``), its protocol layout, and
+        the content requests of the blocks the PDF did not fill, then of its inline formulas."""
+        page, trace = work.page, work.trace
+        assert page.image is not None
+        plan = plan_page(layout, work.page_text, text_mode[0], self.image_analysis)
+        work.page_text = None
+        page.ocr_mode = plan.mode
+        page.ocr_reason = text_mode[1] if text_mode[0] == "ocr" else plan.reason
+        work.plan, work.page_layout, work.layout_read = plan, protocol_layout(plan), True
+        filled = {i for i, block in enumerate(plan.blocks) if block.content is not None}
+        requests = plan_content(page.image, work.page_layout, image_analysis=self.image_analysis)
+        if len(work.page_layout.blocks) != len(plan.blocks):  # only image_caption blocks are dropped there
+            raise RuntimeError("the protocol dropped blocks of a detected layout")
+        for request in requests:
+            if request.block_index in filled:
+                continue
+            block = plan.blocks[request.block_index]
+            forced = trace.content_near(block.type, block.bbox) if trace is not None else None
+            if trace is not None and forced is None:
+                page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
+            work.contents[request.block_index] = self.engine.submit(
+                GenerationRequest(request.image, request.prompt, self.options.sampling(request.task), forced)
+            )
+        formulas = [read for read in plan.reads if read.formula is not None]
+        if formulas:
+            boxes = layout_from_blocks([(INLINE_FORMULA_TYPE, read.bbox, 0, None) for read in formulas])
+            for request in plan_content(page.image, boxes, image_analysis=False):
+                formula = formulas[request.block_index].formula
+                assert formula is not None
+                work.formulas[formula] = self.engine.submit(
+                    GenerationRequest(request.image, request.prompt, self.options.sampling(INLINE_FORMULA_TYPE))
+                )
+
+    @staticmethod
+    def _fail(work: _PageWork, exc: Exception) -> None:
+        """Mark a page ``failure`` with the error, cancel its requests (the others go on)."""
+        page = work.page
+        code = "engine_error" if isinstance(exc, _EngineFailure) else None
+        error = ParseError.from_exception(exc, page.index, code)
+        page.status, page.errors, page.blocks = "failure", [*page.errors, error], []
+        for handle in work.handles():
+            handle.cancel()
+        work.awaiting_detection, work.done = False, True
 
     def _read_layout(self, work: _PageWork) -> None:
         """The page's layout result -> its layout (``page_protocol.read_layout``) and the content
@@ -413,7 +571,17 @@ class DocumentParser:
             if result.finish_reason in CUT_REASONS:
                 kind = work.page_layout.blocks[i]["type"]
                 page.warnings.append(f"block {i} ({kind}) was cut: {result.finish_reason}")
-        page.blocks = finish_blocks(work.page_layout, outputs)
+        filled = None
+        if work.plan is not None:  # standard tier: the PDF's text, inline formulas spliced in
+            formula_outputs: dict[int, str | None] = {}
+            for k, handle in work.formulas.items():
+                result = handle.result()
+                _add_result(page, result)
+                formula_outputs[k] = result.text if result.finish_reason != "error" else None
+                if result.finish_reason in CUT_REASONS or result.finish_reason == "error":
+                    page.warnings.append(f"inline formula {k} was not read in full: {result.finish_reason}")
+            filled = pdf_contents(work.plan, formula_outputs)
+        page.blocks = finish_blocks(work.page_layout, outputs, filled)
         threshold = self.options.confidence_threshold
         if threshold is not None:
             for block in page.blocks:
@@ -431,7 +599,7 @@ class DocumentParser:
             page.crops = cut_crops(page, render_page(page).crops)
         if not keep_page_images:
             page.image = None
-        stages = ("render", "vision", "prefill", "decode")
+        stages = ("render", "text_layer", "layout_model", "vision", "prefill", "decode")
         page.timings["total"] = sum(page.timings.get(k, 0.0) for k in stages)
 
     def _progress(self, total: int, name: str):

@@ -32,12 +32,23 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from . import page_protocol
 from .doclayout.postprocess import LayoutBlock, PageLayout
 from .pdftext.assemble import FORMULA, block_text
 from .pdftext.chars import PageText
 from .pdftext.classify import page_verdict
 
-__all__ = ["TEXT_FROM_PDF", "NEVER_READ", "IMAGE_ANALYSIS", "VlmRead", "PagePlan", "plan_page", "finish_page"]
+__all__ = [
+    "TEXT_FROM_PDF",
+    "NEVER_READ",
+    "IMAGE_ANALYSIS",
+    "VlmRead",
+    "PagePlan",
+    "plan_page",
+    "finish_page",
+    "protocol_layout",
+    "pdf_contents",
+]
 
 # MinerU 4.0.12 backend/analysis/pdf/constants.py NOT_EXTRACT_TYPES.
 TEXT_FROM_PDF: frozenset[str] = frozenset(
@@ -203,3 +214,26 @@ def finish_page(plan: PagePlan, outputs: Sequence[str | None]) -> list[LayoutBlo
             text = FORMULA.sub(splice, block.content)
             blocks[i] = replace(block, content=re.sub(r" {2,}", " ", text).strip())
     return blocks
+
+
+def protocol_layout(plan: PagePlan) -> page_protocol.PageLayout:
+    """The plan's blocks as the VLM protocol's layout (``page_protocol.layout_from_blocks``), no
+    content: what mineru-vl-utils' extract-with-layout path reads and post-processes. The
+    PDF's text is set after post-processing (``pdf_contents``, ``page_protocol.finish_blocks``)."""
+    return page_protocol.layout_from_blocks([(b.type, b.bbox, b.angle, b.sub_type) for b in plan.blocks])
+
+
+def pdf_contents(plan: PagePlan, formula_outputs: dict[int, str | None]) -> dict[int, str]:
+    """The final text of the blocks the PDF filled, inline formulas spliced in.
+
+    Args:
+        plan: ``plan_page``'s result.
+        formula_outputs: inline formula index -> the VLM's raw output, or None where it failed;
+            a formula missing here keeps the PDF's characters.
+
+    Returns:
+        Block index (in ``plan.blocks``) -> text, for every block whose text came from the PDF.
+    """
+    outputs = [formula_outputs.get(read.formula) if read.formula is not None else None for read in plan.reads]
+    done = finish_page(plan, outputs)
+    return {i: done[i].content or "" for i, block in enumerate(plan.blocks) if block.content is not None}

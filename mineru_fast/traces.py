@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -91,6 +92,31 @@ class PageTrace:
             if (content := table.get(layout_line_key(x1, y1, x2, y2, block_type, block.get("angle")))) is not None:
                 return content
         return None
+
+    def content_near(self, block_type: str, bbox: Sequence[float], tolerance: float = 0.005) -> str | None:
+        """The recorded content of a block found by another layout model (the standard tier's
+        detector replaying this trace's layout, ``LayoutTrace.from_trace``), or None.
+
+        The detector's post-processing moves boxes to whole pixels (up to 1/480 of a 480-pixel
+        page) and then to 3 decimals, and renames types (a ``title`` line comes back as
+        ``paragraph_title``), so a line matches when every corner lies within ``tolerance`` (page
+        fraction; 0.005 = 5 units of the layout's 0..1000 grid); among those, a line whose type
+        maps to the same PP-DocLayoutV2 label is preferred, then the nearest.
+        """
+        from .doclayout.trace import LABEL_BY_BLOCK_TYPE
+
+        label = LABEL_BY_BLOCK_TYPE.get(block_type, block_type)
+        best: tuple[bool, float, str] | None = None
+        for line, content in zip(layout_lines(self.layout), self.contents, strict=False):
+            if content is None:
+                continue
+            distance = max(abs(a - b) for a, b in zip(line.bbox, bbox, strict=True))
+            if distance > tolerance:
+                continue
+            key = (LABEL_BY_BLOCK_TYPE.get(line.type, line.type) != label, distance, content)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        return best[2] if best is not None else None
 
     def _by_key(self) -> dict[tuple, str]:
         table: dict[tuple, str] = {}

@@ -57,8 +57,9 @@ HUB_SOURCES: tuple[HubSource, ...] = (
 )
 
 _DOWNLOAD_HINT = (
-    "download it on a connected machine with `hf download opendatalab/MinerU-4_models_onnx "
-    f"--include '{_REPO_FOLDER}/*'` (ONNX, what MinerU 4 runs on CPU; needs onnxruntime) or "
+    f"download {_REPO_FOLDER}/{_ONNX_FILE} of opendatalab/MinerU-4_models_onnx on a connected machine "
+    f"with `hf download opendatalab/MinerU-4_models_onnx --include '{_REPO_FOLDER}/*'` (ONNX, what "
+    "MinerU 4 runs on CPU; needs onnxruntime) or "
     "`hf download PaddlePaddle/PP-DocLayoutV2_safetensors` (transformers), copy the Hugging Face cache "
     "(HF_HOME) here or pass the downloaded folder or .onnx file as the layout model"
 )

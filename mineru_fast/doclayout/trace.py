@@ -105,6 +105,25 @@ class LayoutTrace:
         return cls(out)
 
     @classmethod
+    def from_trace(cls, trace: object) -> LayoutTrace:
+        """Detections that replay a VLM trace's layout (``traces.Trace``) through the standard tier.
+
+        Each layout line becomes a detection of the label that yields its type
+        (``LABEL_BY_BLOCK_TYPE``), score 1.0, same box; lines of types the detector has no label
+        for (``unknown``, ``inline_formula``, ``image_block``) are left out. The VLM trace's
+        contents then replay the standard tier's reads (``traces.PageTrace.content_near``).
+        """
+        from ..traces import Trace, layout_lines
+
+        if not isinstance(trace, Trace):
+            raise TraceError(f"expected a traces.Trace, got {type(trace).__name__}")
+        pages = []
+        for page in trace.pages:
+            lines = [(b.type, b.bbox) for b in layout_lines(page.layout) if b.type in LABEL_BY_BLOCK_TYPE]
+            pages.append(detections_from_blocks(lines))
+        return cls(pages)
+
+    @classmethod
     def from_layouts(cls, layouts: Iterable[PageLayout]) -> LayoutTrace:
         """Record what a real layout pass detected (``PageLayout.detections``), normalized."""
         pages = []

@@ -310,8 +310,9 @@ CANARY_TRACE = PageTrace(
 
 
 def run_canary(parser: DocumentParser) -> dict:
-    """Parse ``canary_image()`` once, replaying ``CANARY_TRACE``: warms the model up and proves the
-    whole pipeline works (a replayed page costs what decoding it costs).
+    """Parse ``canary_image()`` once, replaying ``CANARY_TRACE`` (on the standard tier also its
+    layout, as PP-DocLayoutV2 detections): warms the models up and proves the whole pipeline
+    works (a replayed page costs what decoding it costs).
 
     Returns:
         ``{"status", "seconds", "blocks"}`` of the canary parse.
@@ -319,8 +320,12 @@ def run_canary(parser: DocumentParser) -> dict:
     Raises:
         RuntimeError: the canary page did not parse.
     """
+    from ..doclayout import LayoutTrace
+
+    trace = Trace([CANARY_TRACE])
+    layouts = LayoutTrace.from_trace(trace) if parser.tier == "standard" else None  # PP-DocLayoutV2 replayed too
     start = time.perf_counter()
-    document = parser.parse(canary_image(), replay=Trace([CANARY_TRACE]))
+    document = parser.parse(canary_image(), replay=trace, layout_replay=layouts)
     seconds = time.perf_counter() - start
     if document.status != "success":
         notes = [e.message for p in document.pages for e in p.errors] + [w for p in document.pages for w in p.warnings]

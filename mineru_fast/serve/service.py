@@ -82,7 +82,11 @@ class Service:
             # the same engine without the max_new_tokens bounds: a trace fixes the outputs (and so
             # their length), and a bound meant for free decoding would cut them.
             replay_parser = DocumentParser(
-                parser.engine, replace(parser.options, max_new_tokens={}), parser.model_dir, parser.model_info
+                parser.engine,
+                replace(parser.options, max_new_tokens={}),
+                parser.model_dir,
+                parser.model_info,
+                parser.layout_detector,
             )
             canary = run_canary(replay_parser)
             self.metrics.canary_seconds.set(canary["seconds"])
