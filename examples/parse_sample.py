@@ -33,7 +33,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_synthetic_model(Path(tmp) / "tiny", size="tiny")
         parser = DocumentParser.from_pretrained(model, ParserOptions(progress=False))  # the "fast" preset
-        document = parser.parse(HERE / "sample.pdf", replay=HERE / "sample_trace.json")
+        # keep_page_images: the overlay below draws on the page image (released by default)
+        document = parser.parse(HERE / "sample.pdf", replay=HERE / "sample_trace.json", keep_page_images=True)
     print(f"{document.name}: {document.status}, {len(document.pages)} page(s), model {parser.model_info.to_dict()}")
     print("seconds by stage:", {k: round(v, 3) for k, v in document.timings.items()}, "counts:", document.counts)
     meta = document.metadata or {}
