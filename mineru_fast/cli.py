@@ -22,6 +22,7 @@ from .cli_options import (
     expand_inputs,
     hub_kwargs,
     options_from_args,
+    output_clashes,
     positive_int,
 )
 from .errors import MineruFastError
@@ -128,6 +129,13 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     sources = expand_inputs(args.inputs)
     if not sources:
         print("mineru-fast: no input files found", file=sys.stderr)
+        return EXIT_USAGE
+    if args.output.exists() and not args.output.is_dir():
+        print(f"mineru-fast: -o {args.output} exists and is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    if clashes := output_clashes(sources):  # one output folder per stem: a clash would overwrite silently
+        for first, second in clashes:
+            print(f"mineru-fast: {first} and {second} would both write {first.stem}/: rename one", file=sys.stderr)
         return EXIT_USAGE
     for source in sources:  # refuse unreadable inputs before paying for the model load
         try:

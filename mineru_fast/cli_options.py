@@ -128,6 +128,18 @@ def expand_inputs(inputs: list[Path]) -> list[Path]:
     return out
 
 
+def output_clashes(sources: list[Path]) -> list[tuple[Path, Path]]:
+    """Pairs of distinct inputs with the same stem: each input writes ``OUTPUT/<stem>/``, so such a
+    pair would overwrite one result with the other. Empty when every stem is unique."""
+    first: dict[str, Path] = {}
+    clashes = []
+    for source in sources:
+        seen = first.setdefault(source.stem, source)
+        if seen != source:
+            clashes.append((seen, source))
+    return clashes
+
+
 def add_options_arguments(p: argparse.ArgumentParser) -> None:
     """``--model``, the hub flags, and the flags that override a ``ParserOptions`` preset."""
     add_model_arguments(p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import httpx
 import pytest
@@ -129,13 +130,23 @@ def test_official_mineru_client_runs_against_the_server(server):
     before = len(chat_requests(server))
     blocks = client.two_step_extract(text_page())  # random weights: whatever it decodes, it comes back
     assert isinstance(blocks, list)
-    assert len(chat_requests(server)) >= before + 1
-    before = len(chat_requests(server))
+    after_layout = chat_requests(server, at_least=before + 1)
+    assert len(after_layout) >= before + 1
+    before = len(after_layout)
     for kind in ("text", "table", "equation"):
         client.content_extract(CROP, kind)  # the client raises on any answer it cannot use
-    requests = chat_requests(server)
+    requests = chat_requests(server, at_least=before + 3)
     assert [r["status"] for r in requests[before:]] == [200, 200, 200]
 
 
-def chat_requests(server) -> list[dict]:
-    return [r for r in server.log_records() if r.get("route") == "/v1/chat/completions" and r["message"] == "request"]
+def chat_requests(server, at_least: int = 0, bound_s: float = 30.0) -> list[dict]:
+    """The server's chat request log records. The access-log line is written after the response
+    is sent, so a reader waits (bounded) until ``at_least`` records are there."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        records = [
+            r for r in server.log_records() if r.get("route") == "/v1/chat/completions" and r["message"] == "request"
+        ]
+        if len(records) >= at_least or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)

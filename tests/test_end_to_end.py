@@ -110,6 +110,25 @@ def test_bad_inputs_exit_2_before_the_model_loads_with_one_line(tmp_path, data):
     assert "model" not in lines[0] and "bad" in lines[0]
 
 
+def test_inputs_that_would_share_an_output_folder_are_refused(tiny_model, tmp_path, capsys):
+    """``a.pdf`` in two folders (and ``a.png``) all write ``OUTPUT/a/``: the last used to overwrite
+    the others silently. Refused before anything is parsed; so is an ``-o`` that is a file."""
+    for folder in ("x", "y"):
+        (tmp_path / "in" / folder).mkdir(parents=True)
+        (tmp_path / "in" / folder / "a.pdf").write_bytes(pdf_bytes(1))
+    text_page().save(tmp_path / "in" / "y" / "a.png")
+    out = tmp_path / "out"
+    assert main(["parse", str(tmp_path / "in"), "-o", str(out), "--model", str(tiny_model)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.endswith("would both write a/: rename one") for line in err)
+    assert not out.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    pdf = tmp_path / "in" / "x" / "a.pdf"
+    assert main(["parse", str(pdf), "-o", str(afile), "--model", str(tiny_model)]) == 2
+    assert capsys.readouterr().err.strip() == f"mineru-fast: -o {afile} exists and is not a directory"
+
+
 def test_usage_errors_exit_2(tiny_model, tmp_path, capsys):
     assert main(["parse", str(tmp_path / "missing.pdf"), "-o", str(tmp_path), "--model", str(tiny_model)]) == 2
     assert "no such file" in capsys.readouterr().err
