@@ -305,6 +305,7 @@ def test_429_storm_honours_retry_after(service):
         assert min(entry[0] for entry in later) - answered >= float(after)  # waited at least Retry-After
 
 
+@pytest.mark.slow
 def test_client_survives_a_server_restart_mid_poll(service):
     recorder = Recorder()
     outcome: dict = {}

@@ -48,6 +48,7 @@ def engines(tiny_model):
     }
 
 
+@pytest.mark.slow
 def test_tiny_model_fidelity_thresholds(engines):
     """Teacher-forced steps of the median page's first four crops (~370 steps; the layout request
     alone would triple the time).

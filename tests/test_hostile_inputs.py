@@ -83,6 +83,7 @@ def test_fuzzed_documents_open_and_render_or_fail_with_a_typed_error(rng):
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @settings(max_examples=40, **_FUZZ)
 @given(rng=st.randoms(use_true_random=False))

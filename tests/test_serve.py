@@ -554,6 +554,7 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
     assert metric(after, "mineru_fast_parse_duration_seconds_count") >= len(accepted)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(server, client):
     """Runs last: it stops the module's server. On SIGTERM the listener closed at once while queued
     jobs were still parsed, and their results were thrown away at exit."""
