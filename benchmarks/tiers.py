@@ -10,7 +10,7 @@ here: blocks from the page's text layer (or given boxes), their outputs the PDF'
 perfect VLM read returns, with its token count). The standard rows check that every text-like
 block equals the PDF's text in its box (``pdftext.block_text``).
 
-    flock /work/heavy.lock python benchmarks/tiers.py --model DIR --layout-model DIR \\
+    python benchmarks/tiers.py --model DIR --layout-model DIR \\
         [--threads 2] [--preset fast] [--workload DIR] [--corpus DIR] [--out FILE.json]
 
 Without ``--model``/``--layout-model`` the tiny synthetic models are made (a sanity run, seconds).
