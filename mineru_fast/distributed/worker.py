@@ -82,13 +82,21 @@ class DocumentWorker:
             The events; unreadable input (``InputError``, ``TraceError``) ends in an ``error``
             event. Any other exception propagates (the batch retries the document).
         """
+        from ..inputs import open_document
+        from ..metadata import InputInfo
         from ..writer import DocumentWriter
 
+        try:  # the metadata block names the document as sequential parse does (its stem)
+            with open_document(data, pages=pages, password=password) as opened:
+                info = replace(InputInfo.from_opened(opened), name=name)
+        except InputError as exc:
+            yield {"kind": "error", "error": f"{type(exc).__name__}: {exc}"}
+            return
         root = Path(tempfile.mkdtemp(prefix="mineru-fast-batch-"))
         sent: set[str] = set()
         start = time.perf_counter()
         try:
-            with DocumentWriter(root / "out", name) as writer:
+            with DocumentWriter(root / "out", name, metadata=self.parser.result_metadata(info)) as writer:
                 try:
                     for page in self.parser.iter_pages(
                         data, pages=pages, password=password, replay=trace, keep_page_images=True
