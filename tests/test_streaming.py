@@ -65,6 +65,9 @@ def test_streamed_outputs_equal_the_in_memory_document_and_exist_before_the_end(
     whole = json.loads((tmp_path / "whole" / "three.json").read_text())
     for page in streamed["pages"] + whole["pages"]:
         page.pop("timings")
+        for block in page["blocks"]:  # log-prob sums depend on the batch a step ran in: ~1e-7 relative
+            for key, value in (block.get("confidence") or {}).items():
+                block["confidence"][key] = round(value, 3) if isinstance(value, float) else value
     assert streamed["pages"] == whole["pages"] and streamed["status"] == whole["status"] == "success"
     assert sorted(p.name for p in (tmp_path / "streamed" / "images").iterdir()) == sorted(
         p.name for p in (tmp_path / "whole" / "images").iterdir()
