@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cli_options import expand_inputs
+from ..cli_options import expand_inputs, output_clashes
 from ..errors import MineruFastError
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
@@ -142,11 +142,10 @@ def plan_jobs(inputs: list[Path]) -> list[_Job]:
     sources = expand_inputs(inputs)
     if not sources:
         raise BatchError("no input files found")
-    by_name: dict[str, Path] = {}
-    for source in sources:
-        if source.stem in by_name and by_name[source.stem] != source:
-            raise BatchError(f"{by_name[source.stem]} and {source} would both write {source.stem}/: rename one")
-        by_name[source.stem] = source
+    if clashes := output_clashes(sources):
+        first, second = clashes[0]
+        raise BatchError(f"{first} and {second} would both write {first.stem}/: rename one")
+    by_name = {source.stem: source for source in sources}
     return [_Job(source, name) for name, source in by_name.items()]
 
 
