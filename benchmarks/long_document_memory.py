@@ -137,7 +137,8 @@ def main() -> int:
               f"({b['peak_rss_gb'] / a['peak_rss_gb']:.2f}x), {long} pages in {b['wall_s']:.0f} s")  # fmt: skip
     if "cli" in args.doors:
         first, wall = results["cli"][long]["first_page_written_after_s"], results["cli"][long]["wall_s"]
-        print(f"cli: first page's outputs on disk after {first:.1f} s of the {long}-page parse's {wall:.0f} s")
+        seen = "never seen" if first is None else f"on disk after {first:.1f} s"
+        print(f"cli: first page's outputs {seen} of the {long}-page parse's {wall:.0f} s")
     return 0
 
 
