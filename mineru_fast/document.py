@@ -293,7 +293,8 @@ class Document:
 
     def save(self, out_dir: str | Path, *, confidence: bool = False) -> Path:
         """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops and
-        ``layout/page_NNNN.png`` overlays into ``out_dir``, page by page (``writer.DocumentWriter``).
+        ``layout/page_NNNN.png`` overlays into ``out_dir``, page by page (``writer.DocumentWriter``);
+        what an earlier save of this name wrote there is removed first, other files are kept.
 
         Args:
             out_dir: the output directory (created if needed).

@@ -32,7 +32,7 @@ from .document import Confidence, Page, ParseError
 from .metadata import head_dict
 from .mineru4 import CONFIDENCE_KEY, page_model, plain_text
 
-__all__ = ["PageOutput", "render_page", "join_markdown", "DocumentWriter", "render_spans"]
+__all__ = ["PageOutput", "render_page", "join_markdown", "DocumentWriter", "render_spans", "remove_outputs"]
 
 _AUXILIARY = {"header", "footer", "page_number", "aside_text"}
 CONFIDENCE_FIELD = "mf_confidence"  # the content-list extension field (see the module docstring)
@@ -252,6 +252,14 @@ def render_table(markup: str) -> str | None:
 
 def _image_name(page_idx: int, kind: str, index: int) -> str:
     return f"page_{page_idx}_{kind}_{index}.jpg"
+
+
+def _overlay_name(page_idx: int) -> str:
+    return f"page_{page_idx + 1:04d}.png"
+
+
+# What a DocumentWriter puts in its subfolders: the names of _image_name and _overlay_name.
+_WRITTEN_IN = {"images": re.compile(r"page_\d+_[a-z]+_\d+\.jpg"), "layout": re.compile(r"page_\d{4,}\.png")}
 
 
 def _join(parts: list[str]) -> str:
@@ -521,6 +529,28 @@ def _write_json_array(out: IO[str], items: Iterable[object], indent: int, level:
     out.write("]" if first else "\n" + " " * indent * level + "]")
 
 
+def remove_outputs(out_dir: Path, name: str) -> None:
+    """Remove what a ``DocumentWriter`` wrote for document ``name`` into ``out_dir`` before: its four
+    files (``<name>.md``, ``<name>_content_list.json``, ``<name>.json``, ``<name>.pages.jsonl``),
+    the crops and overlays it names in ``images/`` and ``layout/``, and those folders once empty.
+    Any other file stays, and so do ``images/`` and ``layout/`` when the folder also holds another
+    document's content list (crop names do not say which document wrote them).
+    """
+    for file_name in (f"{name}.md", f"{name}_content_list.json", f"{name}.json", f"{name}.pages.jsonl"):
+        (out_dir / file_name).unlink(missing_ok=True)
+    if any(out_dir.glob("*_content_list.json")):  # another document's outputs share the folder
+        return
+    for folder, written in _WRITTEN_IN.items():
+        path = out_dir / folder
+        if not path.is_dir():
+            continue
+        for entry in path.iterdir():
+            if written.fullmatch(entry.name) and entry.is_file():
+                entry.unlink()
+        if not any(path.iterdir()):
+            path.rmdir()
+
+
 class DocumentWriter:
     """Writes ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` and
     ``layout/`` page by page, so memory stays flat however long the document is.
@@ -530,6 +560,9 @@ class DocumentWriter:
     then (``release``) drops the page's images. While a long document runs, the pages already done
     are on disk. ``close`` finishes the files and assembles ``<stem>.json`` from the recorded pages,
     one page at a time, then removes the ``.jsonl``.
+
+    A folder written before (a re-parse) holds only the new outputs afterwards: the earlier run's
+    files of this document are removed first (``remove_outputs``), any other file is kept.
 
     Args:
         out_dir: output directory (created).
@@ -554,6 +587,7 @@ class DocumentWriter:
     ) -> None:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_outputs(self.out, name)
         self.name, self.overlays, self.release = name, overlays, release
         self.metadata, self.confidence = metadata, confidence
         self._md: IO[str] = (self.out / f"{name}.md").open("w", encoding="utf-8")
@@ -586,7 +620,7 @@ class DocumentWriter:
             crop.save(self.out / "images" / file_name, quality=90)
         if page.image is not None and self.overlays:
             (self.out / "layout").mkdir(exist_ok=True)
-            layout_overlay(page).save(self.out / "layout" / f"page_{page.index + 1:04d}.png")
+            layout_overlay(page).save(self.out / "layout" / _overlay_name(page.index))
         self._pages.write(json.dumps(page.to_dict(), ensure_ascii=False) + "\n")
         self._pages.flush()
         self.statuses.append(page.status)

@@ -134,3 +134,38 @@ def test_directory_input_and_progress_lines(tiny_model, tmp_path, capsys):
     assert "ETA" in err[0] and "pages/min" in err[0]
     md = (tmp_path / "out" / "a" / "a.md").read_text()
     assert md.count(SAMPLE_CONTENTS[1]) == 2 and SAMPLE_LAYOUT not in md
+
+
+def test_writing_again_leaves_only_the_new_outputs_and_keeps_other_files(tmp_path):
+    """A re-parse into the same folder used to keep the earlier run's crops and overlays of pages
+    the new run does not produce; files mineru-fast does not write stay."""
+    from mineru_fast.document import Block, Page
+
+    def page(index: int) -> Page:
+        image = Image.new("RGB", (200, 100), "white")
+        return Page(index, image.size, [Block("image", (0.1, 0.1, 0.5, 0.9))], image=image)
+
+    out = tmp_path / "doc"
+    with DocumentWriter(out, "doc") as writer:
+        for index in (0, 1):
+            writer.add_page(page(index))
+    (out / "notes.txt").write_text("mine")
+    (out / "images" / "cover.jpg").write_bytes(b"mine")
+    with DocumentWriter(out, "doc") as writer:
+        writer.add_page(page(1))
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == [
+        "doc.json", "doc.md", "doc_content_list.json", "images/cover.jpg", "images/page_1_image_0.jpg",
+        "layout/page_0002.png", "notes.txt",
+    ]  # fmt: skip
+    (out / "images" / "cover.jpg").unlink()
+    with DocumentWriter(out, "doc", overlays=False) as writer:  # a text-only page: no crops, no overlay
+        writer.add_page(Page(0, (200, 100), [Block("text", (0.1, 0.1, 0.5, 0.9), content="x")]))
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "doc.json", "doc.md", "doc_content_list.json", "notes.txt"
+    ]  # fmt: skip
+    with DocumentWriter(out, "other") as writer:  # a second document in the same folder
+        writer.add_page(page(0))
+    with DocumentWriter(out, "doc", overlays=False) as writer:  # its crop may be anyone's: kept
+        writer.add_page(Page(0, (200, 100), [Block("text", (0.1, 0.1, 0.5, 0.9), content="x")]))
+    assert (out / "images" / "page_0_image_0.jpg").is_file() and (out / "layout" / "page_0001.png").is_file()
