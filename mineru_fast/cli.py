@@ -19,6 +19,7 @@ from .cli_options import (
     add_batch_arguments,
     add_model_arguments,
     add_parse_arguments,
+    clash_message,
     expand_inputs,
     hub_kwargs,
     options_from_args,
@@ -135,7 +136,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if clashes := output_clashes(sources):  # one output folder per stem: a clash would overwrite silently
         for first, second in clashes:
-            print(f"mineru-fast: {first} and {second} would both write {first.stem}/: rename one", file=sys.stderr)
+            print(f"mineru-fast: {clash_message(first, second)}", file=sys.stderr)
         return EXIT_USAGE
     for source in sources:  # refuse unreadable inputs before paying for the model load
         try:

@@ -140,6 +140,11 @@ def output_clashes(sources: list[Path]) -> list[tuple[Path, Path]]:
     return clashes
 
 
+def clash_message(first: Path, second: Path) -> str:
+    """The one line that reports a pair of ``output_clashes``."""
+    return f"{first} and {second} would both write {first.stem}/: rename one"
+
+
 def add_options_arguments(p: argparse.ArgumentParser) -> None:
     """``--model``, the hub flags, and the flags that override a ``ParserOptions`` preset."""
     add_model_arguments(p)

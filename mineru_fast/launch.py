@@ -5,7 +5,8 @@ so torch sizes its thread pool to them) and, on a machine with several NUMA node
 installed, with its memory bound to its node. Inputs are dealt round-robin; every worker line is
 streamed with a ``[wN]`` prefix. Exit status: the worst of the workers' (0 ok, 1 pages failed,
 2 input or usage error), or ``EXIT_CRASHED`` when a worker died (signal or other status), in which
-case the inputs it had not finished are listed.
+case the inputs it had not finished are listed. Inputs that would write the same ``OUT/<stem>/``
+are refused before any worker starts (``EXIT_USAGE``, one line per clash), as ``parse`` does.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
-from .cli_options import add_parse_arguments, expand_inputs
+from .cli_options import add_parse_arguments, clash_message, expand_inputs, output_clashes
 from .cpu import Topology, format_cpulist, read_topology
 from .errors import MineruFastError
 
-EXIT_CRASHED = 3
+EXIT_USAGE, EXIT_CRASHED = 2, 3  # 2 as parse's
 WORKER = (sys.executable, "-m", "mineru_fast")
 
 
@@ -166,7 +168,7 @@ def launch(
         topology: the machine (default: read it).
         worker: the command a worker runs before its arguments (default this package's CLI).
         out: where workers' lines are streamed (default ``sys.stdout``).
-        log: receives the launcher's own messages (plan, crashes, unparsed inputs).
+        log: receives the launcher's own messages (plan, output clashes, crashes, unparsed inputs).
 
     Raises:
         LaunchError: bad instance layout or ``parse`` arguments.
@@ -174,6 +176,10 @@ def launch(
     topology = topology or read_topology()
     out = out or sys.stdout
     inputs, options = split_parse_args(parse_args)
+    if clashes := output_clashes([Path(source) for source in inputs]):  # each worker sees only its share
+        for first, second in clashes:
+            log(clash_message(first, second))
+        return EXIT_USAGE
     groups = plan_groups(topology, instances, cores_per_instance)[: len(inputs)]
     lock = threading.Lock()
     workers = []

@@ -86,6 +86,19 @@ def test_a_crashed_workers_unfinished_inputs_are_reported():
     assert log[-1] == "worker 0 crashed (signal 9); not parsed: in_crash in_c"
 
 
+def test_inputs_sharing_an_output_folder_are_refused_before_any_worker_starts():
+    """Each worker used to check stem clashes only among its own share, so ``x/a.pdf`` and
+    ``y/a.png`` dealt to two workers both wrote ``OUT/a/``."""
+    out, log = io.StringIO(), []
+    argv = ["parse", "x/a.pdf", "y/a.png", "b.pdf", "z/b.pdf", "-o", "out"]  # dealt: one a and one b per worker
+    assert launch(argv, 2, worker=FAKE_WORKER, out=out, log=log.append) == 2
+    assert log == [
+        "x/a.pdf and y/a.png would both write a/: rename one",
+        "b.pdf and z/b.pdf would both write b/: rename one",
+    ]
+    assert out.getvalue() == ""
+
+
 @pytest.mark.slow
 def test_launch_parses_with_the_tiny_model(tiny_model, tmp_path, capsys):
     (tmp_path / "traces").mkdir()
