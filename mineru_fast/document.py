@@ -36,10 +36,10 @@ class ParseError:
     """A problem that cost content: a document that could not be opened, a page that failed.
 
     Attributes:
-        code: stable machine-readable code: the input codes of ``errors.error_code``
-            (``"corrupt_document"``, ``"image_too_large"``, ...), ``"layout_unreadable"`` (the
-            layout output holds no valid block), ``"engine_error"`` (the engine refused or failed a
-            request) or ``"internal_error"`` (anything else while assembling a page).
+        code: stable machine-readable code: the ``code`` of the mineru-fast error behind it
+            (``"corrupt_document"``, ``"image_too_large"``, ..., ``errors``), ``"layout_unreadable"``
+            (the layout output holds no valid block), ``"engine_error"`` (the engine refused or
+            failed a request) or ``"internal_error"`` (anything else while assembling a page).
         message: a sentence for people (``str(error)`` is ``"code: message"``).
         page: 0-based page index, None for a document-level error.
     """
@@ -50,10 +50,22 @@ class ParseError:
 
     @classmethod
     def from_exception(cls, exc: BaseException, page: int | None = None, code: str | None = None) -> ParseError:
-        """An error from an exception; ``code`` default: ``errors.error_code(exc)``."""
-        from .errors import error_code
+        """An error from an exception.
 
-        return cls(code or error_code(exc), f"{type(exc).__name__}: {exc}", page)
+        Args:
+            exc: the exception.
+            page: 0-based page index, None for the document.
+            code: default ``errors.error_code(exc)``: a mineru-fast error's own ``code``, else
+                ``"internal_error"``.
+
+        Returns:
+            The error; its message is ``str(exc)`` for a mineru-fast error (its code names its
+            class), else ``"<exception type>: <exc>"``.
+        """
+        from .errors import MineruFastError, error_code
+
+        message = str(exc) if isinstance(exc, MineruFastError) else f"{type(exc).__name__}: {exc}"
+        return cls(code or error_code(exc), message, page)
 
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "page": self.page}

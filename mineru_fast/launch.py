@@ -31,7 +31,10 @@ WORKER = (sys.executable, "-m", "mineru_fast")
 
 
 class LaunchError(MineruFastError):
-    """An instance layout this machine cannot provide (e.g. more instances than cores)."""
+    """An instance layout this machine cannot provide (e.g. more instances than cores), or
+    arguments that are not a ``parse`` command."""
+
+    code = "bad_launch_request"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .doclayout import LayoutDetector, LayoutTrace, load_layout_trace
 from .doclayout import PageLayout as DetectedLayout
 from .document import Document, Page, ParseError, cut_crops
 from .engine.base import Engine, GenerationRequest, GenerationResult, RequestHandle
-from .errors import InputError, TraceError
+from .errors import InputError, MineruFastError, TraceError
 from .hub import DEFAULT_MODEL_ID, ModelInfo, resolve_model_info
 from .inputs import OpenedDocument, PageLimits, Source, open_document
 from .metadata import InputInfo, result_metadata
@@ -59,8 +59,10 @@ def _add_result(page: Page, result: GenerationResult) -> None:
         page.counts[name] = page.counts.get(name, 0) + count
 
 
-class _EngineFailure(RuntimeError):
+class _EngineFailure(MineruFastError):
     """The engine answered a request with ``finish_reason="error"``."""
+
+    code = "engine_error"
 
 
 @dataclass(eq=False)
@@ -517,8 +519,7 @@ class DocumentParser:
     def _fail(work: _PageWork, exc: Exception) -> None:
         """Mark a page ``failure`` with the error, cancel its requests (the others go on)."""
         page = work.page
-        code = "engine_error" if isinstance(exc, _EngineFailure) else None
-        error = ParseError.from_exception(exc, page.index, code)
+        error = ParseError.from_exception(exc, page.index)
         page.status, page.errors, page.blocks = "failure", [*page.errors, error], []
         for handle in work.handles():
             handle.cancel()

@@ -176,7 +176,8 @@ def test_bad_page_fails_alone(tiny_model, tmp_path):
     doc = broken.parse(path)
     assert [p.status for p in doc.pages] == ["failure", "partial"]
     (error,) = doc.pages[0].errors
-    assert (error.code, error.page) == ("engine_error", 0) and "engine blew up" in error.message
+    assert (error.code, error.page) == ("engine_error", 0)
+    assert error.message == "layout step failed: RuntimeError: engine blew up"  # the code, not a class, says engine
     assert doc.status == "partial"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
@@ -107,10 +108,51 @@ def test_errors_are_structured(parser, validator):
 
     (bad,) = parser.parse_many([b"not a document"])
     assert bad.status == "failure" and [e.code for e in bad.errors] == ["unsupported_format"]
-    assert bad.errors[0].page is None and bad.errors[0].message.startswith("UnsupportedFormat: document:")
+    assert bad.errors[0].page is None and bad.errors[0].message.startswith("document: ")
     result = bad.to_dict()
     validator.validate(result)
     assert result["metadata"]["input"] is None and result["metadata"]["model"]["name"] == "tiny"
+
+
+def test_every_error_class_has_a_stable_code_and_raised_errors_agree_with_results(parser):
+    """``parse()``'s exceptions had no machine-readable code while ``ParseError`` records had one,
+    and a record's message repeated the class name (``unsupported_format: UnsupportedFormat: ...``)."""
+    from mineru_fast import errors
+    from mineru_fast.distributed import RayDependencyError
+    from mineru_fast.distributed.batch import BatchError
+    from mineru_fast.launch import LaunchError
+    from mineru_fast.serve import ServeDependencyError
+    from mineru_fast.serve.errors import from_exception
+
+    def family(cls: type) -> list[type]:
+        return [cls, *(sub for child in cls.__subclasses__() for sub in family(child))]
+
+    classes = set(family(errors.MineruFastError))
+    assert {RayDependencyError, BatchError, LaunchError, ServeDependencyError} <= classes
+    pattern = load_schema()["$defs"]["error"]["properties"]["code"]["pattern"]
+    for cls in classes:
+        assert "code" in vars(cls) and re.fullmatch(pattern, cls.code), cls  # its own, as the schema allows
+    today = {
+        "UnsupportedFormat": "unsupported_format",
+        "CorruptDocument": "corrupt_document",
+        "PasswordRequired": "password_required",
+        "ImageTooLarge": "image_too_large",
+        "PageRangeError": "bad_page_range",
+        "InputError": "invalid_document",
+        "TraceError": "bad_replay_trace",
+    }
+    assert {name: getattr(errors, name).code for name in today} == today  # the codes results used before
+
+    with pytest.raises(errors.UnsupportedFormat) as raised:
+        parser.parse(b"not a document")
+    (bad,) = parser.parse_many([b"not a document"])
+    assert bad.errors == [ParseError("unsupported_format", str(raised.value), None)]
+    assert raised.value.code == "unsupported_format" and "UnsupportedFormat" not in str(bad.errors[0])
+    api = from_exception(raised.value)  # the service's error body says the same
+    assert (api.status, api.code, api.message) == (422, bad.errors[0].code, bad.errors[0].message)
+    with pytest.raises(errors.PageRangeError) as raised_range:
+        parser.parse(pdf_bytes(1), pages="3")
+    assert raised_range.value.code == "bad_page_range"
 
 
 def test_options_are_immutable_hashable_and_serializable():

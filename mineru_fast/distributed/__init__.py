@@ -20,6 +20,8 @@ __all__ = ["RayDependencyError", "require_ray"]
 class RayDependencyError(MineruFastError):
     """Ray (the ``ray`` extra) is not installed."""
 
+    code = "missing_dependency"
+
 
 def require_ray() -> None:
     """Check that Ray with its Data and Serve libraries imports.

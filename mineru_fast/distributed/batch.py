@@ -47,6 +47,8 @@ BACKPRESSURE = 2  # page events an actor may run ahead of the driver (bounds the
 class BatchError(MineruFastError):
     """A batch that cannot start: no inputs, clashing output names, actors that fail to load."""
 
+    code = "batch_not_started"
+
 
 @dataclass(frozen=True)
 class BatchConfig:

@@ -41,6 +41,8 @@ _REQUIRED = {
 class ServeDependencyError(MineruFastError):
     """A package of the ``serve`` extra is not installed."""
 
+    code = "missing_dependency"
+
 
 def require_serve_dependencies() -> None:
     """Check that the ``serve`` extra's packages import.

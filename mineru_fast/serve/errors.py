@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..errors import INPUT_ERROR_CODES
+from ..errors import DOCUMENT_ERRORS
 
 __all__ = ["ApiError", "error_body", "error_bytes", "from_exception"]
 
@@ -48,13 +48,13 @@ def error_bytes(code: str, message: str, request_id: str | None) -> bytes:
 def from_exception(exc: BaseException) -> ApiError:
     """Map an exception raised while checking or parsing a document to an ``ApiError``.
 
-    mineru-fast input and trace errors become ``422`` with their message (which names the
-    problem, not the contents); an ``ApiError`` is returned as is; anything else is a ``500``
+    mineru-fast input and trace errors (``errors.DOCUMENT_ERRORS``) become ``422`` with their
+    ``code`` and message (which names the problem, not the contents; the same as a result's
+    ``ParseError``); an ``ApiError`` is returned as is; anything else is a ``500``
     whose message reveals nothing internal.
     """
     if isinstance(exc, ApiError):
         return exc
-    for cls, code in INPUT_ERROR_CODES:
-        if isinstance(exc, cls):
-            return ApiError(422, code, str(exc))
+    if isinstance(exc, DOCUMENT_ERRORS):
+        return ApiError(422, exc.code, str(exc))
     return ApiError(500, "internal_error", "the server failed to process the document; see its logs")
