@@ -61,8 +61,8 @@ def parse_page_range(spec: str | None, page_count: int) -> list[int]:
     most a few characters of it.
 
     Raises:
-        PageRangeError: too long or malformed text, a page outside ``1..page_count``, or an empty
-            selection.
+        PageRangeError: too long or malformed text, a reversed part (``"2-1"``), a page outside
+            ``1..page_count``, or an empty selection.
     """
     if spec is None or not spec.strip():
         return list(range(page_count))
@@ -77,6 +77,8 @@ def parse_page_range(spec: str | None, page_count: int) -> list[int]:
         lo_s, dash, hi_s = match.groups()
         lo = int(lo_s) if lo_s else 1
         hi = (int(hi_s) if hi_s else page_count) if dash else lo
+        if hi_s and lo > hi >= 1:
+            raise PageRangeError(f"page range {_quote(part)} is reversed: write '{hi}-{lo}'")
         if lo < 1 or hi > page_count or lo > hi:
             raise PageRangeError(f"page range {_quote(part)} is outside 1-{page_count}")
         intervals.append((lo - 1, hi))

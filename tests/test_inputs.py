@@ -32,6 +32,18 @@ def test_page_ranges():
             parse_page_range(bad, 3)
 
 
+def test_a_reversed_page_range_is_called_reversed():
+    """``2-1`` was reported as "outside 1-2" although both pages exist."""
+    for spec, count in (("2-1", 2), ("5-3", 4), ("9-2", 3)):
+        with pytest.raises(PageRangeError) as info:
+            parse_page_range(spec, count)
+        low, high = spec.split("-")
+        assert str(info.value) == f"page range {spec!r} is reversed: write '{high}-{low}'"
+    for spec in ("3-0", "7-", "0-2"):  # an end beyond the document or below 1 is outside it
+        with pytest.raises(PageRangeError, match=f"page range '{spec}' is outside 1-5"):
+            parse_page_range(spec, 5)
+
+
 def test_long_page_ranges_are_refused_at_once_with_a_short_message():
     """A megabyte of page-range text cost 15 s of CPU and came back whole in the error."""
     many = ",".join(["1-500"] * 2000)  # 11,999 characters, each part the whole document
