@@ -9,6 +9,7 @@ OpenMP variables (``threads.configure_process``) before torch loads.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .metadata import InputInfo
 
 EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
+OUTPUT_CLASH = "output_clash"  # code of the error event of an input whose output folder another input writes too
 
 
 def _instances(text: str) -> str | int:
@@ -136,14 +138,14 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if clashes := output_clashes(sources):  # one output folder per stem: a clash would overwrite silently
         for first, second in clashes:
-            print(f"mineru-fast: {clash_message(first, second)}", file=sys.stderr)
+            _report_error(mode, second, OUTPUT_CLASH, clash_message(first, second))
         return EXIT_USAGE
     for source in sources:  # refuse unreadable inputs before paying for the model load
         try:
             with open_document(source, pages=args.pages, password=args.password) as opened:
                 readable.append((source, _trace_for(args.replay, source, len(sources)), InputInfo.from_opened(opened)))
         except MineruFastError as exc:
-            print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
+            _report_error(mode, source, exc.code, str(exc))
             status = EXIT_USAGE
     if not readable:
         return status
@@ -152,14 +154,25 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         try:
             status = max(status, _parse_one(parser, source, trace, info, args, mode))
         except MineruFastError as exc:
-            print(f"mineru-fast: {source}: {exc}", file=sys.stderr)
+            _report_error(mode, source, exc.code, str(exc))
             status = EXIT_USAGE
     return status
 
 
+def _report_error(mode: str, source: Path, code: str, message: str) -> None:
+    """Report a problem with one input on stderr: an ``error`` event with ``--progress json``,
+    else the line ``mineru-fast: INPUT: MESSAGE`` (a clash's message names both inputs)."""
+    if mode == "json":
+        event = {"event": "error", "input": str(source), "code": code, "message": message}
+        print(json.dumps(event), file=sys.stderr, flush=True)
+    elif code == OUTPUT_CLASH:
+        print(f"mineru-fast: {message}", file=sys.stderr)
+    else:
+        print(f"mineru-fast: {source}: {message}", file=sys.stderr)
+
+
 def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: argparse.Namespace, mode: str) -> int:
     """Parse one input page by page into ``OUTPUT/<stem>/``; report progress and problems."""
-    import json
     import time
 
     from .writer import DocumentWriter
@@ -172,12 +185,18 @@ def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: 
     pages = parser.iter_pages(source, pages=args.pages, password=args.password, replay=trace, keep_page_images=True)
     for done, page in enumerate(pages, start=1):
         writer.add_page(page)
+        elapsed = time.perf_counter() - start
+        if mode == "json":  # the page's problems are in its event
+            event = {"event": "page", "input": str(source), "page_index": page.index, "status": page.status,
+                     "done": done, "total": n_pages, "elapsed_s": round(elapsed, 3),
+                     "errors": [error.to_dict() for error in page.errors], "warnings": page.warnings}  # fmt: skip
+            print(json.dumps(event), file=sys.stderr, flush=True)
+            continue
         for error in page.errors:
             print(f"mineru-fast: {source}: page {page.index + 1}: {error.message}", file=sys.stderr)
         if page.status == "partial":
             for warning in page.warnings:
                 print(f"mineru-fast: {source}: page {page.index + 1}: {warning}", file=sys.stderr)
-        elapsed = time.perf_counter() - start
         if mode == "lines":
             eta = elapsed / done * (n_pages - done)
             print(
@@ -186,10 +205,6 @@ def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: 
                 file=sys.stderr,
                 flush=True,
             )
-        elif mode == "json":
-            event = {"input": str(source), "page": page.index + 1, "status": page.status, "done": done,
-                     "total": n_pages, "elapsed_s": round(elapsed, 3)}  # fmt: skip
-            print(json.dumps(event), file=sys.stderr, flush=True)
     out = writer.close(wall_s=time.perf_counter() - start)
     document_status = writer.document_status
     print(f"{source}: {document_status}, {len(writer.statuses)} page(s) -> {out}")
@@ -279,8 +294,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    import json
-
     from .info import collect, render
 
     info = collect()

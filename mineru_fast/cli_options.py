@@ -87,8 +87,8 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
         "--progress",
         choices=("auto", "bar", "lines", "json", "none"),
         default="auto",
-        help="per-page progress on stderr: a bar, a line per page, a JSON object per page, or none "
-        "(auto: bar on a terminal, lines otherwise)",
+        help="per-page progress on stderr: a bar, a line per page, JSON events (one per page and per "
+        "input error), or none (auto: bar on a terminal, lines otherwise)",
     )
     p.add_argument("--quiet", action="store_true", help="same as --progress none")
     p.add_argument(

@@ -129,6 +129,30 @@ def test_inputs_that_would_share_an_output_folder_are_refused(tiny_model, tmp_pa
     assert capsys.readouterr().err.strip() == f"mineru-fast: -o {afile} exists and is not a directory"
 
 
+def test_json_progress_reports_input_errors_as_events_and_0_based_pages(tiny_model, tmp_path, capsys):
+    """``--progress json`` printed a missing or unsupported input as a plain line, and its ``page``
+    was 1-based while the ``page`` of the ``ParseError`` it reports is 0-based."""
+    (tmp_path / "bad.pdf").write_bytes(b"not a document")
+    (tmp_path / "two.pdf").write_bytes(pdf_bytes(2))
+    (tmp_path / "traces").mkdir()
+    garbage = PageTrace("no layout here", [])
+    Trace([sample_trace(1).pages[0], garbage]).save(tmp_path / "traces" / "two.json")
+    inputs = [str(tmp_path / name) for name in ("missing.pdf", "bad.pdf", "two.pdf")]
+    argv = ["parse", *inputs, "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--pages", "2"]
+    assert main([*argv, "--replay", str(tmp_path / "traces"), "--progress", "json"]) == 2
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(e["event"], e["input"]) for e in events] == [
+        ("error", inputs[0]),
+        ("error", inputs[1]),
+        ("page", inputs[2]),
+    ]
+    assert events[0]["code"] == "invalid_document" and events[0]["message"] == f"no such file: {inputs[0]}"
+    assert events[1]["code"] == "unsupported_format" and not events[1]["message"].startswith("Unsupported")
+    page = events[2]
+    assert (page["page_index"], page["status"], page["done"], page["total"]) == (1, "failure", 1, 1)
+    assert page["errors"] == [{"code": "layout_unreadable", "message": "layout output holds no valid block", "page": 1}]
+
+
 def test_usage_errors_exit_2(tiny_model, tmp_path, capsys):
     assert main(["parse", str(tmp_path / "missing.pdf"), "-o", str(tmp_path), "--model", str(tiny_model)]) == 2
     assert "no such file" in capsys.readouterr().err
