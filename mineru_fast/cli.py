@@ -55,7 +55,7 @@ def build_argparser() -> argparse.ArgumentParser:
     add_parse_arguments(sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON"))
 
     s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
-    s.add_argument("directory", type=Path)
+    s.add_argument("directory", type=Path, help="model directory to write (created; model files in it are overwritten)")
     s.add_argument(
         "--size",
         choices=("tiny", "full"),
@@ -85,9 +85,19 @@ def build_argparser() -> argparse.ArgumentParser:
     )
 
     t = sub.add_parser("trace", help="build replay traces from OmniDocBench-format ground truth")
-    t.add_argument("--omnidocbench", type=Path, required=True, metavar="ANNOTATIONS.json")
-    t.add_argument("--images", type=Path, required=True, metavar="DIR")
-    t.add_argument("-o", "--output", type=Path, required=True)
+    t.add_argument(
+        "--omnidocbench",
+        type=Path,
+        required=True,
+        metavar="ANNOTATIONS.json",
+        help="OmniDocBench-format annotations: a JSON list of {page_info, layout_dets}, one per page image",
+    )
+    t.add_argument(
+        "--images", type=Path, required=True, metavar="DIR", help="folder of the page images (page_info.image_path)"
+    )
+    t.add_argument(
+        "-o", "--output", type=Path, required=True, help="folder for the traces, one <image stem>.json per page"
+    )
 
     add_serve_command(sub)
 
@@ -96,7 +106,12 @@ def build_argparser() -> argparse.ArgumentParser:
         "--instances", type=_instances, default="auto", help="'auto' (one per NUMA node) or a count (default: auto)"
     )
     la.add_argument("--cores-per-instance", type=positive_int, help="physical cores per worker")
-    la.add_argument("parse_command", nargs=argparse.REMAINDER, metavar="-- parse INPUT... -o OUT [options]")
+    la.add_argument(
+        "parse_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- parse INPUT... -o OUT [options]",
+        help="the parse command each worker runs on its share of the inputs",
+    )
 
     add_batch_arguments(sub.add_parser("batch", help="parse a collection on a Ray cluster (needs the ray extra)"))
 

@@ -36,3 +36,20 @@ def test_typed_marker_and_lazy_imports():
     assert run_python("import mineru_fast; print(mineru_fast.Client.__module__, mineru_fast.AsyncClient.__name__)") == (
         "mineru_fast.client AsyncClient"
     )
+
+
+def test_every_command_line_argument_has_help():
+    """``trace``'s flags (and a few others) showed in ``--help`` with no description."""
+    import argparse
+
+    from mineru_fast.cli import build_argparser
+
+    commands = next(a for a in build_argparser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = [
+        f"{name} {' '.join(action.option_strings) or action.dest}"
+        for name, command in commands.items()
+        for action in command._actions
+        if not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert missing == []
+    assert set(commands) == {"parse", "synth-model", "bench", "trace", "serve", "launch", "batch", "info"}

@@ -71,7 +71,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
     v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
-    v.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    v.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="least level of the JSON log lines on stderr (default: %(default)s)",
+    )
     r = v.add_argument_group("Ray Serve (needs the ray extra: pip install 'mineru-fast[ray]')")
     r.add_argument("--ray", action="store_true", help="run the service as a Ray Serve application (replicas)")
     r.add_argument("--ray-address", help="Ray cluster address (default: start a local Ray)")
