@@ -291,6 +291,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         replay=args.replay,
         pages=args.pages,
         password=args.password,
+        confidence=args.confidence,
+        quiet=args.quiet,
     )
     summary = run_batch(config)
     counts: dict[str, int] = {}

@@ -91,6 +91,11 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
         "input error), or none (auto: bar on a terminal, lines otherwise)",
     )
     p.add_argument("--quiet", action="store_true", help="same as --progress none")
+    add_confidence_argument(p)
+
+
+def add_confidence_argument(p: argparse.ArgumentParser) -> None:
+    """``--confidence`` (``DocumentWriter(confidence=True)``), of ``parse`` and ``batch``."""
     p.add_argument(
         "--confidence",
         action="store_true",
@@ -111,6 +116,10 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="directory of <stem>.json replay traces (tests, benchmarks)")
     add_options_arguments(p)
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress line for a document that parsed with success (others stay)"
+    )
+    add_confidence_argument(p)
 
 
 INPUT_SUFFIXES = frozenset({".pdf", ".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp", ".gif", ".jp2"})

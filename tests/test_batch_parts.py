@@ -68,3 +68,32 @@ def test_batch_without_ray_is_a_usage_error_naming_the_extra(tmp_path, monkeypat
     text_page().save(tmp_path / "page.png")
     assert main(["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--model", str(tmp_path)]) == 2
     assert "pip install 'mineru-fast[ray]'" in capsys.readouterr().err
+
+
+def test_batch_takes_the_quiet_and_confidence_flags_of_parse(tiny_model, tmp_path, monkeypatch, capsys):
+    """``batch`` lacked ``--quiet`` and ``--confidence`` of ``parse``: they reach the run's config,
+    the actor's writer and the progress lines."""
+    import json
+
+    from mineru_fast.cli import main
+    from mineru_fast.distributed import batch
+
+    configs = []
+    monkeypatch.setattr(batch, "run_batch", lambda config: configs.append(config) or batch.BatchSummary([], [], 0.0, 0))
+    argv = ["batch", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--model", "m"]
+    assert main([*argv, "--quiet", "--confidence"]) == 0 and main(argv) == 0
+    assert [(c.quiet, c.confidence) for c in configs] == [(True, True), (False, False)]
+
+    lines: list[str] = []
+    progress = batch._Progress(2, lines.append, quiet=True)
+    progress.document(Record("in/a.pdf", "a", "success", 1, None, 1, 1.0))
+    progress.document(Record("in/b.pdf", "b", "error", 0, "CorruptDocument: x", 1, 0.0))
+    assert len(lines) == 1 and lines[0].startswith("[2/2] in/b.pdf: error, 0 page(s), attempt 1: CorruptDocument: x |")
+
+    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
+    try:
+        *_, done = worker.parse("doc", pdf_bytes(1), trace=sample_trace(1), confidence=True)
+    finally:
+        worker.parser.close()
+    items = json.loads(done["files"]["doc_content_list.json"])
+    assert len(items) == 3 and all("mf_confidence" in item for item in items)

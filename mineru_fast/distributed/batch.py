@@ -67,6 +67,8 @@ class BatchConfig:
         resume: skip documents complete in the manifest and on disk.
         replay: trace directory of ``<stem>.json`` (tests, benchmarks) or None.
         pages / password: as ``DocumentParser.iter_pages``, for every input.
+        confidence: add the ``mf_confidence`` extension field to the content lists.
+        quiet: log a document's line only when it did not end in ``success``.
     """
 
     inputs: list[Path]
@@ -81,6 +83,8 @@ class BatchConfig:
     replay: Path | None = None
     pages: str | None = None
     password: str | None = None
+    confidence: bool = False
+    quiet: bool = False
 
 
 @dataclass
@@ -110,10 +114,11 @@ class _Job:
 
 
 class _Progress:
-    """Counts documents and pages; one line per finished document with pages/min and ETA."""
+    """Counts documents and pages; one line per finished document with pages/min and ETA (with
+    ``quiet``, only for a document that did not end in ``success``)."""
 
-    def __init__(self, total: int, log: Callable[[str], None]) -> None:
-        self.total, self.log = total, log
+    def __init__(self, total: int, log: Callable[[str], None], quiet: bool = False) -> None:
+        self.total, self.log, self.quiet = total, log, quiet
         self.docs = self.pages = 0
         self.start = time.perf_counter()
         self.lock = threading.Lock()
@@ -125,6 +130,8 @@ class _Progress:
     def document(self, record: Record) -> None:
         with self.lock:
             self.docs += 1
+            if self.quiet and record.status == "success":
+                return
             elapsed = time.perf_counter() - self.start
             rate = 60 * self.pages / elapsed if elapsed > 0 else 0.0
             eta = elapsed / self.docs * (self.total - self.docs)
@@ -179,7 +186,7 @@ class _Runner:
         self.queue: queue.Queue[_Job] = queue.Queue()
         for job in jobs:
             self.queue.put(job)
-        self.progress = _Progress(len(jobs), log)
+        self.progress = _Progress(len(jobs), log, config.quiet)
         self.records: list[Record] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()  # set when the driver is interrupted
@@ -226,7 +233,9 @@ class _Runner:
                 if attempt > 1:
                     _wait_alive(actor)
                 method = actor.parse.options(num_returns="streaming", _generator_backpressure_num_objects=BACKPRESSURE)
-                for ref in method.remote(job.name, data, trace, self.config.pages, self.config.password):
+                for ref in method.remote(
+                    job.name, data, trace, self.config.pages, self.config.password, self.config.confidence
+                ):
                     event = ray.get(ref)
                     _write_files(partial, event.get("files", {}))
                     if self.on_event is not None:

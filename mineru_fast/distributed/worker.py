@@ -69,6 +69,7 @@ class DocumentWorker:
         trace: Trace | None = None,
         pages: str | None = None,
         password: str | None = None,
+        confidence: bool = False,
     ) -> Iterator[dict[str, Any]]:
         """Parse one document and stream its outputs (see the module's events).
 
@@ -77,6 +78,7 @@ class DocumentWorker:
             data: the document's bytes (PDF or image; the format is sniffed).
             trace: replayed outputs (tests, benchmarks) or None.
             pages / password: as ``DocumentParser.iter_pages``.
+            confidence: add the ``mf_confidence`` extension field to the content list (``DocumentWriter``).
 
         Yields:
             The events; unreadable input (``InputError``, ``TraceError``) ends in an ``error``
@@ -96,7 +98,8 @@ class DocumentWorker:
         sent: set[str] = set()
         start = time.perf_counter()
         try:
-            with DocumentWriter(root / "out", name, metadata=self.parser.result_metadata(info)) as writer:
+            metadata = self.parser.result_metadata(info)
+            with DocumentWriter(root / "out", name, metadata=metadata, confidence=confidence) as writer:
                 try:
                     for page in self.parser.iter_pages(
                         data, pages=pages, password=password, replay=trace, keep_page_images=True
