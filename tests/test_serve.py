@@ -24,8 +24,8 @@ from mineru_fast.errors import CorruptDocument, PageRangeError
 from mineru_fast.serve.errors import ApiError, from_exception
 from mineru_fast.serve.jobs import Job, JobManager, QueueFull, ShuttingDown
 from mineru_fast.serve.parsing import parse_formats, trace_from_json
-from mineru_fast.serve.store import MemoryJobStore
 from mineru_fast.serve.security import RateLimiter, TokenBucket, load_api_keys
+from mineru_fast.serve.store import MemoryJobStore
 
 ALPHA = "alpha-secret-0123"
 BETA = "beta-secret-4567"

@@ -445,9 +445,7 @@ class JobManager:
             )
             with self._cond:
                 self._enqueue_locked(job)
-            logger.warning(
-                "job taken over from a lost replica", extra={"job_id": job.id, "request_id": job.request_id}
-            )
+            logger.warning("job taken over from a lost replica", extra={"job_id": job.id, "request_id": job.request_id})
             taken.append(job)
         self.store.expire()
         return taken
