@@ -160,13 +160,13 @@ def test_job_manager_bounds_queue_and_expires_results():
             manager.submit(Job(4))
         assert info.value.retry_after >= 1
         assert (manager.queue_length, manager.in_flight, manager.queue_position(third.id)) == (2, 1, 2)
-        assert manager.get(first.id, owner="beta") is None and manager.get(first.id, owner="alpha").id == first.id
+        assert store.get(first.id, owner="beta") is None and store.get(first.id, owner="alpha").id == first.id
         finished = threading.Event()
         third.add_done_callback(lambda job: finished.set())
         gate.set()
         assert finished.wait(10)
         assert [j.status for j in (first, second, third)] == ["done"] * 3
-        stored = manager.get(third.id, owner="alpha", with_result=True)
+        stored = store.get(third.id, owner="alpha", with_result=True)
         assert third.result == stored.result == {"n": 3} and third.payload is None
         assert stored.describe()["pages"] == {"total": 1, "done": 1} and stored.describe()["attempts"] == 1
         late = []
@@ -175,7 +175,7 @@ def test_job_manager_bounds_queue_and_expires_results():
         now[0] = 4.9
         assert store.expire() == 0
         now[0] = 100.0
-        assert store.expire() == 3 and manager.get(first.id, owner="alpha") is None
+        assert store.expire() == 3 and store.get(first.id, owner="alpha") is None
     finally:
         gate.set()
         manager.shutdown(5)

@@ -285,14 +285,14 @@ async def _wait(job: Job) -> None:
 
 
 async def _job_or_404(service: Service, request: Request, job_id: str, with_result: bool = False) -> JobRecord:
-    """The stored job, looked up off the event loop (the store may be another process).
+    """The stored job, looked up off the event loop (the store may be another process); answered
+    while the model is still loading too (a replica that is starting knows the others' jobs).
 
     Raises:
         ApiError: 404 ``job_not_found``; 503 when the store cannot be reached.
     """
-    jobs = service.jobs
     key = request.state.api_key
-    record = await run_in_threadpool(jobs.get, job_id, key, with_result=with_result) if jobs is not None else None
+    record = await run_in_threadpool(service.job_store.get, job_id, key, with_result=with_result)
     if record is None:
         raise ApiError(404, "job_not_found", "no such job (unknown id, another key's job, or its result expired)")
     return record
@@ -369,8 +369,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         jobs = service.jobs
         held_here = jobs is not None and record.replica == jobs.replica
         position = jobs.queue_position(record.id) if jobs and held_here and record.status == "queued" else None
-        if record.status in ("failed", "cancelled") and jobs is not None:
-            await run_in_threadpool(jobs.collect, record.id)  # the status carries the whole outcome (the error)
+        if record.status in ("failed", "cancelled"):  # the status carries the whole outcome (the error)
+            await run_in_threadpool(service.job_store.collect, record.id)
         return record.describe(position)
 
     @app.get("/v1/jobs/{job_id}/result")
@@ -379,8 +379,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         record = await _job_or_404(service, request, job_id, with_result=True)
         if record.status in ("queued", "running"):
             raise ApiError(409, "job_not_finished", f"the job is {record.status}", {"Retry-After": "1"})
-        if service.jobs is not None:
-            await run_in_threadpool(service.jobs.collect, record.id)
+        await run_in_threadpool(service.job_store.collect, record.id)
         if record.status != "done" or record.result is None:
             raise _outcome_error(record)
         return JSONResponse({"job_id": record.id, **record.result})

@@ -243,14 +243,8 @@ class JobManager:
             if left <= 0:
                 return False
             with self._cond:
-                self._cond.wait(timeout=min(0.5, left))
+                self._cond.wait(timeout=min(0.5, left))  # collection happens in the store: poll it
         return True
-
-    def collect(self, job_id: str) -> None:
-        """Record that a finished job's outcome has been handed to its client (see ``drained``)."""
-        self.store.collect(job_id)
-        with self._cond:
-            self._cond.notify_all()
 
     @property
     def cost(self) -> int:
@@ -314,17 +308,6 @@ class JobManager:
             job.on_progress = self._report_progress
             self._held[job.id] = job
         self._cond.notify_all()
-
-    def get(self, job_id: str, owner: str | None = None, *, with_result: bool = False) -> JobRecord | None:
-        """The stored job with this id, if it exists, has not expired and belongs to ``owner``.
-
-        Args:
-            with_result: include the result of a ``done`` job.
-
-        Raises:
-            ApiError: the store could not be reached (``503``).
-        """
-        return self.store.get(job_id, owner, with_result=with_result)
 
     def queue_position(self, job_id: str) -> int | None:
         """1-based position of a job queued here (1 = next to run), None if it is not queued here."""
