@@ -110,7 +110,8 @@ def build_app(
             ongoing requests per replica (``target_ongoing_requests``).
 
     Returns:
-        A Serve ``Application`` for ``serve.run``.
+        A Serve ``Application`` for ``serve.run``: the replicas and their shared job store
+        (``job_store_actor``; results kept ``config.result_ttl`` seconds).
     """
     config = replace(config, options=replace(config.options, threads=cores_per_replica))
     options: dict[str, Any] = {
