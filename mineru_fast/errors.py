@@ -163,4 +163,6 @@ class RateLimited(ServiceError):
 
 
 class ServiceUnavailable(ServiceError):
-    """``503`` after every retry: the model is loading or failed to load, or the server is shutting down."""
+    """``503`` after every retry: the model is loading or failed to load, or the server is shutting
+    down; or a ``5xx`` that a proxy in front of the service answered instead of it (no JSON error
+    body, e.g. Ray Serve's ``500`` when the replica handling the request died), after every retry."""

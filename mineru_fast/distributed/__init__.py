@@ -5,8 +5,9 @@
 - ``manifest``: the batch manifest (JSON lines), and which documents a resumed run skips.
 - ``batch``: the batch driver (``run_batch``): actors, bounded retries, atomic outputs, progress.
 - ``serve_app``: the service's FastAPI application as a Ray Serve deployment.
+- ``job_store``: the job store its replicas share (a Serve deployment-scoped actor).
 
-Importing this package needs no Ray; ``batch`` and ``serve_app`` import it and raise
+Importing this package needs no Ray; ``batch``, ``serve_app`` and ``job_store`` import it and raise
 ``RayDependencyError`` when it is missing.
 """
 
