@@ -5,8 +5,9 @@ build ``ParserOptions`` (``parse`` and ``serve``)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
@@ -100,7 +101,13 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mineru-fast batch`` (``distributed.batch``)."""
-    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files, or directories (searched recursively)")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files, directories (searched recursively), quoted globs, or pyarrow filesystem URIs "
+        "(file://, s3://, gs://, hdfs://: files, folders, globs)",
+    )
     p.add_argument("-o", "--output", type=Path, required=True, help="OUTPUT/<stem>/ per input, OUTPUT/manifest.jsonl")
     p.add_argument("--ray-address", help="Ray cluster address, e.g. HEAD:6379 or 'auto' (default: a local Ray)")
     p.add_argument("--actors", type=positive_int, help="parser actors (default: cluster CPUs / --cores-per-actor)")
@@ -128,10 +135,22 @@ def expand_inputs(inputs: list[Path]) -> list[Path]:
     return out
 
 
-def output_clashes(sources: list[Path]) -> list[tuple[Path, Path]]:
+class _Stemmed(Protocol):
+    @property
+    def stem(self) -> str: ...
+
+
+_Input = TypeVar("_Input", bound=_Stemmed)
+
+
+def output_clashes(sources: Sequence[_Input]) -> list[tuple[_Input, _Input]]:
     """Pairs of distinct inputs with the same stem: each input writes ``OUTPUT/<stem>/``, so such a
-    pair would overwrite one result with the other. Empty when every stem is unique."""
-    first: dict[str, Path] = {}
+    pair would overwrite one result with the other. Empty when every stem is unique.
+
+    Args:
+        sources: inputs with a ``stem`` (``Path``, ``distributed.sources.Source``).
+    """
+    first: dict[str, _Input] = {}
     clashes = []
     for source in sources:
         seen = first.setdefault(source.stem, source)

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cli_options import expand_inputs, output_clashes
+from ..cli_options import output_clashes
 from ..errors import MineruFastError
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
 from . import require_ray
 from .manifest import Manifest, Record
+from .sources import Source, list_sources
 from .worker import DocumentWorker
 
 __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
@@ -53,7 +54,7 @@ class BatchConfig:
     """What ``run_batch`` parses and how.
 
     Attributes:
-        inputs: files and directories (directories are searched recursively, ``expand_inputs``).
+        inputs: local files, directories and globs, and pyarrow filesystem URIs (``sources``).
         output: writes ``OUTPUT/<stem>/`` per input and ``OUTPUT/manifest.jsonl``.
         model: model directory (the same path on every node) or hub id.
         options: parser options (their ``threads`` become ``cores_per_actor``).
@@ -67,7 +68,7 @@ class BatchConfig:
         pages / password: as ``DocumentParser.iter_pages``, for every input.
     """
 
-    inputs: list[Path]
+    inputs: list[str | Path]
     output: Path
     model: str
     options: ParserOptions = field(default_factory=ParserOptions)
@@ -103,7 +104,7 @@ class BatchSummary:
 
 @dataclass
 class _Job:
-    source: Path
+    source: Source
     name: str
 
 
@@ -133,13 +134,14 @@ class _Progress:
             )
 
 
-def plan_jobs(inputs: list[Path]) -> list[_Job]:
-    """One job per input file; the output name is the file's stem.
+def plan_jobs(inputs: list[str | Path]) -> list[_Job]:
+    """One job per input file (``sources.list_sources``); the output name is the file's stem.
 
     Raises:
         BatchError: no input file, or two inputs with the same stem (their outputs would clash).
+        SourceError: an input that does not exist or cannot be listed (``list_sources``).
     """
-    sources = expand_inputs(inputs)
+    sources = list_sources(inputs)
     if not sources:
         raise BatchError("no input files found")
     if clashes := output_clashes(sources):
@@ -191,7 +193,7 @@ class _Runner:
             try:
                 record = self._parse(actor, job)
             except Exception as exc:  # e.g. OSError writing OUTPUT: recorded, never lost
-                record = Record(str(job.source), job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
+                record = Record(job.source.location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
             if self.stopping.is_set():
                 return  # interrupted: the document is left to --resume
             self.manifest.append(record)
@@ -208,11 +210,12 @@ class _Runner:
         import ray
 
         start = time.perf_counter()
-        try:
-            data = ray.put(job.source.read_bytes())
+        location = job.source.location
+        try:  # a URI document is read by its actor; a local one here (the nodes share no file system)
+            data: Any = job.source if job.source.filesystem is not None else ray.put(job.source.read())
             trace = self._trace(job)
-        except (OSError, MineruFastError) as exc:
-            return Record(str(job.source), job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
+        except MineruFastError as exc:
+            return Record(location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
         error = None
         attempts = 0
         for attempt in range(1, self.config.max_retries + 2):
@@ -234,18 +237,18 @@ class _Runner:
                         self.progress.page()
                     elif event["kind"] == "error":  # unreadable input: final
                         shutil.rmtree(partial, ignore_errors=True)
-                        return Record(str(job.source), job.name, "error", 0, event["error"], attempt, 0.0)
+                        return Record(location, job.name, "error", 0, event["error"], attempt, 0.0)
                     else:
                         _publish(partial, self.config.output / job.name)
                         wall = round(time.perf_counter() - start, 3)
-                        return Record(str(job.source), job.name, event["status"], event["pages"], None, attempt, wall)
+                        return Record(location, job.name, event["status"], event["pages"], None, attempt, wall)
                 error = "the actor ended the document without a result"
             except ray.exceptions.RayError as exc:
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                self.log(f"{job.source}: attempt {attempt} failed ({error})")
+                self.log(f"{location}: attempt {attempt} failed ({error})")
             shutil.rmtree(partial, ignore_errors=True)
         wall = round(time.perf_counter() - start, 3)
-        return Record(str(job.source), job.name, "error", 0, error, attempts, wall)
+        return Record(location, job.name, "error", 0, error, attempts, wall)
 
 
 def _wait_alive(actor: Any) -> None:
@@ -298,6 +301,7 @@ def run_batch(
     Raises:
         BatchError: no inputs, clashing output names, ``max_retries`` < 0, or actors that fail to
             start (e.g. a wrong model path).
+        SourceError: an input that does not exist, or a URI that cannot be listed.
         RayDependencyError: Ray is not installed.
     """
     require_ray()
@@ -310,7 +314,7 @@ def run_batch(
     skipped = []
     if config.resume:
         complete = Manifest(config.output).complete()
-        skipped = [str(job.source) for job in jobs if job.name in complete]
+        skipped = [job.source.location for job in jobs if job.name in complete]
         jobs = [job for job in jobs if job.name not in complete]
         log(f"resume: {len(skipped)} document(s) complete, {len(jobs)} left")
     start = time.perf_counter()

@@ -1,7 +1,8 @@
 """``DocumentWorker``: the body of a batch actor. It holds one ``DocumentParser`` and parses a
-document, given as bytes, into a temporary directory of its own (``DocumentWriter``), streaming
-the output files back as events, so that no file system needs to be shared between the machines
-of a cluster and a long document never sits whole in memory.
+document, given as bytes or as the ``Source`` of a URI input (read here), into a temporary
+directory of its own (``DocumentWriter``), streaming the output files back as events, so that no
+file system needs to be shared between the machines of a cluster and a long document never sits
+whole in memory.
 
 Events (plain dicts, in order): one ``{"kind": "page", "index", "status", "files"}`` per page
 (``files``: the page's crops and layout overlay, relative path -> bytes), then either
@@ -23,6 +24,7 @@ from typing import Any
 from ..errors import InputError, TraceError
 from ..options import ParserOptions
 from ..traces import Trace
+from .sources import Source
 
 __all__ = ["DocumentWorker"]
 
@@ -65,7 +67,7 @@ class DocumentWorker:
     def parse(
         self,
         name: str,
-        data: bytes,
+        data: bytes | Source,
         trace: Trace | None = None,
         pages: str | None = None,
         password: str | None = None,
@@ -74,12 +76,13 @@ class DocumentWorker:
 
         Args:
             name: the output stem (``<name>.md`` ...).
-            data: the document's bytes (PDF or image; the format is sniffed).
+            data: the document's bytes (PDF or image; the format is sniffed), or the ``Source`` of
+                a URI input, read here.
             trace: replayed outputs (tests, benchmarks) or None.
             pages / password: as ``DocumentParser.iter_pages``.
 
         Yields:
-            The events; unreadable input (``InputError``, ``TraceError``) ends in an ``error``
+            The events; unreadable input (``InputError``, ``SourceError``, ``TraceError``) ends in an ``error``
             event. Any other exception propagates (the batch retries the document).
         """
         from ..inputs import open_document
@@ -87,6 +90,8 @@ class DocumentWorker:
         from ..writer import DocumentWriter
 
         try:  # the metadata block names the document as sequential parse does (its stem)
+            if isinstance(data, Source):
+                data = data.read()
             with open_document(data, pages=pages, password=password) as opened:
                 info = replace(InputInfo.from_opened(opened), name=name)
         except InputError as exc:
