@@ -335,7 +335,7 @@ def run_batch(
         count = min(count, len(jobs))
         log(f"{len(jobs)} document(s) on {count} actor(s) x {cores} core(s)")
         remote: Any = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=0)(DocumentWorker)
-        actors: list[Any] = [remote.remote(config.model, config.options, cores) for _ in range(count)]
+        actors: list[Any] = [remote.remote(config.model, config.options, cores, pin=True) for _ in range(count)]
         runner = _Runner(config, jobs, log, on_event)
         try:
             try:
@@ -343,6 +343,9 @@ def run_batch(
             except ray.exceptions.RayError as exc:
                 raise BatchError(f"the parser actors failed to start: {exc}") from exc
             log("actors on " + ", ".join(sorted({h["host"] for h in hosts})))
+            for n, h in enumerate(hosts):
+                if h["cpus"] is not None:
+                    log(f"actor {n} on {h['host']}: pinned to CPUs {h['cpus']} (NUMA node {h['node']})")
             threads = [threading.Thread(target=runner.drive, args=(a,), name=f"batch-{n}", daemon=True)
                        for n, a in enumerate(actors)]  # fmt: skip
             for t in threads:

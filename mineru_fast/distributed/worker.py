@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..cpu import format_cpulist
 from ..errors import InputError, TraceError
 from ..options import ParserOptions
 from ..traces import Trace
@@ -49,11 +50,20 @@ class DocumentWorker:
         model: model directory or hub id (every node must reach it: a shared or copied path).
         options: parser options; their ``threads`` is replaced by ``threads``.
         threads: intra-op threads, the CPUs Ray reserved for this actor.
+        pin: pin the process to ``threads`` cores of one NUMA node where the machine has several
+            (``placement.pin_actor``), before the model loads.
+
+    Raises:
+        OSError: ``pin`` and the kernel refused the affinity.
     """
 
-    def __init__(self, model: str, options: ParserOptions, threads: int) -> None:
+    def __init__(self, model: str, options: ParserOptions, threads: int, pin: bool = False) -> None:
         from ..threads import configure_process
+        from .placement import pin_actor
 
+        pinned = pin_actor(threads) if pin else None
+        self.group = pinned[0] if pinned else None
+        self._slot = pinned[1] if pinned else None  # the slot's lock, held for the actor's life
         configure_process(threads, bind=False)  # before torch loads (Ray also sets OMP_NUM_THREADS)
         from ..parser import DocumentParser
 
@@ -61,8 +71,12 @@ class DocumentWorker:
         self.parser = DocumentParser.from_pretrained(model, replace(options, threads=threads, progress=False))
 
     def describe(self) -> dict[str, Any]:
-        """Where the worker runs: ``{"host", "threads"}`` (also a readiness check)."""
-        return {"host": socket.gethostname(), "threads": self.threads}
+        """Where the worker runs: ``{"host", "threads", "cpus", "node"}`` (``cpus``: the cpulist it
+        is pinned to, ``node`` its NUMA node, both None when not pinned; also a readiness check)."""
+        group = self.group
+        cpus = format_cpulist(group.cpus) if group is not None else None
+        return {"host": socket.gethostname(), "threads": self.threads, "cpus": cpus,
+                "node": group.node if group is not None else None}  # fmt: skip
 
     def parse(
         self,
