@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from .distributed import PAGES_PER_TASK
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
 from .options import (
@@ -113,7 +114,14 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--actors", type=positive_int, help="parser actors (default: cluster CPUs / --cores-per-actor)")
     p.add_argument("--cores-per-actor", type=positive_int, help="CPUs and threads per actor (default: smallest node's)")
     p.add_argument("--resume", action="store_true", help="skip documents complete in OUTPUT/manifest.jsonl")
-    p.add_argument("--max-retries", type=int, default=2, help="further attempts of a document whose actor died (2)")
+    p.add_argument("--max-retries", type=int, default=2, help="further attempts of a task whose actor died (2)")
+    p.add_argument(
+        "--pages-per-task",
+        type=positive_int,
+        default=PAGES_PER_TASK,
+        help="split a document with more selected pages into tasks of this many pages, run on different actors "
+        "(%(default)s)",
+    )
     p.add_argument("--pages", help="1-based page range of every input, e.g. '1-3,5'")
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="directory of <stem>.json replay traces (tests, benchmarks)")
