@@ -146,7 +146,7 @@ def test_a_task_that_fails_on_every_attempt_makes_its_pages_failures_and_the_doc
     assert kills == [1, 2] and summary.exit_status == 1
     (line,) = manifest_lines(out)
     assert (line["status"], line["pages"], line["failed_pages"], line["attempts"]) == ("partial", 5, [3, 4], 2)
-    assert line["error"].startswith("pages 3-4 failed: ActorDiedError")
+    assert line["error"].startswith("pages 3-4 failed: Actor")  # ActorDiedError / ActorUnavailableError
     result = json.loads((out / "long" / "long.json").read_text(encoding="utf-8"))
     assert [(p["page_idx"], p["status"]) for p in result["pages"]] == [
         (0, "success"), (1, "success"), (2, "failure"), (3, "failure"), (4, "success")
