@@ -11,6 +11,10 @@ Everything is read from sysfs and procfs under injectable roots, so tests build 
 The process's allowed CPUs are its affinity mask (which a cpuset already narrows); a CPU quota then
 caps how many of them can run at once.
 
+Core groups (``CoreGroup``, built with ``node_cores``, ``whole_chunks`` and ``core_group``): the
+CPUs one pinned process runs on; ``launch`` splits the machine into them for its workers and the
+batch actors for themselves (``distributed.placement``).
+
 ISA class (``isa_class``): the best matrix ISA the kernels may use, from the CPU flags, capped by the
 variables that make PyTorch's libraries use less than the CPU has. They take effect only when set
 before torch loads (so tests and the benchmark set them for a subprocess: ``simulation_env``):

@@ -4,6 +4,7 @@ through pyarrow)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -19,7 +20,12 @@ from mineru_fast.document import Page
 from mineru_fast.errors import SourceError
 from mineru_fast.options import ParserOptions
 
+needs_pyarrow = pytest.mark.skipif(
+    importlib.util.find_spec("pyarrow") is None, reason="URI inputs need pyarrow (the ray extra)"
+)
 
+
+@needs_pyarrow
 def test_the_worker_streams_each_page_with_its_image_files(tiny_model, tmp_path):
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:
@@ -160,6 +166,7 @@ def tree_of_inputs(tmp_path):
     return root
 
 
+@needs_pyarrow
 def test_file_uris_list_folders_globs_and_files_through_pyarrow(tree_of_inputs):
     root = tree_of_inputs
     base = root.as_uri()  # file:///.../in
@@ -191,6 +198,7 @@ def test_local_paths_and_globs_are_read_by_the_driver(tree_of_inputs, monkeypatc
         Source("missing.pdf", "missing.pdf").read()
 
 
+@needs_pyarrow
 def test_unsupported_schemes_and_missing_paths_are_typed_errors(tree_of_inputs):
     base = tree_of_inputs.as_uri()
     with pytest.raises(SourceError, match="cannot list nosuch://bucket/x: Unrecognized filesystem type"):
@@ -203,9 +211,16 @@ def test_unsupported_schemes_and_missing_paths_are_typed_errors(tree_of_inputs):
         list_sources(["missing.pdf"])
 
 
-def test_batch_without_ray_is_a_usage_error_naming_the_extra(tmp_path, monkeypatch, capsys):
-    import importlib.util
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the batch command needs Ray (the ray extra)")
+def test_batch_refuses_an_unsupported_scheme_before_it_starts(tmp_path, capsys):
+    from mineru_fast.cli import main
 
+    assert main(["batch", "nosuch://bucket/x", "-o", str(tmp_path / "out"), "--model", str(tmp_path)]) == 2
+    assert "error: cannot list nosuch://bucket/x: Unrecognized filesystem type" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_batch_without_ray_is_a_usage_error_naming_the_extra(tmp_path, monkeypatch, capsys):
     from mineru_fast.cli import main
 
     find_spec = importlib.util.find_spec
