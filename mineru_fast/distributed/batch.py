@@ -158,7 +158,7 @@ def plan_jobs(inputs: list[str | Path]) -> list[_Job]:
         raise BatchError("no input files found")
     if clashes := output_clashes(sources):
         first, second = clashes[0]
-        raise BatchError(f"{first} and {second} would both write {first.stem}/: rename one")
+        raise BatchError(f"{first.location} and {second.location} would both write {first.stem}/: rename one")
     by_name = {source.stem: source for source in sources}
     return [_Job(source, name) for name, source in by_name.items()]
 
@@ -172,6 +172,7 @@ class _Document:
     trace: Trace | None
     assembly: DocumentAssembly
     start: float
+    closed: bool = False  # recorded: what is left of it is dropped
 
 
 @dataclass
@@ -221,15 +222,32 @@ class _Runner:
 
     def drive(self, actor: Any) -> None:
         while (item := self._next()) is not None:
-            if isinstance(item, _Job):
-                self._start(actor, item)
-            else:
-                self._run(actor, item)
+            try:
+                if isinstance(item, _Job):
+                    self._start(actor, item)
+                else:
+                    self._run(actor, item)
+            except Exception as exc:  # e.g. OSError writing OUTPUT: the document is recorded, never lost
+                job = item if isinstance(item, _Job) else item.document.job
+                record = Record(job.source.location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
+                self._close(None if isinstance(item, _Job) else item.document, record)
+
+    def _close(self, document: _Document | None, record: Record) -> None:
+        """Record a document once (``document`` None: it never started, nothing else records it)."""
+        with self.changed:
+            if document is not None:
+                if document.closed:
+                    return
+                document.closed = True
+        self._record(record)
 
     def _record(self, record: Record) -> None:
         """A document's end: its manifest line (none once interrupted: it is left to --resume)."""
         if not self.stopping.is_set():
-            self.manifest.append(record)
+            try:
+                self.manifest.append(record)
+            except OSError as exc:
+                self.log(f"{record.document}: cannot write the manifest ({exc}); record: {record}")
             self.progress.document(record)
         with self.changed:
             self.records.append(record)
@@ -251,7 +269,7 @@ class _Runner:
             data: Any = job.source if job.source.filesystem is not None else ray.put(job.source.read())
             trace = self._trace(job)
         except MineruFastError as exc:
-            return self._record(Record(location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0))
+            return self._close(None, Record(location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0))
         error = ""
         for attempt in range(1, self.config.max_retries + 2):
             try:
@@ -262,12 +280,14 @@ class _Runner:
                 error = _error(exc)
                 self.log(f"{location}: inspection, attempt {attempt} failed ({error})")
         else:
-            return self._record(Record(location, job.name, "error", 0, error, attempt, 0.0))
+            return self._close(None, Record(location, job.name, "error", 0, error, attempt, 0.0))
         if "error" in info:  # unreadable input: final
-            return self._record(Record(location, job.name, "error", 0, info["error"], attempt, 0.0))
+            return self._close(None, Record(location, job.name, "error", 0, info["error"], attempt, 0.0))
         tasks = split_pages(info["pages"], self.config.pages_per_task)
         document = _Document(job, data, trace, DocumentAssembly(self.config.output, job.name, tasks, info["metadata"]),
                              start)  # fmt: skip
+        if not tasks:  # nothing selected: written at once (an empty document, as parse writes it)
+            return self._finish(document)
         for index in range(len(tasks)):
             self._push(0, _Task(document, index))
 
@@ -276,6 +296,8 @@ class _Runner:
         import ray
 
         document, assembly = task.document, task.document.assembly
+        if document.closed:  # recorded as error already (a task of it could not be handled)
+            return
         spec = page_spec(assembly.tasks[task.index])
         location = document.job.source.location
         error, final = "", False
@@ -318,20 +340,18 @@ class _Runner:
     def _finish(self, document: _Document) -> None:
         """Every task is in: publish the outputs (or drop them when nothing parsed) and record."""
         assembly, job = document.assembly, document.job
+        if document.closed:  # recorded as error meanwhile: its folder goes with OUTPUT/.partial
+            return
         wall = round(time.perf_counter() - document.start, 3)
-        try:
-            if assembly.all_failed:
-                assembly.discard()
-                record = Record(job.source.location, job.name, "error", 0, assembly.error, assembly.attempts, wall)
-            else:
-                status, pages = assembly.finish(wall)
-                failed = [p + 1 for p in assembly.failed_pages]
-                error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else None
-                record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed)
-        except Exception as exc:  # e.g. OSError writing OUTPUT: recorded, never lost
-            record = Record(job.source.location, job.name, "error", 0, f"{type(exc).__name__}: {exc}",
-                            assembly.attempts, wall)  # fmt: skip
-        self._record(record)
+        if assembly.all_failed:
+            assembly.discard()
+            record = Record(job.source.location, job.name, "error", 0, assembly.error, assembly.attempts, wall)
+        else:
+            status, pages = assembly.finish(wall)
+            failed = [p + 1 for p in assembly.failed_pages]
+            error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else None
+            record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed)
+        self._close(document, record)
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:
