@@ -260,6 +260,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         replay=args.replay,
         pages=args.pages,
         password=args.password,
+        pages_per_task=args.pages_per_task,
     )
     summary = run_batch(config)
     counts: dict[str, int] = {}

@@ -16,6 +16,7 @@ __all__ = [
     "PasswordRequired",
     "ImageTooLarge",
     "PageRangeError",
+    "SourceError",
     "ModelLoadError",
     "ModelNotCached",
     "LayoutModelMissing",
@@ -60,6 +61,11 @@ class ImageTooLarge(InputError):
 
 class PageRangeError(InputError):
     """A page range such as ``"1-3,5"`` is malformed or outside the document."""
+
+
+class SourceError(InputError):
+    """An input location cannot be listed or read: a URI scheme pyarrow has no filesystem for, a
+    path that does not exist, a store that cannot be reached (``mineru-fast batch`` inputs)."""
 
 
 class ModelLoadError(MineruFastError):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from batch_outputs import output_tree
 from samples import pdf_bytes, sample_trace, text_page
 
 from mineru_fast.cli import main
@@ -28,7 +29,7 @@ from mineru_fast.distributed.batch import PARTIAL, BatchConfig, run_batch  # noq
 
 REPO = Path(__file__).resolve().parents[1]
 # documents and their page counts: replay traces make every page "success", whatever the weights
-DOCUMENTS = {"a_one.png": 1, "b_three.pdf": 3, "c_one.png": 1}
+DOCUMENTS = {"a_one.png": 1, "b_three.pdf": 3, "c_one.png": 1, "e_five.pdf": 5}
 
 
 @pytest.fixture(scope="module")
@@ -61,29 +62,6 @@ def make_collection(folder: Path, documents: dict[str, int], broken: bool = Fals
     return inputs, traces
 
 
-def tree(folder: Path) -> dict[str, object]:
-    """Every file below ``folder`` by relative path: bytes, or for ``<stem>.json`` the JSON without
-    timings (wall-clock figures differ between any two runs) and without the options' thread count,
-    block confidences rounded to 3 decimals (log-prob sums in another order on 1 thread)."""
-    out: dict[str, object] = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix()
-        if rel.endswith(".json") and not rel.endswith("_content_list.json"):
-            data = json.loads(path.read_text(encoding="utf-8"))
-            data.pop("timings")
-            # each actor runs its parser with --cores-per-actor threads, recorded in the options
-            data["metadata"]["options"].pop("threads")
-            for page in data["pages"]:
-                page.pop("timings", None)
-                for block in page["blocks"]:  # float sums in another order (1 thread vs all): ~1e-7 relative
-                    for key, value in (block.get("confidence") or {}).items():
-                        block["confidence"][key] = round(value, 3) if isinstance(value, float) else value
-            out[rel] = data
-        else:
-            out[rel] = path.read_bytes()
-    return out
-
-
 def sequential(inputs: Path, traces: Path, out: Path, model: Path) -> Path:
     main(["parse", str(inputs), "-o", str(out), "--model", str(model), "--replay", str(traces), "--quiet"])
     return out
@@ -97,7 +75,10 @@ def manifest_lines(output: Path) -> list[dict]:
 def first_run(cluster, tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("collection")
     inputs, traces = make_collection(folder, DOCUMENTS, broken=True)
-    config = BatchConfig([inputs], folder / "out", str(tiny_model), replay=traces, actors=2, cores_per_actor=1)
+    # a file:// URI: the actors list nothing and read each document themselves (pyarrow's filesystem)
+    # two pages per task: b_three and e_five are split into tasks that run on both actors
+    config = BatchConfig([inputs.as_uri()], folder / "out", str(tiny_model), replay=traces, actors=2,
+                         cores_per_actor=1, pages_per_task=2)  # fmt: skip
     summary = run_batch(config, log=lambda line: None)
     return folder, inputs, traces, summary
 
@@ -108,18 +89,19 @@ def test_a_folder_parses_on_two_nodes_like_sequential_parse(first_run, tiny_mode
     expected = sequential(inputs, traces, folder / "sequential", tiny_model)
     for name, pages in DOCUMENTS.items():
         stem = Path(name).stem
-        produced = tree(folder / "out" / stem)
-        assert produced == tree(expected / stem)
+        produced = output_tree(folder / "out" / stem)
+        assert produced == output_tree(expected / stem)
         assert len(produced[f"{stem}.json"]["pages"]) == pages  # type: ignore[index]
-    assert summary.actors == 2 and summary.pages == 5
+    assert summary.actors == 2 and summary.pages == 10
     assert not (folder / "out" / PARTIAL).exists()
 
 
 def test_a_broken_file_is_recorded_while_the_rest_complete(first_run):
     folder, _, _, summary = first_run
     records = {Path(line["document"]).name: line for line in manifest_lines(folder / "out")}
-    assert sorted(records) == ["a_one.png", "b_three.pdf", "c_one.png", "d_broken.pdf"]
-    assert [records[n]["status"] for n in sorted(records)] == ["success", "success", "success", "error"]
+    assert all(line["document"].startswith("file:///") for line in records.values())
+    assert sorted(records) == ["a_one.png", "b_three.pdf", "c_one.png", "d_broken.pdf", "e_five.pdf"]
+    assert [records[n]["status"] for n in sorted(records)] == ["success", "success", "success", "error", "success"]
     broken = records["d_broken.pdf"]
     assert broken["error"].startswith("CorruptDocument: ") and broken["attempts"] == 1 and broken["pages"] == 0
     assert not (folder / "out" / "d_broken").exists()
@@ -144,8 +126,38 @@ def test_a_killed_actor_s_document_is_retried_once_and_completes(cluster, tiny_m
         ("long", "success", 2, 5), ("short", "success", 1, 1)
     ]  # fmt: skip
     expected = sequential(inputs, traces, tmp_path / "sequential", tiny_model)
-    assert tree(out / "long") == tree(expected / "long")  # the pages of the killed attempt left no trace
+    assert output_tree(out / "long") == output_tree(expected / "long")  # the pages of the killed attempt left no trace
     assert summary.exit_status == 0 and not (out / PARTIAL).exists()
+
+
+def test_a_task_that_fails_on_every_attempt_makes_its_pages_failures_and_the_document_partial(
+    cluster, tiny_model, tmp_path
+):
+    inputs, traces = make_collection(tmp_path, {"long.pdf": 5})
+    kills = []
+
+    def kill_task_1(event):
+        if event["kind"] == "page" and event["task"] == 1:  # pages 3-4, on each attempt
+            kills.append(event["attempt"])
+            ray.kill(event["actor"], no_restart=False)
+
+    out = tmp_path / "out"
+    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=2, cores_per_actor=1, max_retries=1,
+                         pages_per_task=2)  # fmt: skip
+    summary = run_batch(config, log=lambda line: None, on_event=kill_task_1)
+    assert kills == [1, 2] and summary.exit_status == 1
+    (line,) = manifest_lines(out)
+    assert (line["status"], line["pages"], line["failed_pages"], line["attempts"]) == ("partial", 5, [3, 4], 2)
+    assert line["error"].startswith("pages 3-4 failed: Actor")  # ActorDiedError / ActorUnavailableError
+    result = json.loads((out / "long" / "long.json").read_text(encoding="utf-8"))
+    assert [(p["page_idx"], p["status"]) for p in result["pages"]] == [
+        (0, "success"), (1, "success"), (2, "failure"), (3, "failure"), (4, "success")
+    ]  # fmt: skip
+    assert result["status"] == "partial" and result["pages"][2]["errors"][0]["code"] == "batch_task_failed"
+    assert sorted(p.name for p in (out / "long" / "layout").iterdir()) == [
+        "page_0001.png", "page_0002.png", "page_0005.png"
+    ]  # fmt: skip
+    assert not (out / PARTIAL).exists()
 
 
 def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_model, tmp_path):
