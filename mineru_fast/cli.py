@@ -291,6 +291,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         replay=args.replay,
         pages=args.pages,
         password=args.password,
+        pages_per_task=args.pages_per_task,
         confidence=args.confidence,
         quiet=args.quiet,
     )

@@ -5,9 +5,11 @@ build ``ParserOptions`` (``parse`` and ``serve``)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from .distributed import PAGES_PER_TASK
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
 from .options import (
@@ -105,13 +107,26 @@ def add_confidence_argument(p: argparse.ArgumentParser) -> None:
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mineru-fast batch`` (``distributed.batch``)."""
-    p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files, or directories (searched recursively)")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files, directories (searched recursively), quoted globs, or pyarrow filesystem URIs "
+        "(file://, s3://, gs://, hdfs://: files, folders, globs)",
+    )
     p.add_argument("-o", "--output", type=Path, required=True, help="OUTPUT/<stem>/ per input, OUTPUT/manifest.jsonl")
     p.add_argument("--ray-address", help="Ray cluster address, e.g. HEAD:6379 or 'auto' (default: a local Ray)")
     p.add_argument("--actors", type=positive_int, help="parser actors (default: cluster CPUs / --cores-per-actor)")
     p.add_argument("--cores-per-actor", type=positive_int, help="CPUs and threads per actor (default: smallest node's)")
     p.add_argument("--resume", action="store_true", help="skip documents complete in OUTPUT/manifest.jsonl")
-    p.add_argument("--max-retries", type=int, default=2, help="further attempts of a document whose actor died (2)")
+    p.add_argument("--max-retries", type=int, default=2, help="further attempts of a task whose actor died (2)")
+    p.add_argument(
+        "--pages-per-task",
+        type=positive_int,
+        default=PAGES_PER_TASK,
+        help="split a document with more selected pages into tasks of this many pages, run on different actors "
+        "(%(default)s)",
+    )
     p.add_argument("--pages", help="1-based page range of every input, e.g. '1-3,5'")
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="directory of <stem>.json replay traces (tests, benchmarks)")
@@ -137,10 +152,22 @@ def expand_inputs(inputs: list[Path]) -> list[Path]:
     return out
 
 
-def output_clashes(sources: list[Path]) -> list[tuple[Path, Path]]:
+class _Stemmed(Protocol):
+    @property
+    def stem(self) -> str: ...
+
+
+_Input = TypeVar("_Input", bound=_Stemmed)
+
+
+def output_clashes(sources: Sequence[_Input]) -> list[tuple[_Input, _Input]]:
     """Pairs of distinct inputs with the same stem: each input writes ``OUTPUT/<stem>/``, so such a
-    pair would overwrite one result with the other. Empty when every stem is unique."""
-    first: dict[str, Path] = {}
+    pair would overwrite one result with the other. Empty when every stem is unique.
+
+    Args:
+        sources: inputs with a ``stem`` (``Path``, ``distributed.sources.Source``).
+    """
+    first: dict[str, _Input] = {}
     clashes = []
     for source in sources:
         seen = first.setdefault(source.stem, source)

@@ -2,9 +2,11 @@
 
 Both keep one ``httpx`` connection pool (keep-alive), send the API key as ``Authorization: Bearer``,
 and retry what is worth retrying: connection errors (a server restarting), ``429``, ``502``,
-``503`` and ``504``, waiting exactly ``Retry-After`` when the service says it and an exponential
-backoff with jitter otherwise, within ``RetryPolicy``'s bounds. Every other error is raised at once
-as a ``ServiceError`` subclass built from the service's JSON error body (``mineru_fast.errors``).
+``503`` and ``504``, and any ``5xx`` that does not carry the service's JSON error body (a proxy's
+answer, such as Ray Serve's plain-text ``500`` when the replica handling the request dies), waiting
+exactly ``Retry-After`` when the service says it and an exponential backoff with jitter otherwise,
+within ``RetryPolicy``'s bounds. Every other error is raised at once as a ``ServiceError``
+subclass built from the service's JSON error body (``mineru_fast.errors``).
 
 ``parse`` submits a job and polls it; if the job is gone (the server restarted and lost its
 in-memory queue, or cancelled it while shutting down) the document is submitted again. An upload
@@ -71,6 +73,9 @@ class RetryPolicy:
         budget: most seconds one request spends waiting between tries; a ``Retry-After`` that
             would pass it ends the request at once with the error (its ``retry_after`` says how long).
         statuses: HTTP statuses retried.
+        proxy_errors: also retry a ``5xx`` answer without the service's JSON error body: a proxy
+            in front of the service failed the request (Ray Serve answers a plain-text ``500``
+            when the replica handling it dies; the request produced no result).
     """
 
     attempts: int = 10
@@ -78,6 +83,7 @@ class RetryPolicy:
     max_backoff: float = 20.0
     budget: float = 300.0
     statuses: frozenset[int] = frozenset({429, 502, 503, 504})
+    proxy_errors: bool = True
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -101,25 +107,52 @@ def _retry_after(response: httpx.Response) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def error_from_response(response: httpx.Response) -> ServiceError:
-    """The typed error for an error response (the service's ``{"error": {...}}`` body, or any other)."""
-    code, message, request_id = f"http_{response.status_code}", response.reason_phrase, None
+def _service_error(response: httpx.Response) -> tuple[str, str, str | None] | None:
+    """``(code, message, request_id)`` of the service's JSON error body; None for any other body."""
     try:
         body = response.json()["error"]
-        code, message, request_id = str(body["code"]), str(body["message"]), body.get("request_id")
-    except (ValueError, KeyError, TypeError):
+        return str(body["code"]), str(body["message"]), body.get("request_id")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _from_proxy(response: httpx.Response) -> bool:
+    """A ``5xx`` the service did not write (no JSON error body): a proxy in front of it failed."""
+    return response.status_code >= 500 and _service_error(response) is None
+
+
+def error_from_response(response: httpx.Response, *, tries: int = 1) -> ServiceError:
+    """The typed error for an error response (the service's ``{"error": {...}}`` body, or any other).
+
+    A ``5xx`` without the service's body (``_from_proxy``) becomes ``ServiceUnavailable`` with
+    code ``http_<status>`` and a message that says so.
+
+    Args:
+        response: the error answer.
+        tries: requests made, this one included (named in a proxy error's message).
+
+    Returns:
+        The ``ServiceError`` subclass for the status (``mineru_fast.errors``).
+    """
+    status, request_id = response.status_code, response.headers.get("x-request-id")
+    parsed = _service_error(response)
+    if parsed is not None:
+        code, message, request_id = parsed[0], parsed[1], parsed[2] or request_id
+        cls = _STATUS_ERRORS.get(status, ServiceError)
+        if cls is JobNotFound and code != "job_not_found":  # an unknown route, not a job
+            cls = ServiceError
+    elif _from_proxy(response):
+        code, cls = f"http_{status}", ServiceUnavailable
+        message = (
+            f"{status} {response.reason_phrase} from a proxy in front of the service, not from the service "
+            f"(Ray Serve answers so when the replica handling the request dies), {tries} tries made"
+        )
         if response.text:
-            message = response.text[:300]
-    cls = _STATUS_ERRORS.get(response.status_code, ServiceError)
-    if cls is JobNotFound and code != "job_not_found":  # an unknown route, not a job
-        cls = ServiceError
-    return cls(
-        message,
-        status=response.status_code,
-        code=code,
-        request_id=request_id or response.headers.get("x-request-id"),
-        retry_after=_retry_after(response),
-    )
+            message += f": {response.text[:200]}"
+    else:
+        code, message = f"http_{status}", response.text[:300] or response.reason_phrase
+        cls = ServiceError if status == 404 else _STATUS_ERRORS.get(status, ServiceError)
+    return cls(message, status=status, code=code, request_id=request_id, retry_after=_retry_after(response))
 
 
 class _Retries:
@@ -141,7 +174,9 @@ class _Retries:
     def after_response(self, response: httpx.Response) -> float | None:
         """Seconds to wait before trying again after an error ``response``; None: give up."""
         self.tries += 1
-        if response.status_code not in self.policy.statuses:
+        if response.status_code not in self.policy.statuses and not (
+            self.policy.proxy_errors and _from_proxy(response)
+        ):
             return None
         if response.status_code == 503 and error_from_response(response).code in _NOT_RETRIED_CODES:
             return None
@@ -244,7 +279,7 @@ class _Base:
                     return response
                 wait = retries.after_response(response)
                 if wait is None:
-                    raise error_from_response(response)
+                    raise error_from_response(response, tries=retries.tries)
             yield _Sleep(wait)
 
     def _json(self, method: str, path: str, **kwargs: Any) -> _Flow[dict[str, Any]]:

@@ -11,6 +11,10 @@ Everything is read from sysfs and procfs under injectable roots, so tests build 
 The process's allowed CPUs are its affinity mask (which a cpuset already narrows); a CPU quota then
 caps how many of them can run at once.
 
+Core groups (``CoreGroup``, built with ``node_cores``, ``whole_chunks`` and ``core_group``): the
+CPUs one pinned process runs on; ``launch`` splits the machine into them for its workers and the
+batch actors for themselves (``distributed.placement``).
+
 ISA class (``isa_class``): the best matrix ISA the kernels may use, from the CPU flags, capped by the
 variables that make PyTorch's libraries use less than the CPU has. They take effect only when set
 before torch loads (so tests and the benchmark set them for a subprocess: ``simulation_env``):
@@ -211,6 +215,36 @@ class Topology:
     def node_of(self, cpu: int) -> int:
         """NUMA node id holding ``cpu`` (0 when no node lists it)."""
         return next((n.id for n in self.nodes if cpu in n.cpus), 0)
+
+
+@dataclass(frozen=True)
+class CoreGroup:
+    """The CPUs of some physical cores (each with its allowed SMT siblings), and their NUMA node
+    (None when the cores span nodes): what one pinned worker or actor runs on."""
+
+    cpus: tuple[int, ...]
+    node: int | None
+
+
+NodeCore = tuple[int, tuple[int, ...]]
+"""A physical core as ``(NUMA node id, its allowed CPUs)``."""
+
+
+def node_cores(topology: Topology) -> list[list[NodeCore]]:
+    """The allowed physical cores of each NUMA node, node by node (nodes without one left out)."""
+    by_node = [[(node.id, core) for core in topology.allowed_cores(node.cpus)] for node in topology.nodes]
+    return [cores for cores in by_node if cores]
+
+
+def whole_chunks(cores: list[NodeCore], per: int) -> list[list[NodeCore]]:
+    """``cores`` cut into consecutive chunks of exactly ``per`` (a shorter remainder left out)."""
+    return [cores[i : i + per] for i in range(0, len(cores) - per + 1, per)]
+
+
+def core_group(cores: list[NodeCore]) -> CoreGroup:
+    """The ``CoreGroup`` of ``cores``: their CPUs sorted, their node if they share one."""
+    nodes = {node for node, _ in cores}
+    return CoreGroup(tuple(sorted(c for _, core in cores for c in core)), nodes.pop() if len(nodes) == 1 else None)
 
 
 def parse_cpulist(text: str) -> tuple[int, ...]:

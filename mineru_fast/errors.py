@@ -20,6 +20,7 @@ __all__ = [
     "PasswordRequired",
     "ImageTooLarge",
     "PageRangeError",
+    "SourceError",
     "ModelLoadError",
     "ModelNotCached",
     "LayoutModelMissing",
@@ -83,6 +84,13 @@ class PageRangeError(InputError):
     """A page range such as ``"1-3,5"`` is malformed or outside the document."""
 
     code = "bad_page_range"
+
+
+class SourceError(InputError):
+    """An input location cannot be listed or read: a URI scheme pyarrow has no filesystem for, a
+    path that does not exist, a store that cannot be reached (``mineru-fast batch`` inputs)."""
+
+    code = "source_unreadable"
 
 
 class ModelLoadError(MineruFastError):
@@ -201,6 +209,8 @@ class RateLimited(ServiceError):
 
 
 class ServiceUnavailable(ServiceError):
-    """``503`` after every retry: the model is loading or failed to load, or the server is shutting down."""
+    """``503`` after every retry: the model is loading or failed to load, or the server is shutting
+    down; or a ``5xx`` that a proxy in front of the service answered instead of it (no JSON error
+    body, e.g. Ray Serve's ``500`` when the replica handling the request died), after every retry."""
 
     code = "service_unavailable"

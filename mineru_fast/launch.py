@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .cli_options import add_parse_arguments, clash_message, expand_inputs, output_clashes
-from .cpu import Topology, format_cpulist, read_topology
+from .cpu import CoreGroup, Topology, core_group, format_cpulist, node_cores, read_topology, whole_chunks
 from .errors import MineruFastError
 
 EXIT_USAGE, EXIT_CRASHED = 2, 3  # 2 as parse's
@@ -37,20 +37,12 @@ class LaunchError(MineruFastError):
     code = "bad_launch_request"
 
 
-@dataclass(frozen=True)
-class Group:
-    """The CPUs one worker is pinned to and their NUMA node (None when they span nodes)."""
-
-    cpus: tuple[int, ...]
-    node: int | None
-
-
 @dataclass
 class Worker:
     """A started worker and what it was given."""
 
     index: int
-    group: Group
+    group: CoreGroup
     inputs: list[str]
     process: subprocess.Popen
     done: set[str] = field(default_factory=set)
@@ -59,7 +51,7 @@ class Worker:
 
 def plan_groups(
     topology: Topology, instances: str | int = "auto", cores_per_instance: int | None = None
-) -> list[Group]:
+) -> list[CoreGroup]:
     """CPU groups, one per worker.
 
     ``instances="auto"``: one group per NUMA node (split into groups of ``cores_per_instance``
@@ -72,17 +64,13 @@ def plan_groups(
     """
     if cores_per_instance is not None and cores_per_instance < 1:
         raise LaunchError(f"--cores-per-instance must be >= 1, got {cores_per_instance}")
-    by_node = [(node.id, topology.allowed_cores(node.cpus)) for node in topology.nodes]
-    by_node = [(node, cores) for node, cores in by_node if cores]
+    by_node = node_cores(topology)
     if instances == "auto":
         if cores_per_instance is None:
-            return [_group(cores, node) for node, cores in by_node]
-        per = cores_per_instance
-        groups = [
-            _group(cores[i : i + per], node) for node, cores in by_node for i in range(0, len(cores) - per + 1, per)
-        ]
+            return [core_group(cores) for cores in by_node]
+        groups = [core_group(chunk) for cores in by_node for chunk in whole_chunks(cores, cores_per_instance)]
         if not groups:
-            raise LaunchError(f"{per} cores per instance exceed every NUMA node's usable cores")
+            raise LaunchError(f"{cores_per_instance} cores per instance exceed every NUMA node's usable cores")
         return groups
     count = int(instances)
     if count < 1:
@@ -92,17 +80,8 @@ def plan_groups(
         raise LaunchError(
             f"{count} instance(s) x {max(per, 1)} core(s) exceed the {topology.usable_cores} usable cores"
         )
-    ordered = [(node, core) for node, cores in by_node for core in cores]
-    groups = []
-    for i in range(count):
-        chunk = ordered[i * per : (i + 1) * per]
-        nodes = {node for node, _ in chunk}
-        groups.append(_group([core for _, core in chunk], nodes.pop() if len(nodes) == 1 else None))
-    return groups
-
-
-def _group(cores: list[tuple[int, ...]], node: int | None) -> Group:
-    return Group(tuple(sorted(c for core in cores for c in core)), node)
+    ordered = [core for cores in by_node for core in cores]
+    return [core_group(chunk) for chunk in whole_chunks(ordered, per)[:count]]
 
 
 def deal(inputs: Sequence[str], n: int) -> list[list[str]]:
@@ -110,7 +89,7 @@ def deal(inputs: Sequence[str], n: int) -> list[list[str]]:
     return [list(inputs[i::n]) for i in range(n)]
 
 
-def spawn(argv: Sequence[str], group: Group, numa_nodes: int, **popen: Any) -> subprocess.Popen:
+def spawn(argv: Sequence[str], group: CoreGroup, numa_nodes: int, **popen: Any) -> subprocess.Popen:
     """Start ``argv`` pinned to ``group.cpus``; memory bound to ``group.node`` with ``numactl`` when
     the machine has several nodes and ``numactl`` is installed. ``popen`` goes to ``Popen``."""
     numactl = shutil.which("numactl")

@@ -32,7 +32,15 @@ from .document import Confidence, Page, ParseError
 from .metadata import head_dict
 from .mineru4 import CONFIDENCE_KEY, page_model, plain_text
 
-__all__ = ["PageOutput", "render_page", "join_markdown", "DocumentWriter", "render_spans", "remove_outputs"]
+__all__ = [
+    "PageOutput",
+    "render_page",
+    "join_markdown",
+    "DocumentWriter",
+    "render_spans",
+    "remove_outputs",
+    "write_page_images",
+]
 
 _AUXILIARY = {"header", "footer", "page_number", "aside_text"}
 CONFIDENCE_FIELD = "mf_confidence"  # the content-list extension field (see the module docstring)
@@ -551,6 +559,29 @@ def remove_outputs(out_dir: Path, name: str) -> None:
             path.rmdir()
 
 
+def write_page_images(
+    out: Path, page: Page, crops: list[tuple[str, tuple[float, float, float, float]]], *, overlay: bool = True
+) -> None:
+    """Write a page's crops as ``out/images/<name>`` (JPEG, quality 90) and, with ``overlay`` and
+    the page image, its layout overlay as ``out/layout/page_NNNN.png`` (1-based).
+
+    Args:
+        out: the document's output directory.
+        page: the page; with its image the crops are cut from it, without it ``page.crops`` are written.
+        crops: ``PageOutput.crops`` of the page (``render_page``).
+        overlay: also write the overlay (needs the page image).
+    """
+    from .document import cut_crops, layout_overlay
+
+    images = page.crops if page.image is None else cut_crops(page, crops)
+    for file_name, crop in images.items():
+        (out / "images").mkdir(exist_ok=True)
+        crop.save(out / "images" / file_name, quality=90)
+    if page.image is not None and overlay:
+        (out / "layout").mkdir(exist_ok=True)
+        layout_overlay(page).save(out / "layout" / _overlay_name(page.index))
+
+
 class DocumentWriter:
     """Writes ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` and
     ``layout/`` page by page, so memory stays flat however long the document is.
@@ -601,9 +632,9 @@ class DocumentWriter:
         self.document_status: str | None = None  # set by close
 
     def add_page(self, page: Page) -> PageOutput:
-        """Render and write one finished page; returns what it contributed."""
-        from .document import cut_crops, layout_overlay
-
+        """Render and write one finished page; returns what it contributed. A page without its
+        image (``release``d elsewhere, e.g. by a batch actor that wrote its images itself with
+        ``write_page_images``) adds its text and record, and whatever ``page.crops`` holds."""
         output = render_page(page, confidence=self.confidence)
         if output.markdown:
             self._md.write(("\n\n" if self._md_started else "") + output.markdown)
@@ -614,13 +645,7 @@ class DocumentWriter:
             self._cl_started = True
         self._md.flush()
         self._cl.flush()
-        crops = page.crops if page.image is None else cut_crops(page, output.crops)
-        for file_name, crop in crops.items():
-            (self.out / "images").mkdir(exist_ok=True)
-            crop.save(self.out / "images" / file_name, quality=90)
-        if page.image is not None and self.overlays:
-            (self.out / "layout").mkdir(exist_ok=True)
-            layout_overlay(page).save(self.out / "layout" / _overlay_name(page.index))
+        write_page_images(self.out, page, output.crops, overlay=self.overlays)
         self._pages.write(json.dumps(page.to_dict(), ensure_ascii=False) + "\n")
         self._pages.flush()
         self.statuses.append(page.status)

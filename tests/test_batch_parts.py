@@ -1,35 +1,127 @@
-"""The parts of ``mineru-fast batch`` that need no Ray: the actor body, the manifest, the job plan."""
+"""The parts of ``mineru-fast batch`` that need no Ray: the actor body, a document assembled from
+page-range tasks, the manifest, the job plan, the input listing (local paths and ``file://`` URIs
+through pyarrow)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+
 import pytest
+from batch_outputs import output_tree
 from samples import pdf_bytes, sample_trace, text_page
 
+from mineru_fast.distributed.assembly import PARTIAL, TASK_FAILED, DocumentAssembly, page_spec, split_pages
 from mineru_fast.distributed.batch import BatchError, plan_jobs
 from mineru_fast.distributed.manifest import Manifest, Record
+from mineru_fast.distributed.sources import Source, list_sources
 from mineru_fast.distributed.worker import DocumentWorker
+from mineru_fast.document import Page
+from mineru_fast.errors import SourceError
 from mineru_fast.options import ParserOptions
 
+needs_pyarrow = pytest.mark.skipif(
+    importlib.util.find_spec("pyarrow") is None, reason="URI inputs need pyarrow (the ray extra)"
+)
 
-def test_the_worker_streams_a_documents_files_page_by_page(tiny_model, tmp_path):
+
+@needs_pyarrow
+def test_the_worker_streams_each_page_with_its_image_files(tiny_model, tmp_path):
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:
-        events = list(worker.parse("doc", pdf_bytes(2), trace=sample_trace(2)))
-        broken = list(worker.parse("bad", b"%PDF-1.7 cut short"))
+        events = list(worker.parse(pdf_bytes(2), trace=sample_trace(2)))
+        broken = list(worker.parse(b"%PDF-1.7 cut short"))
+        broken_info = worker.inspect("bad", b"%PDF-1.7 cut short")
+        (tmp_path / "doc.pdf").write_bytes(pdf_bytes(3))
+        (uri_source,) = list_sources([(tmp_path / "doc.pdf").as_uri()])
+        info = worker.inspect("doc", uri_source, pages="2-3")
+        from_uri = list(worker.parse(uri_source, trace=sample_trace(3), pages="2"))  # the actor reads the file
+        missing = list(worker.parse(Source("file:///gone.pdf", "/gone.pdf", uri_source.filesystem)))
     finally:
         worker.parser.close()
     assert [(e["kind"], e.get("index"), e.get("status")) for e in events] == [
-        ("page", 0, "success"), ("page", 1, "success"), ("done", None, "success")
+        ("page", 0, "success"), ("page", 1, "success"), ("done", None, None)
     ]  # fmt: skip
-    per_page = [sorted(e["files"]) for e in events[:2]]
-    assert per_page == [
+    assert [sorted(e["files"]) for e in events[:2]] == [
         ["images/page_0_image_2.jpg", "layout/page_0001.png"],
         ["images/page_1_image_2.jpg", "layout/page_0002.png"],
     ]
-    assert sorted(events[2]["files"]) == ["doc.json", "doc.md", "doc_content_list.json"]
-    assert events[2]["pages"] == 2 and b"A replayed title" in events[2]["files"]["doc.md"]
+    page = events[0]["page"]
+    assert page.index == 0 and page.image is None and page.crops == {} and page.blocks  # its record only
     assert [e["kind"] for e in broken] == ["error"] and broken[0]["error"].startswith("CorruptDocument: ")
-    assert worker.describe()["threads"] == 1
+    assert broken_info["error"].startswith("CorruptDocument: ")
+    assert info["pages"] == [1, 2] and info["metadata"]["input"]["pages"] == [1, 2]
+    assert info["metadata"]["input"]["name"] == "doc"
+    assert [(e["kind"], e.get("index")) for e in from_uri] == [("page", 1), ("done", None)]
+    assert from_uri[0]["files"] == events[1]["files"]  # the same page, the same bytes
+    assert [e["kind"] for e in missing] == ["error"] and missing[0]["error"].startswith("SourceError: cannot read")
+    assert worker.describe() == {"host": worker.describe()["host"], "threads": 1, "cpus": None, "node": None}
+
+
+def run_task(worker: DocumentWorker, assembly: DocumentAssembly, index: int, data: bytes, trace, attempt: int = 1):
+    """What the driver does with one task: stage its files, hand its pages over when it is done."""
+    staged = assembly.staging(index, attempt)
+    pages = []
+    for event in worker.parse(data, trace=trace, pages=page_spec(assembly.tasks[index])):
+        if event["kind"] == "page":
+            for rel, blob in event["files"].items():
+                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                (staged / rel).write_bytes(blob)
+            pages.append(event["page"])
+    return assembly.complete(index, pages, staged, attempt)
+
+
+def test_a_document_split_into_tasks_is_written_as_sequential_parse_writes_it(tiny_model, tmp_path):
+    from mineru_fast.cli import main
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "traces").mkdir()
+    source = tmp_path / "in" / "doc.pdf"
+    source.write_bytes(pdf_bytes(5))
+    trace = sample_trace(5)
+    trace.save(tmp_path / "traces" / "doc.json")
+    assert main(["parse", str(source), "-o", str(tmp_path / "sequential"), "--model", str(tiny_model),
+                 "--replay", str(tmp_path / "traces"), "--quiet"]) == 0  # fmt: skip
+    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
+    try:
+        info = worker.inspect("doc", source.read_bytes())
+        tasks = split_pages(info["pages"], 2)
+        assert tasks == [[0, 1], [2, 3], [4]] and [page_spec(t) for t in tasks] == ["1-2", "3-4", "5"]
+        assembly = DocumentAssembly(tmp_path / "out", "doc", tasks, info["metadata"])
+        done = [run_task(worker, assembly, i, source.read_bytes(), trace) for i in (2, 0, 1)]  # out of order
+    finally:
+        worker.parser.close()
+    assert done == [False, False, True]
+    assert assembly.finish(wall_s=1.0) == ("success", 5)
+    assert output_tree(tmp_path / "out" / "doc") == output_tree(tmp_path / "sequential" / "doc")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [PARTIAL, "doc"]
+    assert list((tmp_path / "out" / PARTIAL).iterdir()) == []  # the tasks' folders are gone
+
+
+def test_a_task_that_failed_on_every_attempt_leaves_failure_pages_never_a_complete_document(tmp_path):
+    tasks = [[0], [1, 2], [3]]
+    assembly = DocumentAssembly(tmp_path, "doc", tasks, {"schema_version": "x"})
+    staged = assembly.staging(2, 1)
+    (staged / "images").mkdir()
+    (staged / "images" / "page_3_image_0.jpg").write_bytes(b"jpeg")
+    assert not assembly.complete(2, [Page(3, blocks=[])], staged, 1)
+    assert not assembly.fail(1, "ActorDiedError: killed", 3)
+    assert not (tmp_path / PARTIAL / "doc" / "task.2.1").exists()
+    assert assembly.complete(0, [Page(0)], assembly.staging(0, 2), 2)
+    assert assembly.failed_pages == [1, 2] and assembly.attempts == 3 and not assembly.all_failed
+    assert assembly.finish(wall_s=2.0) == ("partial", 4)
+    result = json.loads((tmp_path / "doc" / "doc.json").read_text())
+    assert [(p["page_idx"], p["status"]) for p in result["pages"]] == [
+        (0, "success"), (1, "failure"), (2, "failure"), (3, "success")
+    ]  # fmt: skip
+    assert result["pages"][1]["errors"] == [
+        {"code": TASK_FAILED, "message": "pages 2-3 failed on every attempt: ActorDiedError: killed", "page": 1}
+    ]
+    assert (tmp_path / "doc" / "images" / "page_3_image_0.jpg").read_bytes() == b"jpeg"
+    everything_failed = DocumentAssembly(tmp_path, "lost", [[0, 1]], {})
+    assert everything_failed.fail(0, "ActorDiedError: killed", 3) and everything_failed.all_failed
+    everything_failed.discard()
+    assert not (tmp_path / PARTIAL / "lost").exists() and not (tmp_path / "lost").exists()
 
 
 def test_the_manifest_keeps_each_documents_last_record_and_checks_outputs(tmp_path):
@@ -38,9 +130,11 @@ def test_the_manifest_keeps_each_documents_last_record_and_checks_outputs(tmp_pa
     manifest.append(Record("in/a.pdf", "a", "success", 2, None, 1, 4.0))
     manifest.append(Record("in/b.pdf", "b", "partial", 1, None, 1, 2.0))
     manifest.append(Record("in/c.pdf", "c", "error", 0, "CorruptDocument: x", 1, 0.0))
+    manifest.append(Record("in/e.pdf", "e", "partial", 4, "pages 2 failed: x", 3, 5.0, failed_pages=[2]))
     with manifest.path.open("a") as out:
         out.write('{"document": "in/d.pdf", "na')  # a line cut by a crash
-    assert manifest.records()["a"].status == "success" and len(manifest.records()) == 3
+    assert manifest.records()["a"].status == "success" and len(manifest.records()) == 4
+    assert manifest.records()["e"].failed_pages == [2] and manifest.records()["a"].failed_pages == []
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "a.json").write_text("{}")
     assert manifest.complete() == {"a"}  # b has no outputs on disk, c never parsed
@@ -56,11 +150,77 @@ def test_the_job_plan_refuses_clashing_names_and_empty_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(BatchError, match="no input files"):
         plan_jobs([tmp_path / "empty"])
+    with pytest.raises(SourceError, match="no such file or directory"):
+        plan_jobs([tmp_path / "missing.pdf"])
+
+
+@pytest.fixture
+def tree_of_inputs(tmp_path):
+    """``in/a.pdf``, ``in/b.png``, ``in/notes.txt``, ``in/sub/c.pdf``, ``in/sub/d e.pdf``."""
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    for rel in ("a.pdf", "sub/c.pdf", "sub/d e.pdf"):
+        (root / rel).write_bytes(pdf_bytes(1))
+    text_page().save(root / "b.png")
+    (root / "notes.txt").write_text("not a document")
+    return root
+
+
+@needs_pyarrow
+def test_file_uris_list_folders_globs_and_files_through_pyarrow(tree_of_inputs):
+    root = tree_of_inputs
+    base = root.as_uri()  # file:///.../in
+    folder = list_sources([base])
+    assert [s.location for s in folder] == [
+        f"{base}/a.pdf",
+        f"{base}/b.png",
+        f"{base}/sub/c.pdf",
+        f"file://{root}/sub/d e.pdf",
+    ]
+    assert [s.stem for s in folder] == ["a", "b", "c", "d e"]
+    assert all(type(s.filesystem).__name__ == "LocalFileSystem" for s in folder)  # read by the actor
+    assert [s.location for s in list_sources([f"{base}/*.pdf"])] == [f"{base}/a.pdf"]  # * stays in its folder
+    assert [s.stem for s in list_sources([f"{base}/*/*.pdf"])] == ["c", "d e"]
+    assert [s.stem for s in list_sources([f"{base}/sub/d%20e.pdf"])] == ["d e"]  # URI escapes decoded
+    assert folder[0].read() == (root / "a.pdf").read_bytes()
+
+
+def test_local_paths_and_globs_are_read_by_the_driver(tree_of_inputs, monkeypatch):
+    root = tree_of_inputs
+    monkeypatch.chdir(root)
+    assert [(s.location, s.filesystem) for s in list_sources(["a.pdf", "sub"])] == [
+        ("a.pdf", None), ("sub/c.pdf", None), ("sub/d e.pdf", None)
+    ]  # fmt: skip
+    assert [s.location for s in list_sources(["**/*.pdf"])] == ["a.pdf", "sub/c.pdf", "sub/d e.pdf"]
+    assert list_sources(["*.tiff"]) == []  # a glob that matches nothing names no document
+    assert Source("a.pdf", "a.pdf").read() == (root / "a.pdf").read_bytes()
+    with pytest.raises(SourceError, match=r"cannot read missing.pdf: \[Errno 2\]"):
+        Source("missing.pdf", "missing.pdf").read()
+
+
+@needs_pyarrow
+def test_unsupported_schemes_and_missing_paths_are_typed_errors(tree_of_inputs):
+    base = tree_of_inputs.as_uri()
+    with pytest.raises(SourceError, match="cannot list nosuch://bucket/x: Unrecognized filesystem type"):
+        list_sources(["nosuch://bucket/x"])
+    with pytest.raises(SourceError, match=f"no such file or directory: {base}/missing"):
+        list_sources([f"{base}/missing"])
+    with pytest.raises(SourceError, match="no such file or directory"):
+        list_sources([f"{base}/missing/*.pdf"])
+    with pytest.raises(SourceError, match="no such file or directory: missing.pdf"):
+        list_sources(["missing.pdf"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the batch command needs Ray (the ray extra)")
+def test_batch_refuses_an_unsupported_scheme_before_it_starts(tmp_path, capsys):
+    from mineru_fast.cli import main
+
+    assert main(["batch", "nosuch://bucket/x", "-o", str(tmp_path / "out"), "--model", str(tmp_path)]) == 2
+    assert "error: cannot list nosuch://bucket/x: Unrecognized filesystem type" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
 def test_batch_without_ray_is_a_usage_error_naming_the_extra(tmp_path, monkeypatch, capsys):
-    import importlib.util
-
     from mineru_fast.cli import main
 
     find_spec = importlib.util.find_spec
@@ -91,9 +251,41 @@ def test_batch_takes_the_quiet_and_confidence_flags_of_parse(tiny_model, tmp_pat
     assert len(lines) == 1 and lines[0].startswith("[2/2] in/b.pdf: error, 0 page(s), attempt 1: CorruptDocument: x |")
 
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
-    try:
-        *_, done = worker.parse("doc", pdf_bytes(1), trace=sample_trace(1), confidence=True)
+    try:  # the driver's writer (one per document) adds the field; the actors send pages
+        info = worker.inspect("doc", pdf_bytes(1))
+        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], info["metadata"], confidence=True)
+        assert run_task(worker, assembly, 0, pdf_bytes(1), sample_trace(1))
     finally:
         worker.parser.close()
-    items = json.loads(done["files"]["doc_content_list.json"])
+    assert assembly.finish(wall_s=1.0) == ("success", 1)
+    items = json.loads((tmp_path / "conf" / "doc" / "doc_content_list.json").read_text())
     assert len(items) == 3 and all("mf_confidence" in item for item in items)
+
+
+def test_a_reparse_split_into_tasks_keeps_every_tasks_outputs_and_only_those(tiny_model, tmp_path):
+    """A re-parse removes the earlier run's outputs of a document (``writer.remove_outputs``). With
+    page-range tasks that happens once per document, before any task's files arrive: the task of
+    pages 2-3 must not remove the files the task of page 1 brought, whatever order they finish in,
+    while a stale file of the earlier run (a page the new run does not have) is gone."""
+    data, trace = pdf_bytes(3), sample_trace(3)
+    stale = tmp_path / "out" / "doc"
+    for rel in ("images/page_7_image_0.jpg", "layout/page_0008.png", "doc.md", "doc_content_list.json"):
+        (stale / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stale / rel).write_bytes(b"earlier run")
+    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
+    try:
+        info = worker.inspect("doc", data)
+        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], info["metadata"])
+        assert run_task(worker, whole, 0, data, trace)
+        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], info["metadata"])
+        assert [run_task(worker, split, i, data, trace) for i in (1, 0)] == [False, True]  # pages 2-3 first
+    finally:
+        worker.parser.close()
+    assert whole.finish(wall_s=1.0) == split.finish(wall_s=1.0) == ("success", 3)
+    tree = output_tree(tmp_path / "out" / "doc")
+    assert sorted(tree) == [
+        "doc.json", "doc.md", "doc_content_list.json",
+        "images/page_0_image_2.jpg", "images/page_1_image_2.jpg", "images/page_2_image_2.jpg",
+        "layout/page_0001.png", "layout/page_0002.png", "layout/page_0003.png",
+    ]  # fmt: skip
+    assert tree == output_tree(tmp_path / "whole" / "doc")

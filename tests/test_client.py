@@ -27,6 +27,7 @@ from mineru_fast.errors import (
     DocumentRejected,
     InputError,
     JobNotFound,
+    RateLimited,
     ServiceError,
     ServiceUnavailable,
     ServiceUnreachable,
@@ -74,8 +75,31 @@ def test_errors_are_typed_from_the_service_body():
     assert type(error_from_response(error(404, "job_not_found"))) is JobNotFound
     assert type(error_from_response(error(404, "not_found"))) is ServiceError  # a route, not a job
     assert error_from_response(error(429, "queue_full", "7")).retry_after == 7.0
-    proxy = error_from_response(httpx.Response(502, text="<html>bad gateway</html>"))
-    assert (type(proxy), proxy.code, proxy.message) == (ServiceError, "http_502", "<html>bad gateway</html>")
+    proxy = error_from_response(httpx.Response(502, text="<html>bad gateway</html>"), tries=3)
+    assert (type(proxy), proxy.code, proxy.status) == (ServiceUnavailable, "http_502", 502)
+    assert proxy.message == (
+        "502 Bad Gateway from a proxy in front of the service, not from the service (Ray Serve answers so "
+        "when the replica handling the request dies), 3 tries made: <html>bad gateway</html>"
+    )
+    assert type(error_from_response(httpx.Response(404, text="no route"))) is ServiceError
+    assert type(error_from_response(httpx.Response(429, text="slow down"))) is RateLimited
+
+
+def test_a_proxy_s_5xx_is_retried_and_the_service_s_own_500_is_not():
+    ray_serve_500 = httpx.Response(500, text="Internal Server Error", headers={"content-type": "text/plain"})
+    assert _Retries(RetryPolicy()).after_response(ray_serve_500) is not None
+    assert _Retries(RetryPolicy(proxy_errors=False)).after_response(ray_serve_500) is None
+    assert _Retries(RetryPolicy()).after_response(error(500, "internal_error")) is None
+    transport, seen = scripted([ray_serve_500, httpx.Response(200, json={"status": "success"})])
+    with Client("http://svc", retries=FAST, transport=transport) as client:
+        assert client.parse(b"%PDF-1.4 not really", use_jobs=False) == {"status": "success"}
+    assert [s.rsplit(" ", 1)[0] for s in seen] == ["POST /v1/document/parse"] * 2
+    transport, seen = scripted([ray_serve_500] * 3)
+    policy = RetryPolicy(attempts=3, backoff=0.001, max_backoff=0.002)
+    with Client("http://svc", retries=policy, transport=transport) as client:
+        with pytest.raises(ServiceUnavailable, match=r"500 Internal Server Error from a proxy .* 3 tries made"):
+            client.job("j1")
+    assert len(seen) == 3
 
 
 def scripted(answers: list) -> tuple[httpx.MockTransport, list[str]]:

@@ -8,11 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
+from batch_outputs import output_tree
 from samples import pdf_bytes, sample_trace, text_page
 
 from mineru_fast.cli import main
@@ -26,7 +29,7 @@ from mineru_fast.distributed.batch import PARTIAL, BatchConfig, run_batch  # noq
 
 REPO = Path(__file__).resolve().parents[1]
 # documents and their page counts: replay traces make every page "success", whatever the weights
-DOCUMENTS = {"a_one.png": 1, "b_three.pdf": 3, "c_one.png": 1}
+DOCUMENTS = {"a_one.png": 1, "b_three.pdf": 3, "c_one.png": 1, "e_five.pdf": 5}
 
 
 @pytest.fixture(scope="module")
@@ -59,29 +62,6 @@ def make_collection(folder: Path, documents: dict[str, int], broken: bool = Fals
     return inputs, traces
 
 
-def tree(folder: Path) -> dict[str, object]:
-    """Every file below ``folder`` by relative path: bytes, or for ``<stem>.json`` the JSON without
-    timings (wall-clock figures differ between any two runs) and without the options' thread count,
-    block confidences rounded to 3 decimals (log-prob sums in another order on 1 thread)."""
-    out: dict[str, object] = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix()
-        if rel.endswith(".json") and not rel.endswith("_content_list.json"):
-            data = json.loads(path.read_text(encoding="utf-8"))
-            data.pop("timings")
-            # each actor runs its parser with --cores-per-actor threads, recorded in the options
-            data["metadata"]["options"].pop("threads")
-            for page in data["pages"]:
-                page.pop("timings", None)
-                for block in page["blocks"]:  # float sums in another order (1 thread vs all): ~1e-7 relative
-                    for key, value in (block.get("confidence") or {}).items():
-                        block["confidence"][key] = round(value, 3) if isinstance(value, float) else value
-            out[rel] = data
-        else:
-            out[rel] = path.read_bytes()
-    return out
-
-
 def sequential(inputs: Path, traces: Path, out: Path, model: Path) -> Path:
     main(["parse", str(inputs), "-o", str(out), "--model", str(model), "--replay", str(traces), "--quiet"])
     return out
@@ -95,7 +75,10 @@ def manifest_lines(output: Path) -> list[dict]:
 def first_run(cluster, tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("collection")
     inputs, traces = make_collection(folder, DOCUMENTS, broken=True)
-    config = BatchConfig([inputs], folder / "out", str(tiny_model), replay=traces, actors=2, cores_per_actor=1)
+    # a file:// URI: the actors list nothing and read each document themselves (pyarrow's filesystem)
+    # two pages per task: b_three and e_five are split into tasks that run on both actors
+    config = BatchConfig([inputs.as_uri()], folder / "out", str(tiny_model), replay=traces, actors=2,
+                         cores_per_actor=1, pages_per_task=2)  # fmt: skip
     summary = run_batch(config, log=lambda line: None)
     return folder, inputs, traces, summary
 
@@ -106,18 +89,19 @@ def test_a_folder_parses_on_two_nodes_like_sequential_parse(first_run, tiny_mode
     expected = sequential(inputs, traces, folder / "sequential", tiny_model)
     for name, pages in DOCUMENTS.items():
         stem = Path(name).stem
-        produced = tree(folder / "out" / stem)
-        assert produced == tree(expected / stem)
+        produced = output_tree(folder / "out" / stem)
+        assert produced == output_tree(expected / stem)
         assert len(produced[f"{stem}.json"]["pages"]) == pages  # type: ignore[index]
-    assert summary.actors == 2 and summary.pages == 5
+    assert summary.actors == 2 and summary.pages == 10
     assert not (folder / "out" / PARTIAL).exists()
 
 
 def test_a_broken_file_is_recorded_while_the_rest_complete(first_run):
     folder, _, _, summary = first_run
     records = {Path(line["document"]).name: line for line in manifest_lines(folder / "out")}
-    assert sorted(records) == ["a_one.png", "b_three.pdf", "c_one.png", "d_broken.pdf"]
-    assert [records[n]["status"] for n in sorted(records)] == ["success", "success", "success", "error"]
+    assert all(line["document"].startswith("file:///") for line in records.values())
+    assert sorted(records) == ["a_one.png", "b_three.pdf", "c_one.png", "d_broken.pdf", "e_five.pdf"]
+    assert [records[n]["status"] for n in sorted(records)] == ["success", "success", "success", "error", "success"]
     broken = records["d_broken.pdf"]
     assert broken["error"].startswith("CorruptDocument: ") and broken["attempts"] == 1 and broken["pages"] == 0
     assert not (folder / "out" / "d_broken").exists()
@@ -142,8 +126,40 @@ def test_a_killed_actor_s_document_is_retried_once_and_completes(cluster, tiny_m
         ("long", "success", 2, 5), ("short", "success", 1, 1)
     ]  # fmt: skip
     expected = sequential(inputs, traces, tmp_path / "sequential", tiny_model)
-    assert tree(out / "long") == tree(expected / "long")  # the pages of the killed attempt left no trace
+    assert output_tree(out / "long") == output_tree(expected / "long")  # the pages of the killed attempt left no trace
     assert summary.exit_status == 0 and not (out / PARTIAL).exists()
+
+
+def test_a_task_that_fails_on_every_attempt_makes_its_pages_failures_and_the_document_partial(
+    cluster, tiny_model, tmp_path
+):
+    inputs, traces = make_collection(tmp_path, {"long.pdf": 5})
+    kills = []
+
+    def kill_task_1(event):
+        if event["kind"] == "page" and event["task"] == 1:  # pages 3-4, on each attempt
+            kills.append(event["attempt"])
+            ray.kill(event["actor"], no_restart=False)
+
+    out = tmp_path / "out"
+    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=2, cores_per_actor=1, max_retries=1,
+                         pages_per_task=2, confidence=True)  # fmt: skip
+    summary = run_batch(config, log=lambda line: None, on_event=kill_task_1)
+    assert kills == [1, 2] and summary.exit_status == 1
+    (line,) = manifest_lines(out)
+    assert (line["status"], line["pages"], line["failed_pages"], line["attempts"]) == ("partial", 5, [3, 4], 2)
+    assert line["error"].startswith("pages 3-4 failed: Actor")  # ActorDiedError / ActorUnavailableError
+    result = json.loads((out / "long" / "long.json").read_text(encoding="utf-8"))
+    assert [(p["page_idx"], p["status"]) for p in result["pages"]] == [
+        (0, "success"), (1, "success"), (2, "failure"), (3, "failure"), (4, "success")
+    ]  # fmt: skip
+    assert result["status"] == "partial" and result["pages"][2]["errors"][0]["code"] == "batch_task_failed"
+    assert sorted(p.name for p in (out / "long" / "layout").iterdir()) == [
+        "page_0001.png", "page_0002.png", "page_0005.png"
+    ]  # fmt: skip
+    items = json.loads((out / "long" / "long_content_list.json").read_text(encoding="utf-8"))
+    assert {item["page_idx"] for item in items} == {0, 1, 4} and all("mf_confidence" in item for item in items)
+    assert not (out / PARTIAL).exists()
 
 
 def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_model, tmp_path):
@@ -172,54 +188,185 @@ def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_
     assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, "a_one", "b_long", "c_one"])
 
 
-def test_ray_serve_two_replicas_answer_every_request_when_one_is_killed(cluster, tiny_model, tmp_path):
-    import httpx
+# -- the service on Ray Serve: two replicas (one per node), one job store -------------------------
+
+KEY = "secret-0123456789"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def serve_url(cluster, tiny_model, tmp_path_factory):
     from ray import serve
 
     from mineru_fast.distributed.serve_app import build_app
     from mineru_fast.serve.config import ServeConfig
 
-    keys = tmp_path / "keys"
-    keys.write_text("tester:secret-0123456789\n")
+    keys = tmp_path_factory.mktemp("serve") / "keys"
+    keys.write_text(f"tester:{KEY}\n")
     port = 18000 + os.getpid() % 1000
     config = ServeConfig(model=str(tiny_model), workers=2, allow_replay=True, api_key_file=keys, port=port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app(config, replicas=2, cores_per_replica=1), name="mineru-fast", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        headers = {"Authorization": "Bearer secret-0123456789"}
-        deadline = time.monotonic() + 180
-        ready = 0
-        while ready < 10 and time.monotonic() < deadline:  # both replicas loaded (requests spread)
-            ready = ready + 1 if httpx.get(f"{url}/ready", timeout=30).status_code == 200 else 0
-            time.sleep(0.1)
-        assert ready == 10
-        refused = httpx.post(f"{url}/v1/document/parse", files={"file": ("x.pdf", pdf_bytes(1))})
-        assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_api_key"
-
-        def request(pages: int) -> tuple[int, list]:
-            files = {"file": ("doc.pdf", pdf_bytes(pages)),
-                     "replay": ("t.json", json.dumps(sample_trace(pages).to_dict()).encode())}  # fmt: skip
-            answers = []
-            # A client's retries. Serve's proxy answers 500 (plain text) for a request whose replica
-            # died under it: the request never reached a result, so sending it again parses it once.
-            for _ in range(20):
-                response = httpx.post(f"{url}/v1/document/parse", files=files, headers=headers, timeout=120)
-                answers.append(response.status_code)
-                if response.status_code == 200:
-                    return pages, [answers, response.json()]
-                time.sleep(1)
-            return pages, [answers, None]
-
-        with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(request, n) for n in (3, 4, 5, 3, 4, 5)]
-            time.sleep(1.5)  # requests are in flight on both replicas
-            replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]]
-            assert len(replicas) == 2
-            ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
-            results = [f.result() for f in futures]
-        for pages, (answers, body) in results:
-            assert body is not None, answers
-            assert body["status"] == "success" and body["page_count"] == pages
+        yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+
+
+class Recorder(httpx.BaseTransport):
+    """An httpx transport that opens a new connection per request, so the kernel spreads them over
+    both nodes' Serve proxies (each routes to the replica on its node), and records which replica
+    answered each request (``X-Replica-ID``)."""
+
+    def __init__(self) -> None:
+        self.transport = httpx.HTTPTransport(limits=httpx.Limits(max_keepalive_connections=0))
+        self.answers: list[tuple[str, str, int, str | None]] = []
+        self.lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.transport.handle_request(request)
+        with self.lock:
+            self.answers.append((request.method, request.url.path, response.status_code,
+                                 response.headers.get("x-replica-id")))  # fmt: skip
+        return response
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def ready_replicas(url: str, timeout: float = 240) -> set[str]:
+    """Poll ``/ready`` on fresh connections until two replicas answered 200; their ids."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < 2 and time.monotonic() < deadline:
+        try:
+            response = httpx.get(f"{url}/ready", timeout=30)
+        except httpx.TransportError:
+            response = None
+        if response is not None and response.status_code == 200:
+            seen.add(response.headers["x-replica-id"])
+        time.sleep(0.1)
+    assert len(seen) == 2, seen
+    return seen
+
+
+def replay_files(pages: int) -> dict:
+    return {"file": ("doc.pdf", pdf_bytes(pages)),
+            "replay": ("t.json", json.dumps(sample_trace(pages).to_dict()).encode())}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected_parse(tiny_model):
+    """``pages -> (markdown, content_list)`` of a sequential parse of ``pdf_bytes(pages)``, replayed."""
+    from mineru_fast.options import ParserOptions
+    from mineru_fast.parser import DocumentParser
+
+    parser = DocumentParser.from_pretrained(str(tiny_model), ParserOptions(threads=1))
+    cache: dict[int, tuple[str, list]] = {}
+
+    def expected(pages: int) -> tuple[str, list]:
+        if pages not in cache:
+            document = parser.parse(pdf_bytes(pages), replay=sample_trace(pages))
+            cache[pages] = (document.to_markdown(), document.to_content_list())
+        return cache[pages]
+
+    yield expected
+    parser.close()
+
+
+def submit_jobs(url: str, page_counts: list[int]) -> dict[str, tuple[int, str]]:
+    """``POST /v1/jobs`` each document; ``job_id -> (pages, replica that accepted it)``."""
+    jobs = {}
+    for pages in page_counts:
+        response = httpx.post(f"{url}/v1/jobs", files=replay_files(pages), headers=HEADERS, timeout=60)
+        assert response.status_code == 202, response.text
+        jobs[response.json()["job_id"]] = (pages, response.headers["x-replica-id"])
+    return jobs
+
+
+def check_results(results: dict[str, dict], jobs: dict[str, tuple[int, str]], expected_parse) -> None:
+    for job_id, (pages, _) in jobs.items():
+        result = results[job_id]
+        assert (result["job_id"], result["status"], result["page_count"]) == (job_id, "success", pages)
+        assert (result["markdown"], result["content_list"]) == expected_parse(pages)
+
+
+def test_ray_serve_jobs_are_answered_by_either_replica(serve_url, expected_parse):
+    from mineru_fast.client import Client
+
+    replicas = ready_replicas(serve_url)
+    jobs = submit_jobs(serve_url, [2, 3, 4, 5])  # distinct documents: a mixed-up result shows
+    recorder = Recorder()
+    with Client(serve_url, api_key=KEY, poll_interval=0.1, transport=recorder) as client:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = dict(zip(jobs, pool.map(lambda job_id: client.wait(job_id, timeout=300), jobs), strict=True))
+    check_results(results, jobs, expected_parse)
+    for job_id, (_, owner) in jobs.items():
+        polled_by = {replica for method, path, status, replica in recorder.answers if path == f"/v1/jobs/{job_id}"}
+        assert polled_by == replicas, (owner, polled_by)  # the replica that does not run it answered too
+    assert {status for _, _, status, _ in recorder.answers} == {200}
+
+
+def test_ray_serve_a_killed_replica_s_jobs_end_once_on_a_surviving_one(serve_url, expected_parse):
+    from mineru_fast.client import Client, RetryPolicy
+
+    ready_replicas(serve_url)
+    jobs = submit_jobs(serve_url, [6, 7, 5, 4])
+    victim_job, victim = None, None
+    deadline = time.monotonic() + 240
+    while victim is None and time.monotonic() < deadline:  # a job one page into its parse
+        for job_id, (_, owner) in jobs.items():
+            status = httpx.get(f"{serve_url}/v1/jobs/{job_id}", headers=HEADERS, timeout=30).json()
+            if status["status"] == "running" and status["pages"]["done"] >= 1:
+                victim_job, victim = job_id, owner
+                break
+        time.sleep(0.05)
+    assert victim is not None
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
+    assert len(actors) == 1 and "SERVE_REPLICA" in actors[0]["name"]
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+
+    recorder = Recorder()
+    # polls cut by the dying replica get Serve's plain-text 500: the client retries them
+    retries = RetryPolicy(attempts=30, backoff=0.2, max_backoff=2.0)
+    with Client(serve_url, api_key=KEY, poll_interval=0.2, retries=retries, transport=recorder) as client:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = dict(zip(jobs, pool.map(lambda job_id: client.wait(job_id, timeout=400), jobs), strict=True))
+            statuses = {job_id: client.job(job_id) for job_id in jobs}
+    check_results(results, jobs, expected_parse)  # one result each, under the id it was submitted with
+    # taken over once (by one replica: claims are serialized in the store), parsed again from the
+    # stored upload, and its one result is the survivor's
+    assert statuses[victim_job]["attempts"] == 2
+    for job_id, (_, owner) in jobs.items():  # the victim's other jobs too, unless done before the kill
+        assert statuses[job_id]["attempts"] in ((1, 2) if owner == victim else (1,))
+
+
+def test_ray_serve_synchronous_requests_are_answered_when_a_replica_is_killed(serve_url):
+    url = serve_url
+    ready_replicas(url)
+    refused = httpx.post(f"{url}/v1/document/parse", files={"file": ("x.pdf", pdf_bytes(1))})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_api_key"
+
+    def request(pages: int) -> tuple[int, list]:
+        files = replay_files(pages)
+        answers = []
+        # A client's retries. Serve's proxy answers 500 (plain text) for a request whose replica
+        # died under it: the request never reached a result, so sending it again parses it once.
+        for _ in range(20):
+            response = httpx.post(f"{url}/v1/document/parse", files=files, headers=HEADERS, timeout=120)
+            answers.append(response.status_code)
+            if response.status_code == 200:
+                return pages, [answers, response.json()]
+            time.sleep(1)
+        return pages, [answers, None]
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(request, n) for n in (3, 4, 5, 3, 4, 5)]
+        time.sleep(1.5)  # requests are in flight on both replicas
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]]
+        assert len(replicas) == 2
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        results = [f.result() for f in futures]
+    for pages, (answers, body) in results:
+        assert body is not None, answers
+        assert body["status"] == "success" and body["page_count"] == pages

@@ -25,6 +25,7 @@ from mineru_fast.serve.errors import ApiError, from_exception
 from mineru_fast.serve.jobs import Job, JobManager, QueueFull, ShuttingDown
 from mineru_fast.serve.parsing import parse_formats, trace_from_json
 from mineru_fast.serve.security import RateLimiter, TokenBucket, load_api_keys
+from mineru_fast.serve.store import MemoryJobStore
 
 ALPHA = "alpha-secret-0123"
 BETA = "beta-secret-4567"
@@ -148,7 +149,8 @@ def test_job_manager_bounds_queue_and_expires_results():
         return {"n": job.payload}
 
     now = [0.0]
-    manager = JobManager([runner], max_queued=2, result_ttl=5, clock=lambda: now[0])
+    store = MemoryJobStore(result_ttl=5, clock=lambda: now[0])
+    manager = JobManager([runner], max_queued=2, store=store)
     manager.start()
     try:
         first = manager.submit(Job(1, owner="alpha"))
@@ -157,23 +159,23 @@ def test_job_manager_bounds_queue_and_expires_results():
         with pytest.raises(QueueFull) as info:
             manager.submit(Job(4))
         assert info.value.retry_after >= 1
-        assert (manager.queue_length, manager.in_flight, manager.queue_position(third)) == (2, 1, 2)
-        assert manager.get(first.id, owner="beta") is None and manager.get(first.id, owner="alpha") is first
+        assert (manager.queue_length, manager.in_flight, manager.queue_position(third.id)) == (2, 1, 2)
+        assert store.get(first.id, owner="beta") is None and store.get(first.id, owner="alpha").id == first.id
         finished = threading.Event()
         third.add_done_callback(lambda job: finished.set())
         gate.set()
         assert finished.wait(10)
         assert [j.status for j in (first, second, third)] == ["done"] * 3
-        assert (
-            third.result == {"n": 3} and third.payload is None and third.describe()["pages"] == {"total": 1, "done": 1}
-        )
+        stored = store.get(third.id, owner="alpha", with_result=True)
+        assert third.result == stored.result == {"n": 3} and third.payload is None
+        assert stored.describe()["pages"] == {"total": 1, "done": 1} and stored.describe()["attempts"] == 1
         late = []
         third.add_done_callback(late.append)  # already finished: called at once
         assert late == [third]
         now[0] = 4.9
-        assert manager.sweep() == 0
+        assert store.expire() == 0
         now[0] = 100.0
-        assert manager.sweep() == 3 and manager.get(first.id, owner="alpha") is None
+        assert store.expire() == 3 and store.get(first.id, owner="alpha") is None
     finally:
         gate.set()
         manager.shutdown(5)
@@ -190,7 +192,7 @@ def test_job_manager_failures_and_shutdown():
         assert gate.wait(10)
         return {}
 
-    manager = JobManager([runner], max_queued=4, result_ttl=60)
+    manager = JobManager([runner], max_queued=4, store=MemoryJobStore(result_ttl=60))
     manager.start()
     corrupt, crash = manager.submit(Job("corrupt")), manager.submit(Job("crash"))
     assert wait_for(lambda: crash.status == "failed", 5)

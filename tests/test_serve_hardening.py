@@ -21,6 +21,7 @@ from serve_helpers import BOUNDS, free_port, running_server, start_server, wait_
 
 from mineru_fast.serve.jobs import Job, JobManager, OverBudget, QueueFull, ShuttingDown
 from mineru_fast.serve.parsing import decode_cost
+from mineru_fast.serve.store import MemoryJobStore
 
 
 def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
@@ -52,7 +53,8 @@ def test_job_manager_admits_by_cost_and_keeps_only_retained_jobs():
         assert gate.wait(10)
         return {"n": job.payload}
 
-    manager = JobManager([runner], max_queued=5, result_ttl=60, max_cost=100)
+    store = MemoryJobStore(result_ttl=60)
+    manager = JobManager([runner], max_queued=5, store=store, max_cost=100)
     manager.start()
     try:
         first = manager.submit(Job(1, cost=60))
@@ -61,10 +63,10 @@ def test_job_manager_admits_by_cost_and_keeps_only_retained_jobs():
         assert isinstance(info.value, QueueFull) and info.value.retry_after >= 1
         sync = manager.submit(Job(3, cost=40, retain=False))
         assert manager.cost == 100
-        assert manager.get(first.id) is first and manager.get(sync.id) is None  # never findable by id
+        assert store.get(first.id, None).id == first.id and store.get(sync.id, None) is None  # never findable by id
         gate.set()
         assert wait_for(lambda: manager.cost == 0, 10)
-        assert sync.result == {"n": 3} and manager.get(sync.id) is None and manager.stored == 1
+        assert sync.result == {"n": 3} and store.get(sync.id, None) is None
     finally:
         gate.set()
         manager.shutdown(5)
@@ -72,7 +74,8 @@ def test_job_manager_admits_by_cost_and_keeps_only_retained_jobs():
 
 def test_job_manager_drain_waits_until_jobs_are_done_and_collected():
     gate = threading.Event()
-    manager = JobManager([lambda job: gate.wait(10) and {}], max_queued=4, result_ttl=60)
+    store = MemoryJobStore(result_ttl=60)
+    manager = JobManager([lambda job: gate.wait(10) and {}], max_queued=4, store=store)
     manager.start()
     try:
         gate.set()
@@ -85,13 +88,13 @@ def test_job_manager_drain_waits_until_jobs_are_done_and_collected():
         with pytest.raises(ShuttingDown):
             manager.submit(Job("late"))
         assert not manager.wait_drained(0.2)  # running and queued
-        assert not finished_earlier.collected
+        assert not store.get(finished_earlier.id, None).collected
         gate.set()
         assert wait_for(lambda: running.status == "done", 10)
         assert not manager.drained()  # finished, but nobody has fetched the results yet
-        manager.collect(done_before)
+        store.collect(done_before.id)
         assert not manager.drained()
-        manager.collect(running)
+        store.collect(running.id)
         assert manager.wait_drained(1)
     finally:
         gate.set()

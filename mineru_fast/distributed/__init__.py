@@ -1,12 +1,16 @@
 """Scale-out on Ray (extra ``mineru-fast[ray]``): ``mineru-fast batch`` and the Ray Serve service.
 
-- ``worker``: ``DocumentWorker``, one parser per Ray actor; parses a document into a temporary
-  directory and streams its output files page by page (no Ray import: testable without Ray).
+- ``worker``: ``DocumentWorker``, one parser per Ray actor; parses a document's pages (all, or a
+  task's range) and streams each page with its image files (no Ray import: testable without Ray).
 - ``manifest``: the batch manifest (JSON lines), and which documents a resumed run skips.
-- ``batch``: the batch driver (``run_batch``): actors, bounded retries, atomic outputs, progress.
+- ``sources``: the batch inputs: local paths, directories and globs, pyarrow filesystem URIs.
+- ``placement``: NUMA-local actors (which cores each actor pins itself to).
+- ``assembly``: a document's page-range tasks and its outputs, written in page order from them.
+- ``batch``: the batch driver (``run_batch``): actors, tasks, bounded retries, atomic outputs, progress.
 - ``serve_app``: the service's FastAPI application as a Ray Serve deployment.
+- ``job_store``: the job store its replicas share (a Serve deployment-scoped actor).
 
-Importing this package needs no Ray; ``batch`` and ``serve_app`` import it and raise
+Importing this package needs no Ray; ``batch``, ``serve_app`` and ``job_store`` import it and raise
 ``RayDependencyError`` when it is missing.
 """
 
@@ -14,7 +18,11 @@ from __future__ import annotations
 
 from ..errors import MineruFastError
 
-__all__ = ["RayDependencyError", "require_ray"]
+__all__ = ["PAGES_PER_TASK", "RayDependencyError", "require_ray"]
+
+PAGES_PER_TASK = 32
+"""Default of ``mineru-fast batch --pages-per-task``: a document with more selected pages is split
+into tasks of this many pages."""
 
 
 class RayDependencyError(MineruFastError):

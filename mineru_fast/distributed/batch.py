@@ -1,25 +1,34 @@
 """``mineru-fast batch``: parse a collection of documents on a Ray cluster (or a local Ray).
 
 Each of ``actors`` Ray actors (``worker.DocumentWorker``, ``num_cpus=cores_per_actor``) holds one
-parser with that many threads. The driver gives every actor a thread that takes documents from one
-shared queue, so each actor parses one document at a time and work is balanced as documents finish.
-Document bytes travel to the actor and its output files travel back page by page (a streaming
-actor method, with backpressure), so the machines need no shared file system; only the driver
-reads inputs and writes ``OUTPUT``.
+parser with that many threads (pinned to one NUMA node where the machine has several:
+``placement``). The driver gives every actor a thread that takes the next item from one shared
+queue: a new document, or a task of a document already started (tasks first, oldest document
+first), so each actor runs one thing at a time and work is balanced as tasks finish.
 
-Outputs are atomic: a document's files go to ``OUTPUT/.partial/<name>.<attempt>/`` and the folder
-is renamed to ``OUTPUT/<name>/`` once complete; then its record is appended to
-``OUTPUT/manifest.jsonl`` (``manifest``). An actor that dies (killed, out of memory, node lost) is
-restarted by Ray (``max_restarts=-1``); the document it held is parsed again, up to ``max_retries``
-more times, then recorded as ``error`` with the last error. An input that cannot be read
-(``InputError``) is recorded as ``error`` at once: retrying would not change it. ``resume`` skips
-documents whose outputs are complete. Progress: a line per document with pages/min and an ETA.
+A new document is first inspected on an actor (its selected pages and metadata block), then split
+into tasks of at most ``pages_per_task`` pages (``assembly.split_pages``) that run on whichever
+actors are free. A local document's bytes are put in Ray's object store once and shared by its
+tasks; a URI document (``sources``) is read by each actor that runs a task of it. Page images
+travel back page by page (a streaming actor method, with backpressure), the pages when their task
+completes; the driver writes the document in page order (``assembly.DocumentAssembly``), so the
+machines need no shared file system and only the driver writes ``OUTPUT``.
+
+Outputs are atomic: a document is written under ``OUTPUT/.partial/<name>/`` and renamed to
+``OUTPUT/<name>/`` once every task is in; then its record is appended to ``OUTPUT/manifest.jsonl``
+(``manifest``). An actor that dies (killed, out of memory, node lost) is restarted by Ray
+(``max_restarts=-1``); the task it held runs again, up to ``max_retries`` more times; a task that
+still fails turns its pages into ``failure`` pages (the document is ``partial``, the record lists
+``failed_pages``), or, when every task of the document failed, the document is recorded as
+``error`` with the last error. An input that cannot be read (``InputError``) is recorded as
+``error`` at once: retrying would not change it. ``resume`` skips documents whose outputs are
+complete. Progress: a line per document with pages/min and an ETA.
 """
 
 from __future__ import annotations
 
-import os
-import queue
+import heapq
+import itertools
 import shutil
 import sys
 import threading
@@ -29,17 +38,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cli_options import expand_inputs, output_clashes
+from ..cli_options import output_clashes
 from ..errors import MineruFastError
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
-from . import require_ray
+from . import PAGES_PER_TASK, require_ray
+from .assembly import PARTIAL, DocumentAssembly, page_spec, split_pages
 from .manifest import Manifest, Record
+from .sources import Source, list_sources
 from .worker import DocumentWorker
 
 __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
 
-PARTIAL = ".partial"
 RESTART_TIMEOUT_S = 600.0  # longest wait for a restarted actor (it loads the model again)
 BACKPRESSURE = 2  # page events an actor may run ahead of the driver (bounds the object store's share)
 
@@ -55,7 +65,7 @@ class BatchConfig:
     """What ``run_batch`` parses and how.
 
     Attributes:
-        inputs: files and directories (directories are searched recursively, ``expand_inputs``).
+        inputs: local files, directories and globs, and pyarrow filesystem URIs (``sources``).
         output: writes ``OUTPUT/<stem>/`` per input and ``OUTPUT/manifest.jsonl``.
         model: model directory (the same path on every node) or hub id.
         options: parser options (their ``threads`` become ``cores_per_actor``).
@@ -63,15 +73,17 @@ class BatchConfig:
             one); None starts a Ray on this machine with its usable cores.
         actors: parser actors; None: as many as the cluster's CPUs allow at ``cores_per_actor``.
         cores_per_actor: CPUs (threads) per actor; None: the CPUs of the smallest node.
-        max_retries: further attempts of a document whose actor died or raised.
+        max_retries: further attempts of a task (or an inspection) whose actor died or raised.
         resume: skip documents complete in the manifest and on disk.
         replay: trace directory of ``<stem>.json`` (tests, benchmarks) or None.
         pages / password: as ``DocumentParser.iter_pages``, for every input.
+        pages_per_task: the most pages of one task: a document with more selected pages is split
+            into tasks of this many consecutive pages that run on different actors.
         confidence: add the ``mf_confidence`` extension field to the content lists.
         quiet: log a document's line only when it did not end in ``success``.
     """
 
-    inputs: list[Path]
+    inputs: list[str | Path]
     output: Path
     model: str
     options: ParserOptions = field(default_factory=ParserOptions)
@@ -83,6 +95,7 @@ class BatchConfig:
     replay: Path | None = None
     pages: str | None = None
     password: str | None = None
+    pages_per_task: int = PAGES_PER_TASK
     confidence: bool = False
     quiet: bool = False
 
@@ -109,7 +122,7 @@ class BatchSummary:
 
 @dataclass
 class _Job:
-    source: Path
+    source: Source
     name: str
 
 
@@ -142,38 +155,44 @@ class _Progress:
             )
 
 
-def plan_jobs(inputs: list[Path]) -> list[_Job]:
-    """One job per input file; the output name is the file's stem.
+def plan_jobs(inputs: list[str | Path]) -> list[_Job]:
+    """One job per input file (``sources.list_sources``); the output name is the file's stem.
 
     Raises:
         BatchError: no input file, or two inputs with the same stem (their outputs would clash).
+        SourceError: an input that does not exist or cannot be listed (``list_sources``).
     """
-    sources = expand_inputs(inputs)
+    sources = list_sources(inputs)
     if not sources:
         raise BatchError("no input files found")
     if clashes := output_clashes(sources):
         first, second = clashes[0]
-        raise BatchError(f"{first} and {second} would both write {first.stem}/: rename one")
+        raise BatchError(f"{first.location} and {second.location} would both write {first.stem}/: rename one")
     by_name = {source.stem: source for source in sources}
     return [_Job(source, name) for name, source in by_name.items()]
 
 
-def _write_files(folder: Path, files: dict[str, bytes]) -> None:
-    for rel, data in files.items():
-        path = folder / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+@dataclass
+class _Document:
+    """A started document: what its tasks need, and its assembly."""
+
+    job: _Job
+    data: Any  # ObjectRef of a local document's bytes, or the Source of a URI document
+    trace: Trace | None
+    assembly: DocumentAssembly
+    start: float
+    closed: bool = False  # recorded: what is left of it is dropped
 
 
-def _publish(partial: Path, target: Path) -> None:
-    """Move a complete output folder into place, replacing an earlier run's (renames only)."""
-    if target.exists():
-        old = partial.with_name(partial.name + ".old")
-        os.rename(target, old)
-        os.rename(partial, target)
-        shutil.rmtree(old)
-    else:
-        os.rename(partial, target)
+@dataclass
+class _Task:
+    document: _Document
+    index: int
+
+
+def _error(exc: BaseException) -> str:
+    """``Type: first line of the message`` (Ray's messages run to tracebacks)."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 class _Runner:
@@ -183,80 +202,172 @@ class _Runner:
                  on_event: Callable[[dict[str, Any]], None] | None) -> None:  # fmt: skip
         self.config, self.log, self.on_event = config, log, on_event
         self.manifest = Manifest(config.output)
-        self.queue: queue.Queue[_Job] = queue.Queue()
+        # (priority, sequence, item): tasks of started documents (0) before new documents (1)
+        self.queue: list[tuple[int, int, _Job | _Task]] = []
+        self.sequence = itertools.count()
+        self.changed = threading.Condition()
+        self.unfinished = len(jobs)  # documents not yet recorded: a thread waits for their tasks
         for job in jobs:
-            self.queue.put(job)
+            self._push(1, job)
         self.progress = _Progress(len(jobs), log, config.quiet)
         self.records: list[Record] = []
-        self.lock = threading.Lock()
         self.stopping = threading.Event()  # set when the driver is interrupted
 
+    def _push(self, priority: int, item: _Job | _Task) -> None:
+        with self.changed:
+            heapq.heappush(self.queue, (priority, next(self.sequence), item))
+            self.changed.notify_all()
+
+    def _next(self) -> _Job | _Task | None:
+        """The next item; None when every document is recorded (or the run is interrupted)."""
+        with self.changed:
+            while not self.stopping.is_set():
+                if self.queue:
+                    return heapq.heappop(self.queue)[2]
+                if self.unfinished == 0:
+                    return None
+                self.changed.wait(timeout=0.5)  # another thread's document may add tasks
+            return None
+
     def drive(self, actor: Any) -> None:
-        while not self.stopping.is_set():
+        while (item := self._next()) is not None:
             try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
-                return
+                if isinstance(item, _Job):
+                    self._start(actor, item)
+                else:
+                    self._run(actor, item)
+            except Exception as exc:  # e.g. OSError writing OUTPUT: the document is recorded, never lost
+                job = item if isinstance(item, _Job) else item.document.job
+                record = Record(job.source.location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
+                self._close(None if isinstance(item, _Job) else item.document, record)
+
+    def _close(self, document: _Document | None, record: Record) -> None:
+        """Record a document once (``document`` None: it never started, nothing else records it)."""
+        with self.changed:
+            if document is not None:
+                if document.closed:
+                    return
+                document.closed = True
+        self._record(record)
+
+    def _record(self, record: Record) -> None:
+        """A document's end: its manifest line (none once interrupted: it is left to --resume)."""
+        if not self.stopping.is_set():
             try:
-                record = self._parse(actor, job)
-            except Exception as exc:  # e.g. OSError writing OUTPUT: recorded, never lost
-                record = Record(str(job.source), job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
-            if self.stopping.is_set():
-                return  # interrupted: the document is left to --resume
-            self.manifest.append(record)
-            with self.lock:
-                self.records.append(record)
+                self.manifest.append(record)
+            except OSError as exc:
+                self.log(f"{record.document}: cannot write the manifest ({exc}); record: {record}")
             self.progress.document(record)
+        with self.changed:
+            self.records.append(record)
+            self.unfinished -= 1
+            self.changed.notify_all()
 
     def _trace(self, job: _Job) -> Trace | None:
         if self.config.replay is None:
             return None
         return load_trace(self.config.replay / f"{job.name}.json")
 
-    def _parse(self, actor: Any, job: _Job) -> Record:
+    def _start(self, actor: Any, job: _Job) -> None:
+        """Inspect a new document on ``actor`` and queue its tasks."""
         import ray
 
         start = time.perf_counter()
-        try:
-            data = ray.put(job.source.read_bytes())
+        location = job.source.location
+        try:  # a URI document is read by its actors; a local one here (the nodes share no file system)
+            data: Any = job.source if job.source.filesystem is not None else ray.put(job.source.read())
             trace = self._trace(job)
-        except (OSError, MineruFastError) as exc:
-            return Record(str(job.source), job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
-        error = None
-        attempts = 0
+        except MineruFastError as exc:
+            return self._close(None, Record(location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0))
+        error = ""
         for attempt in range(1, self.config.max_retries + 2):
-            attempts = attempt
-            partial = self.config.output / PARTIAL / f"{job.name}.{attempt}"
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
             try:
-                if attempt > 1:
-                    _wait_alive(actor)
-                method = actor.parse.options(num_returns="streaming", _generator_backpressure_num_objects=BACKPRESSURE)
-                for ref in method.remote(
-                    job.name, data, trace, self.config.pages, self.config.password, self.config.confidence
-                ):
-                    event = ray.get(ref)
-                    _write_files(partial, event.get("files", {}))
-                    if self.on_event is not None:
-                        self.on_event({**event, "files": None, "document": job.name, "attempt": attempt,
-                                       "actor": actor})  # fmt: skip
-                    if event["kind"] == "page":
-                        self.progress.page()
-                    elif event["kind"] == "error":  # unreadable input: final
-                        shutil.rmtree(partial, ignore_errors=True)
-                        return Record(str(job.source), job.name, "error", 0, event["error"], attempt, 0.0)
-                    else:
-                        _publish(partial, self.config.output / job.name)
-                        wall = round(time.perf_counter() - start, 3)
-                        return Record(str(job.source), job.name, event["status"], event["pages"], None, attempt, wall)
-                error = "the actor ended the document without a result"
+                _wait_alive(actor)
+                info = ray.get(actor.inspect.remote(job.name, data, self.config.pages, self.config.password))
+                break
             except ray.exceptions.RayError as exc:
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                self.log(f"{job.source}: attempt {attempt} failed ({error})")
-            shutil.rmtree(partial, ignore_errors=True)
-        wall = round(time.perf_counter() - start, 3)
-        return Record(str(job.source), job.name, "error", 0, error, attempts, wall)
+                error = _error(exc)
+                self.log(f"{location}: inspection, attempt {attempt} failed ({error})")
+        else:
+            return self._close(None, Record(location, job.name, "error", 0, error, attempt, 0.0))
+        if "error" in info:  # unreadable input: final
+            return self._close(None, Record(location, job.name, "error", 0, info["error"], attempt, 0.0))
+        tasks = split_pages(info["pages"], self.config.pages_per_task)
+        assembly = DocumentAssembly(self.config.output, job.name, tasks, info["metadata"], self.config.confidence)
+        document = _Document(job, data, trace, assembly, start)
+        if not tasks:  # nothing selected: written at once (an empty document, as parse writes it)
+            return self._finish(document)
+        for index in range(len(tasks)):
+            self._push(0, _Task(document, index))
+
+    def _run(self, actor: Any, task: _Task) -> None:
+        """Run one task on ``actor``, retried up to ``max_retries`` more times; hand its outcome on."""
+        import ray
+
+        document, assembly = task.document, task.document.assembly
+        if document.closed:  # recorded as error already (a task of it could not be handled)
+            return
+        spec = page_spec(assembly.tasks[task.index])
+        location = document.job.source.location
+        error, final = "", False
+        for attempt in range(1, self.config.max_retries + 2):
+            staged = assembly.staging(task.index, attempt)
+            pages = []
+            try:
+                _wait_alive(actor)
+                method = actor.parse.options(num_returns="streaming", _generator_backpressure_num_objects=BACKPRESSURE)
+                for ref in method.remote(document.data, document.trace, spec, self.config.password):
+                    event = ray.get(ref)
+                    if self.on_event is not None:
+                        self.on_event({**event, "files": None, "page": None, "document": document.job.name,
+                                       "task": task.index, "attempt": attempt, "actor": actor})  # fmt: skip
+                    if event["kind"] == "page":
+                        _write_files(staged, event["files"])
+                        pages.append(event["page"])
+                    elif event["kind"] == "error":  # unreadable input: final
+                        error, final = event["error"], True
+                        break
+                    else:
+                        for _ in pages:
+                            self.progress.page()
+                        if assembly.complete(task.index, pages, staged, attempt):
+                            self._finish(document)
+                        return
+                else:
+                    error = "the actor ended the task without a result"
+            except ray.exceptions.RayError as exc:
+                error = _error(exc)
+                self.log(f"{location}: pages {spec}, attempt {attempt} failed ({error})")
+            except Exception as exc:  # e.g. OSError writing OUTPUT: the task fails, recorded, never lost
+                error, final = f"{type(exc).__name__}: {exc}", True
+            shutil.rmtree(staged, ignore_errors=True)
+            if final:
+                break
+        if assembly.fail(task.index, error, attempt):
+            self._finish(document)
+
+    def _finish(self, document: _Document) -> None:
+        """Every task is in: publish the outputs (or drop them when nothing parsed) and record."""
+        assembly, job = document.assembly, document.job
+        if document.closed:  # recorded as error meanwhile: its folder goes with OUTPUT/.partial
+            return
+        wall = round(time.perf_counter() - document.start, 3)
+        if assembly.all_failed:
+            assembly.discard()
+            record = Record(job.source.location, job.name, "error", 0, assembly.error, assembly.attempts, wall)
+        else:
+            status, pages = assembly.finish(wall)
+            failed = [p + 1 for p in assembly.failed_pages]
+            error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else None
+            record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed)
+        self._close(document, record)
+
+
+def _write_files(folder: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
 
 
 def _wait_alive(actor: Any) -> None:
@@ -307,8 +418,9 @@ def run_batch(
         The ``BatchSummary``; every input ends in the manifest, parsed or with its error.
 
     Raises:
-        BatchError: no inputs, clashing output names, ``max_retries`` < 0, or actors that fail to
-            start (e.g. a wrong model path).
+        BatchError: no inputs, clashing output names, ``max_retries`` < 0, ``pages_per_task`` < 1,
+            or actors that fail to start (e.g. a wrong model path).
+        SourceError: an input that does not exist, or a URI that cannot be listed.
         RayDependencyError: Ray is not installed.
     """
     require_ray()
@@ -316,12 +428,14 @@ def run_batch(
 
     if config.max_retries < 0:
         raise BatchError(f"--max-retries must be >= 0, got {config.max_retries}")
+    if config.pages_per_task < 1:
+        raise BatchError(f"--pages-per-task must be >= 1, got {config.pages_per_task}")
     jobs = plan_jobs(config.inputs)
     shutil.rmtree(config.output / PARTIAL, ignore_errors=True)  # left by an interrupted run
     skipped = []
     if config.resume:
         complete = Manifest(config.output).complete()
-        skipped = [str(job.source) for job in jobs if job.name in complete]
+        skipped = [job.source.location for job in jobs if job.name in complete]
         jobs = [job for job in jobs if job.name not in complete]
         log(f"resume: {len(skipped)} document(s) complete, {len(jobs)} left")
     start = time.perf_counter()
@@ -339,10 +453,9 @@ def run_batch(
     try:
         cores = _cores_per_actor(config)
         count = config.actors or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
-        count = min(count, len(jobs))
         log(f"{len(jobs)} document(s) on {count} actor(s) x {cores} core(s)")
         remote: Any = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=0)(DocumentWorker)
-        actors: list[Any] = [remote.remote(config.model, config.options, cores) for _ in range(count)]
+        actors: list[Any] = [remote.remote(config.model, config.options, cores, pin=True) for _ in range(count)]
         runner = _Runner(config, jobs, log, on_event)
         try:
             try:
@@ -350,6 +463,9 @@ def run_batch(
             except ray.exceptions.RayError as exc:
                 raise BatchError(f"the parser actors failed to start: {exc}") from exc
             log("actors on " + ", ".join(sorted({h["host"] for h in hosts})))
+            for n, h in enumerate(hosts):
+                if h["cpus"] is not None:
+                    log(f"actor {n} on {h['host']}: pinned to CPUs {h['cpus']} (NUMA node {h['node']})")
             threads = [threading.Thread(target=runner.drive, args=(a,), name=f"batch-{n}", daemon=True)
                        for n, a in enumerate(actors)]  # fmt: skip
             for t in threads:

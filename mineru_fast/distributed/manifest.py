@@ -3,7 +3,9 @@
 Fields: ``document`` (the input path as given), ``name`` (its output folder ``OUTPUT/<name>/``),
 ``status`` (``success`` / ``partial`` / ``failure``: parsed, outputs written, as the document's
 status; ``error``: no outputs, the input was unreadable or every attempt failed), ``pages``,
-``error`` (None or the last error), ``attempts`` and ``wall_s``. Runs append; the last record of a
+``error`` (None or the last error), ``attempts`` (the most any of its tasks took), ``wall_s`` and
+``failed_pages`` (1-based pages whose task failed on every attempt; they are ``failure`` pages in
+the outputs, and the document is ``partial`` or ``failure``). Runs append; the last record of a
 document is its state. A resumed run skips the documents whose last record has outputs and whose
 ``OUTPUT/<name>/<name>.json`` exists.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = ["MANIFEST", "Record", "Manifest"]
@@ -32,6 +34,7 @@ class Record:
     error: str | None
     attempts: int
     wall_s: float
+    failed_pages: list[int] = field(default_factory=list)
 
 
 class Manifest:

@@ -4,10 +4,13 @@ JSON errors are the same as ``mineru-fast serve``. Ray Serve's proxy spreads req
 replicas (each holding one model with ``cores_per_replica`` threads) and, with autoscaling, adds
 replicas while the ongoing requests per replica stay above the target.
 
+Jobs (``POST /v1/jobs``) are run by the replica that accepted them and recorded in one job store
+per application (``job_store``: a Serve deployment-scoped actor), so any replica answers their
+status and result; a replica that stops heartbeating has its unfinished jobs taken over by another
+(``mineru_fast.serve.store``). Every response names the replica that answered in ``X-Replica-ID``.
+
 Run it with ``mineru-fast serve --ray ...`` or ``serve run mineru_fast.distributed.serve_app:app_builder
-model=DIR replicas=2`` (``app_builder``'s arguments). The job endpoints keep their jobs in the
-replica that accepted them: with several replicas use the synchronous ``/v1/document/parse`` (or
-one replica) until jobs are shared.
+model=DIR replicas=2`` (``app_builder``'s arguments).
 """
 
 from __future__ import annotations
@@ -21,8 +24,36 @@ from ray.serve import Application
 
 from ..options import ParserOptions
 from ..serve.config import ServeConfig
+from .job_store import RayJobStore, job_store_actor
 
-__all__ = ["ParseService", "build_app", "app_builder", "run"]
+__all__ = ["ParseService", "ReplicaHeader", "build_app", "app_builder", "run"]
+
+REPLICA_HEADER = b"x-replica-id"
+
+
+class ReplicaHeader:
+    """ASGI middleware: adds ``X-Replica-ID: <replica>`` to every HTTP response.
+
+    Args:
+        app: the wrapped ASGI application.
+        replica: the Serve replica's unique id.
+    """
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app, self.replica = app, replica.encode("ascii")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Pass the request on; stamp the response's start message."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (REPLICA_HEADER, self.replica)]
+            await send(message)
+
+        await self.app(scope, receive, stamped)
 
 
 @serve.deployment(name="mineru-fast", health_check_period_s=10, health_check_timeout_s=30)
@@ -39,13 +70,17 @@ class ParseService:
 
         configure_process(config.options.threads, bind=False)  # before torch loads
         self.config = config
+        self.replica: str = serve.get_replica_context().replica_id.unique_id
         self.service_app: Any = None
 
     def __serve_build_asgi_app__(self) -> Any:
-        """The replica's ASGI application (Ray Serve runs its lifespan: model load, canary)."""
+        """The replica's ASGI application (Ray Serve runs its lifespan: model load, canary), its
+        jobs in the application's shared store, its responses stamped with ``X-Replica-ID``."""
         from ..serve.app import create_app
 
-        self.service_app = create_app(self.config)  # (``app`` is the Serve wrapper's own property)
+        # (``app`` is the Serve wrapper's own property)
+        self.service_app = create_app(self.config, job_store=RayJobStore(), replica=self.replica)
+        self.service_app.add_middleware(ReplicaHeader, replica=self.replica)
         return self.service_app
 
     def check_health(self) -> None:
@@ -75,11 +110,13 @@ def build_app(
             ongoing requests per replica (``target_ongoing_requests``).
 
     Returns:
-        A Serve ``Application`` for ``serve.run``.
+        A Serve ``Application`` for ``serve.run``: the replicas and their shared job store
+        (``job_store_actor``; results kept ``config.result_ttl`` seconds).
     """
     config = replace(config, options=replace(config.options, threads=cores_per_replica))
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": cores_per_replica},
+        "deployment_actors": [job_store_actor(config.result_ttl)],
         # more than the service admits would only queue in the replica: let Serve hold them instead
         "max_ongoing_requests": config.workers + config.queue_size,
     }

@@ -1,12 +1,15 @@
-"""``DocumentWorker``: the body of a batch actor. It holds one ``DocumentParser`` and parses a
-document, given as bytes, into a temporary directory of its own (``DocumentWriter``), streaming
-the output files back as events, so that no file system needs to be shared between the machines
-of a cluster and a long document never sits whole in memory.
+"""``DocumentWorker``: the body of a batch actor. It holds one ``DocumentParser`` and parses the
+pages of a document it gets as bytes, or as the ``Source`` of a URI input that it reads itself.
+It writes each page's images (crops, layout overlay) into a temporary directory of its own and
+streams them back as bytes with the page, so no file system needs to be shared between the machines
+of a cluster; the driver assembles the document's Markdown, content list and JSON from the pages
+(``assembly``).
 
-Events (plain dicts, in order): one ``{"kind": "page", "index", "status", "files"}`` per page
-(``files``: the page's crops and layout overlay, relative path -> bytes), then either
-``{"kind": "done", "status", "pages", "files"}`` (the Markdown, content list and JSON) or, when the
-document cannot be read at all, ``{"kind": "error", "error"}``.
+``inspect`` comes first: the pages a document's selection holds and its result's metadata block.
+Then ``parse`` runs the pages of one task (the whole selection, or a part of it) and yields, in
+order, one ``{"kind": "page", "index", "status", "page", "files"}`` per page (``page``: the
+``Page`` without its images; ``files``: relative path -> bytes), then ``{"kind": "done"}``; a
+document that cannot be read at all yields ``{"kind": "error", "error"}`` instead.
 """
 
 from __future__ import annotations
@@ -14,29 +17,26 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..cpu import format_cpulist
 from ..errors import InputError, TraceError
 from ..options import ParserOptions
 from ..traces import Trace
+from .sources import Source
 
 __all__ = ["DocumentWorker"]
 
-_PAGE_DIRS = ("images", "layout")  # what a page adds; the other files are final only at close
 
-
-def _new_files(root: Path, sent: set[str], under: tuple[str, ...] | None = None) -> dict[str, bytes]:
-    """Files below ``root`` not in ``sent`` (optionally only in the folders ``under``); marks them sent."""
+def _take_files(root: Path) -> dict[str, bytes]:
+    """The files below ``root`` as relative path -> bytes, each removed once read."""
     files = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if path.is_file() and rel not in sent and (under is None or rel.split("/", 1)[0] in under):
-            files[rel] = path.read_bytes()
-            sent.add(rel)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        files[path.relative_to(root).as_posix()] = path.read_bytes()
+        path.unlink()
     return files
 
 
@@ -47,11 +47,20 @@ class DocumentWorker:
         model: model directory or hub id (every node must reach it: a shared or copied path).
         options: parser options; their ``threads`` is replaced by ``threads``.
         threads: intra-op threads, the CPUs Ray reserved for this actor.
+        pin: pin the process to ``threads`` cores of one NUMA node where the machine has several
+            (``placement.pin_actor``), before the model loads.
+
+    Raises:
+        OSError: ``pin`` and the kernel refused the affinity.
     """
 
-    def __init__(self, model: str, options: ParserOptions, threads: int) -> None:
+    def __init__(self, model: str, options: ParserOptions, threads: int, pin: bool = False) -> None:
         from ..threads import configure_process
+        from .placement import pin_actor
 
+        pinned = pin_actor(threads) if pin else None
+        self.group = pinned[0] if pinned else None
+        self._slot = pinned[1] if pinned else None  # the slot's lock, held for the actor's life
         configure_process(threads, bind=False)  # before torch loads (Ray also sets OMP_NUM_THREADS)
         from ..parser import DocumentParser
 
@@ -59,60 +68,80 @@ class DocumentWorker:
         self.parser = DocumentParser.from_pretrained(model, replace(options, threads=threads, progress=False))
 
     def describe(self) -> dict[str, Any]:
-        """Where the worker runs: ``{"host", "threads"}`` (also a readiness check)."""
-        return {"host": socket.gethostname(), "threads": self.threads}
+        """Where the worker runs: ``{"host", "threads", "cpus", "node"}`` (``cpus``: the cpulist it
+        is pinned to, ``node`` its NUMA node, both None when not pinned; also a readiness check)."""
+        group = self.group
+        cpus = format_cpulist(group.cpus) if group is not None else None
+        return {"host": socket.gethostname(), "threads": self.threads, "cpus": cpus,
+                "node": group.node if group is not None else None}  # fmt: skip
 
-    def parse(
-        self,
-        name: str,
-        data: bytes,
-        trace: Trace | None = None,
-        pages: str | None = None,
-        password: str | None = None,
-        confidence: bool = False,
-    ) -> Iterator[dict[str, Any]]:
-        """Parse one document and stream its outputs (see the module's events).
+    def inspect(
+        self, name: str, data: bytes | Source, pages: str | None = None, password: str | None = None
+    ) -> dict[str, Any]:
+        """What the driver needs before it splits a document into tasks.
 
         Args:
-            name: the output stem (``<name>.md`` ...).
-            data: the document's bytes (PDF or image; the format is sniffed).
-            trace: replayed outputs (tests, benchmarks) or None.
-            pages / password: as ``DocumentParser.iter_pages``.
-            confidence: add the ``mf_confidence`` extension field to the content list (``DocumentWriter``).
+            name: the output stem (the metadata block names the document by it, as ``parse`` does).
+            data: the document's bytes, or the ``Source`` of a URI input (read here).
+            pages / password: as ``DocumentParser.iter_pages`` (the document's whole selection).
 
-        Yields:
-            The events; unreadable input (``InputError``, ``TraceError``) ends in an ``error``
-            event. Any other exception propagates (the batch retries the document).
+        Returns:
+            ``{"pages": [0-based indices selected], "metadata": the result's metadata block}``, or
+            ``{"error": "Type: message"}`` when the document cannot be read (``InputError``).
         """
         from ..inputs import open_document
         from ..metadata import InputInfo
-        from ..writer import DocumentWriter
 
-        try:  # the metadata block names the document as sequential parse does (its stem)
-            with open_document(data, pages=pages, password=password) as opened:
+        try:
+            with open_document(_read(data), pages=pages, password=password) as opened:
                 info = replace(InputInfo.from_opened(opened), name=name)
         except InputError as exc:
-            yield {"kind": "error", "error": f"{type(exc).__name__}: {exc}"}
-            return
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"pages": list(info.pages), "metadata": self.parser.result_metadata(info)}
+
+    def parse(
+        self,
+        data: bytes | Source,
+        trace: Trace | None = None,
+        pages: str | None = None,
+        password: str | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Parse pages of one document and stream them (see the module's events).
+
+        Args:
+            data: the document's bytes, or the ``Source`` of a URI input (read here).
+            trace: replayed outputs of the whole document (tests, benchmarks) or None.
+            pages: the pages of this task, 1-based (``"3-4"``), or None for all.
+            password: as ``DocumentParser.iter_pages``.
+
+        Yields:
+            The events; unreadable input (``InputError``, ``SourceError``, ``TraceError``) ends in
+            an ``error`` event. Any other exception propagates (the batch retries the task).
+        """
+        from ..writer import render_page, write_page_images
+
         root = Path(tempfile.mkdtemp(prefix="mineru-fast-batch-"))
-        sent: set[str] = set()
-        start = time.perf_counter()
         try:
-            metadata = self.parser.result_metadata(info)
-            with DocumentWriter(root / "out", name, metadata=metadata, confidence=confidence) as writer:
-                try:
-                    for page in self.parser.iter_pages(
-                        data, pages=pages, password=password, replay=trace, keep_page_images=True
-                    ):
-                        writer.add_page(page)
-                        files = _new_files(root / "out", sent, _PAGE_DIRS)
-                        yield {"kind": "page", "index": page.index, "status": page.status, "files": files}
-                except (InputError, TraceError) as exc:
-                    yield {"kind": "error", "error": f"{type(exc).__name__}: {exc}"}
-                    return
-                wall_s = time.perf_counter() - start
-                writer.close(wall_s=wall_s)
-            yield {"kind": "done", "status": writer.document_status, "pages": len(writer.statuses),
-                   "wall_s": round(wall_s, 3), "files": _new_files(root / "out", sent)}  # fmt: skip
+            try:
+                for page in self.parser.iter_pages(
+                    _read(data), pages=pages, password=password, replay=trace, keep_page_images=True
+                ):
+                    write_page_images(root, page, render_page(page).crops)
+                    page.image, page.crops = None, {}  # written: the page travels as its record
+                    yield {"kind": "page", "index": page.index, "status": page.status, "page": page,
+                           "files": _take_files(root)}  # fmt: skip
+            except (InputError, TraceError) as exc:
+                yield {"kind": "error", "error": f"{type(exc).__name__}: {exc}"}
+                return
+            yield {"kind": "done"}
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _read(data: bytes | Source) -> bytes:
+    """The document's bytes (a ``Source`` is read here, on the actor's node).
+
+    Raises:
+        SourceError: the source cannot be read.
+    """
+    return data.read() if isinstance(data, Source) else data

@@ -7,7 +7,9 @@ pool of worker threads, never on the event loop. Modules, one concern each:
 - ``errors``: ``ApiError`` and the one JSON error format; mapping of mineru-fast exceptions.
 - ``logs``: JSON-lines logging (never document contents).
 - ``security``: API keys, per-key token-bucket rate limits, the streaming upload-size limit.
-- ``jobs``: the bounded job queue, worker threads and result TTL.
+- ``jobs``: the bounded job queue, worker threads, heartbeat and take-over of lost replicas' jobs.
+- ``store``: the ``JobStore`` interface of job records (status, result TTL, key isolation, claims)
+  and ``MemoryJobStore``.
 - ``parsing``: request checks, the parse run with per-page progress, result rendering, the canary.
 - ``metrics``: Prometheus metrics.
 - ``app``: the FastAPI application factory ``create_app``.

@@ -43,6 +43,7 @@ from .metrics import CONTENT_TYPE_LATEST
 from .parsing import ParseRequest, inspect_document, parse_formats, trace_from_json
 from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
 from .service import Service
+from .store import JobRecord, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ def create_app(
     *,
     parser_factory: Callable[[], DocumentParser] | None = None,
     on_load_failure: Callable[[BaseException], None] | None = None,
+    job_store: JobStore | None = None,
+    replica: str = "local",
 ) -> FastAPI:
     """Build the service's ASGI application.
 
@@ -94,6 +97,9 @@ def create_app(
         parser_factory: builds one ``DocumentParser``; default
             ``DocumentParser.from_pretrained(config.model, config.options)``.
         on_load_failure: called with the exception when start-up fails.
+        job_store: where ``POST /v1/jobs`` jobs are recorded; default one in this process's
+            memory. Replicas that pass one shared store answer for each other's jobs.
+        replica: this application's id in ``job_store``.
 
     Returns:
         The FastAPI application (``app.state.service`` is its ``Service``).
@@ -109,7 +115,7 @@ def create_app(
 
     keyring = KeyRing(load_api_keys(config.api_key_file) if config.api_key_file else [])
     limiter = RateLimiter(config.rate_limit, config.rate_burst)
-    service = Service(config, parser_factory, on_load_failure)
+    service = Service(config, parser_factory, on_load_failure, job_store, replica)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -235,7 +241,7 @@ async def _check_and_submit(service: Service, request: Request, parse_request: P
         retain=retain,
     )
     try:
-        jobs.submit(job)
+        await run_in_threadpool(jobs.submit, job)  # a retained job is recorded in the store first
     except QueueFull as exc:
         service.metrics.observe_job("rejected", None, None, [])
         retry = str(exc.retry_after)
@@ -278,12 +284,25 @@ async def _wait(job: Job) -> None:
     await finished
 
 
-def _job_or_404(service: Service, request: Request, job_id: str) -> Job:
-    jobs = service.jobs
-    job = jobs.get(job_id, request.state.api_key) if jobs is not None else None
-    if job is None:
+async def _job_or_404(service: Service, request: Request, job_id: str, with_result: bool = False) -> JobRecord:
+    """The stored job, looked up off the event loop (the store may be another process); answered
+    while the model is still loading too (a replica that is starting knows the others' jobs).
+
+    Raises:
+        ApiError: 404 ``job_not_found``; 503 when the store cannot be reached.
+    """
+    key = request.state.api_key
+    record = await run_in_threadpool(service.job_store.get, job_id, key, with_result=with_result)
+    if record is None:
         raise ApiError(404, "job_not_found", "no such job (unknown id, another key's job, or its result expired)")
-    return job
+    return record
+
+
+def _outcome_error(record: JobRecord) -> ApiError:
+    """The error a finished job that has no result answers with."""
+    if record.error is None:
+        return ApiError(500, "internal_error", "the job ended without a result")
+    return ApiError(record.error.status, record.error.code, record.error.message)
 
 
 def _add_routes(app: FastAPI, service: Service) -> None:
@@ -335,8 +354,9 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """Queue a document; poll ``/v1/jobs/{job_id}``, then fetch ``/v1/jobs/{job_id}/result``."""
         parse_request = await _read_request(service, file, pages, password, formats, replay)
         job = await _check_and_submit(service, request, parse_request, retain=True)
+        position = service.jobs.queue_position(job.id) if service.jobs else None
         body = {
-            **job.describe(service.jobs.queue_position(job) if service.jobs else None),
+            **job.to_record(service.replica).describe(position),
             "status_url": f"/v1/jobs/{job.id}",
             "result_url": f"/v1/jobs/{job.id}/result",
         }
@@ -344,22 +364,22 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/v1/jobs/{job_id}")
     async def job_status(request: Request, job_id: str) -> dict:
-        """Status and per-page progress of a job."""
-        job = _job_or_404(service, request, job_id)
-        position = service.jobs.queue_position(job) if service.jobs and job.status == "queued" else None
-        description = job.describe(position)
-        if job.status in ("failed", "cancelled") and service.jobs is not None:
-            service.jobs.collect(job)  # the status carries the whole outcome (the error)
-        return description
+        """Status and per-page progress of a job (any replica answers for any job)."""
+        record = await _job_or_404(service, request, job_id)
+        jobs = service.jobs
+        held_here = jobs is not None and record.replica == jobs.replica
+        position = jobs.queue_position(record.id) if jobs and held_here and record.status == "queued" else None
+        if record.status in ("failed", "cancelled"):  # the status carries the whole outcome (the error)
+            await run_in_threadpool(service.job_store.collect, record.id)
+        return record.describe(position)
 
     @app.get("/v1/jobs/{job_id}/result")
     async def job_result(request: Request, job_id: str) -> JSONResponse:
         """The result of a finished job; ``409`` while it is queued or running."""
-        job = _job_or_404(service, request, job_id)
-        if job.status in ("queued", "running"):
-            raise ApiError(409, "job_not_finished", f"the job is {job.status}", {"Retry-After": "1"})
-        if service.jobs is not None:
-            service.jobs.collect(job)
-        if job.status != "done" or job.result is None:
-            raise job.error or ApiError(500, "internal_error", "the job ended without a result")
-        return JSONResponse({"job_id": job.id, **job.result})
+        record = await _job_or_404(service, request, job_id, with_result=True)
+        if record.status in ("queued", "running"):
+            raise ApiError(409, "job_not_finished", f"the job is {record.status}", {"Retry-After": "1"})
+        await run_in_threadpool(service.job_store.collect, record.id)
+        if record.status != "done" or record.result is None:
+            raise _outcome_error(record)
+        return JSONResponse({"job_id": record.id, **record.result})

@@ -5,13 +5,14 @@ it; each worker owns one runner (the runners share one parser, which is thread-s
 documents share its engine batch), so documents are parsed off the event loop and at most
 ``len(runners)`` at a time. A submission to a full queue raises
 ``QueueFull``, one whose cost would take the jobs admitted (queued and running) over ``max_cost``
-raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Finished jobs keep
-their result for ``result_ttl`` seconds, then a sweeper thread deletes them; jobs submitted with
-``retain=False`` (synchronous calls) are never stored. ``stop_accepting`` and ``wait_drained``
-make a graceful drain (no new jobs; wait until the jobs unfinished at that moment have finished
-and their outcomes have been collected);
-``shutdown`` stops the workers, letting queued and running jobs finish within a time limit and
-cancelling what is left.
+raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Jobs submitted with
+``retain=True`` (``POST /v1/jobs``) are recorded in a ``JobStore`` (``store``), where they can be
+looked up by id until ``result_ttl`` after they finished; jobs submitted with ``retain=False``
+(synchronous calls) are never stored. A maintenance thread heartbeats to the store, takes over the
+jobs of lost replicas (a shared store, see ``store``) and deletes expired jobs. ``stop_accepting``
+and ``wait_drained`` make a graceful drain (no new jobs; wait until the jobs unfinished at that
+moment have finished and their outcomes have been collected); ``shutdown`` stops the workers,
+letting queued and running jobs finish within a time limit and cancelling what is left.
 """
 
 from __future__ import annotations
@@ -24,16 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .errors import ApiError, from_exception
+from .store import FINISHED, HEARTBEAT_INTERVAL, JobError, JobRecord, JobStatus, JobStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown", "JobStatus"]
-
-JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
-FINISHED: tuple[JobStatus, ...] = ("done", "failed", "cancelled")
+__all__ = ["Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown"]
 
 
 class QueueFull(Exception):
@@ -58,7 +57,7 @@ class ShuttingDown(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One parse job and everything a client may ask about it.
+    """One parse job as its replica runs it.
 
     Attributes:
         payload: what the runner needs (released once the job has run).
@@ -67,11 +66,12 @@ class Job:
         pages_total / pages_done: per-page progress, reported by the runner.
         cost: what the job holds while admitted, counted against the manager's ``max_cost``
             (the service uses decoded pixels).
-        retain: keep the job, findable by id, until ``result_ttl`` after it finished; False for a
-            job whose submitter waits for it (its result goes out once and is not stored).
-        collected: its outcome has been handed to a client (set by ``JobManager.collect``).
+        retain: record the job in the store, findable by id until ``result_ttl`` after it
+            finished; False for a job whose submitter waits for it (its result goes out once).
+        claims: the store's claim number this run holds (0 unless taken over from a lost replica).
         result: the runner's JSON-ready result once ``done``.
         error: the ``ApiError`` once ``failed`` or ``cancelled``.
+        on_progress: called with the job after each ``report_progress`` (set by the manager).
     """
 
     payload: Any
@@ -80,24 +80,24 @@ class Job:
     pages_total: int | None = None
     cost: int = 0
     retain: bool = True
-    collected: bool = False
+    claims: int = 0
     id: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     status: JobStatus = "queued"
     pages_done: int = 0
     result: dict | None = None
     error: ApiError | None = None
     created_at: float = field(default_factory=time.time)
-    started_at: float | None = None
-    finished_at: float | None = None
-    finished_mono: float | None = None
     queued_mono: float = field(default_factory=time.monotonic)
     started_mono: float | None = None
+    on_progress: Callable[[Job], None] | None = field(default=None, repr=False)
     _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def report_progress(self, done: int, total: int) -> None:
         """Record that ``done`` of ``total`` pages are parsed (called from the worker thread)."""
         self.pages_done, self.pages_total = done, total
+        if self.on_progress is not None:
+            self.on_progress(self)
 
     def add_done_callback(self, callback: Callable[[Job], None]) -> None:
         """Call ``callback(job)`` once the job is finished (at once if it already is).
@@ -114,7 +114,6 @@ class Job:
     def _finish(self, status: JobStatus, result: dict | None = None, error: ApiError | None = None) -> None:
         with self._lock:
             self.status, self.result, self.error = status, result, error
-            self.finished_at = time.time()
             self.payload = None
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -123,35 +122,45 @@ class Job:
             except Exception:
                 logger.exception("job done-callback failed", extra={"job_id": self.id})
 
-    def describe(self, queue_position: int | None = None) -> dict:
-        """The job's status as JSON-ready data (no result)."""
-        out: dict[str, Any] = {
-            "job_id": self.id,
-            "status": self.status,
-            "pages": {"total": self.pages_total, "done": self.pages_done},
-            "created_at": self.created_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-        }
-        if queue_position is not None:
-            out["queue_position"] = queue_position
-        if self.error is not None:
-            out["error"] = {"code": self.error.code, "message": self.error.message}
-        return out
+    def to_record(self, replica: str) -> JobRecord:
+        """The job as the store records it, held by ``replica``."""
+        return JobRecord(
+            id=self.id,
+            owner=self.owner,
+            replica=replica,
+            payload=self.payload,
+            cost=self.cost,
+            request_id=self.request_id,
+            pages_total=self.pages_total,
+            pages_done=self.pages_done,
+            status=self.status,
+            claims=self.claims,
+            created_at=self.created_at,
+        )
+
+
+def _job_error(error: ApiError | None) -> JobError | None:
+    return None if error is None else JobError(error.status, error.code, error.message)
 
 
 class JobManager:
-    """Bounded queue + one worker thread per runner + TTL sweeper.
+    """Bounded queue + one worker thread per runner + a maintenance thread (heartbeat, take-overs,
+    expiry).
 
     Args:
         runners: one callable per worker, ``runner(job) -> dict`` (the result); it may call
             ``job.report_progress``; exceptions it raises become the job's error.
         max_queued: jobs that may wait; a submission beyond it raises ``QueueFull``.
-        result_ttl: seconds a finished job is kept.
+        store: where retained jobs are recorded (``MemoryJobStore`` for one process, the Ray
+            store actor for replicas that share their jobs).
+        replica: this manager's id in the store (unique among the replicas sharing it).
         max_cost: most total ``Job.cost`` of the jobs queued and running; None = no limit.
         on_finish: called as ``on_finish(job, run_seconds)`` after each job, cancelled ones included
             (metrics, logs).
-        clock: monotonic clock for the TTL (injectable for tests).
+        heartbeat: seconds between the maintenance thread's rounds.
+
+    Raises:
+        ValueError: no runner, ``max_queued`` < 1 or ``heartbeat`` <= 0.
     """
 
     def __init__(
@@ -159,31 +168,31 @@ class JobManager:
         runners: list[Callable[[Job], dict]],
         *,
         max_queued: int,
-        result_ttl: float,
+        store: JobStore,
+        replica: str = "local",
         max_cost: int | None = None,
         on_finish: Callable[[Job, float], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        heartbeat: float = HEARTBEAT_INTERVAL,
     ) -> None:
-        if not runners or max_queued < 1 or result_ttl <= 0:
-            raise ValueError("need at least one runner, max_queued >= 1 and result_ttl > 0")
-        self.runners, self.max_queued, self.result_ttl = runners, max_queued, result_ttl
-        self.max_cost = max_cost
+        if not runners or max_queued < 1 or heartbeat <= 0:
+            raise ValueError("need at least one runner, max_queued >= 1 and heartbeat > 0")
+        self.runners, self.max_queued, self.store, self.replica = runners, max_queued, store, replica
+        self.max_cost, self.on_finish, self.heartbeat = max_cost, on_finish, heartbeat
         self._cost = 0  # total cost of the jobs queued and running
-        self.on_finish, self.clock = on_finish, clock
         self._queue: deque[Job] = deque()
-        self._jobs: dict[str, Job] = {}
+        self._held: dict[str, Job] = {}  # retained jobs queued or running here, by id
         self._cond = threading.Condition()
         self._running = 0
         self._accepting = False
-        self._awaited: list[Job] = []  # stored jobs unfinished when accepting stopped: drain waits for them
+        self._awaited: list[Job] = []  # retained jobs unfinished when accepting stopped: drain waits for them
         self._stopping = False
-        self._stopped = threading.Event()  # wakes the sweeper at shutdown
+        self._stopped = threading.Event()  # wakes the maintenance thread at shutdown
         self._threads: list[threading.Thread] = []
         self._run_seconds = 1.0  # moving average of job run time, for Retry-After
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker threads and the sweeper; jobs are accepted from now on."""
+        """Start the worker threads and the maintenance thread; jobs are accepted from now on."""
         with self._cond:
             if self._threads:
                 return
@@ -194,48 +203,48 @@ class JobManager:
             )
             self._threads.append(thread)
             thread.start()
-        sweeper = threading.Thread(target=self._sweep_loop, name="job-sweeper", daemon=True)
-        self._threads.append(sweeper)
-        sweeper.start()
+        keeper = threading.Thread(target=self._maintain_loop, name="job-maintenance", daemon=True)
+        self._threads.append(keeper)
+        keeper.start()
 
     def stop_accepting(self) -> None:
-        """Refuse new jobs from now on (``submit`` raises ``ShuttingDown``); the workers go on.
+        """Refuse new jobs from now on (``submit`` raises ``ShuttingDown``), and take over no lost
+        replica's jobs; the workers go on.
 
-        The stored jobs queued or running now are those ``drained`` waits to see collected.
+        The retained jobs queued or running here now are those ``drained`` waits to see collected.
         """
         with self._cond:
             if self._accepting:
-                self._awaited = [job for job in self._jobs.values() if job.status not in FINISHED]
+                self._awaited = list(self._held.values())
             self._accepting = False
             self._cond.notify_all()
 
     def drained(self) -> bool:
-        """True when no job is queued or running, and each job that was unfinished when accepting
-        stopped has been collected (or has expired)."""
+        """True when no job is queued or running here, and each job that was unfinished when
+        accepting stopped has been collected (or has expired, or another replica holds it)."""
         with self._cond:
-            return self._drained_locked()
+            if self._queue or self._running:
+                return False
+            awaited = list(self._awaited)
+        return all(self._handed_over(job) for job in awaited)
 
-    def _drained_locked(self) -> bool:
-        if self._queue or self._running:
-            return False
-        return all(job.collected or job.id not in self._jobs for job in self._awaited)
+    def _handed_over(self, job: Job) -> bool:
+        try:
+            record = self.store.get(job.id, job.owner)
+        except ApiError:  # the store is gone: nothing can be fetched from it any more
+            return True
+        return record is None or record.collected or record.replica != self.replica
 
     def wait_drained(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until ``drained()``; returns whether it is."""
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._drained_locked():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(timeout=min(0.5, left))
-            return True
-
-    def collect(self, job: Job) -> None:
-        """Record that a finished job's outcome has been handed to its client (see ``drained``)."""
-        with self._cond:
-            job.collected = True
-            self._cond.notify_all()
+        while not self.drained():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._cond:
+                self._cond.wait(timeout=min(0.5, left))  # collection happens in the store: poll it
+        return True
 
     @property
     def cost(self) -> int:
@@ -261,8 +270,7 @@ class JobManager:
             self._cond.notify_all()
         self._stopped.set()
         for job in cancelled:
-            job._finish("cancelled", error=ApiError(503, "shutting_down", "the server shut down before the job ran"))
-            job.finished_mono = self.clock()
+            self._end(job, "cancelled", error=ApiError(503, "shutting_down", "the server shut down before the job ran"))
             logger.warning("job cancelled by shutdown", extra={"job_id": job.id, "request_id": job.request_id})
             if self.on_finish is not None:
                 self.on_finish(job, 0.0)
@@ -272,12 +280,13 @@ class JobManager:
 
     # -- submission and lookup -------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
-        """Queue a job.
+        """Queue a job (a retained one is recorded in the store first; this may block briefly).
 
         Raises:
             ShuttingDown: the manager is not accepting jobs.
             QueueFull: ``max_queued`` jobs are already waiting.
             OverBudget: the job's cost does not fit in what ``max_cost`` leaves now.
+            ApiError: the store could not be reached (``503``).
         """
         with self._cond:
             if not self._accepting:
@@ -286,27 +295,25 @@ class JobManager:
                 raise QueueFull(self._retry_after_locked())
             if self.max_cost is not None and self._cost + job.cost > self.max_cost:
                 raise OverBudget(self._retry_after_locked())
-            job.queued_mono = time.monotonic()
-            self._queue.append(job)
-            self._cost += job.cost
             if job.retain:
-                self._jobs[job.id] = job
-            self._cond.notify_all()
+                self.store.add(job.to_record(self.replica))
+            self._enqueue_locked(job)
         return job
 
-    def get(self, job_id: str, owner: str | None = None) -> Job | None:
-        """The job with this id, if it exists, has not expired and belongs to ``owner``."""
-        with self._cond:
-            job = self._jobs.get(job_id)
-        if job is None or job.owner != owner:
-            return None
-        return job
+    def _enqueue_locked(self, job: Job) -> None:
+        job.queued_mono = time.monotonic()
+        self._queue.append(job)
+        self._cost += job.cost
+        if job.retain:
+            job.on_progress = self._report_progress
+            self._held[job.id] = job
+        self._cond.notify_all()
 
-    def queue_position(self, job: Job) -> int | None:
-        """1-based position of a queued job (1 = next to run), None if it is not queued."""
+    def queue_position(self, job_id: str) -> int | None:
+        """1-based position of a job queued here (1 = next to run), None if it is not queued here."""
         with self._cond:
             for position, queued in enumerate(self._queue, start=1):
-                if queued is job:
+                if queued.id == job_id:
                     return position
         return None
 
@@ -322,15 +329,31 @@ class JobManager:
         with self._cond:
             return self._running
 
-    @property
-    def stored(self) -> int:
-        """Jobs held (queued, running, or finished and not yet expired)."""
-        with self._cond:
-            return len(self._jobs)
-
     def _retry_after_locked(self) -> int:
         ahead = len(self._queue) + self._running
         return max(1, min(120, math.ceil(self._run_seconds * ahead / len(self.runners))))
+
+    # -- the store -------------------------------------------------------------------------------
+    def _record(self, job: Job, **changes: Any) -> bool:
+        """Mirror a change of a retained job into the store; False when the store refused it (the
+        job was taken over by another replica, or expired). A store that cannot be reached is
+        logged and counts as accepted: the replica goes on with the job."""
+        try:
+            return self.store.update(job.id, job.claims, **changes)
+        except ApiError:
+            logger.warning("job store unreachable; job state not recorded", extra={"job_id": job.id})
+            return True
+
+    def _report_progress(self, job: Job) -> None:
+        self._record(job, pages_done=job.pages_done, pages_total=job.pages_total)
+
+    def _end(self, job: Job, status: JobStatus, result: dict | None = None, error: ApiError | None = None) -> None:
+        """Finish a job: in the store (retained jobs) and for its local waiters."""
+        if job.retain and not self._record(job, status=status, result=result, error=_job_error(error)):
+            logger.warning("job outcome dropped: another replica holds the job", extra={"job_id": job.id})
+        with self._cond:
+            self._held.pop(job.id, None)
+        job._finish(status, result, error)
 
     # -- workers ---------------------------------------------------------------------------------
     def _next(self) -> Job | None:
@@ -340,23 +363,30 @@ class JobManager:
             if self._stopping and not self._queue:
                 return None
             job = self._queue.popleft()
-            job.status, job.started_at, job.started_mono = "running", time.time(), time.monotonic()
+            job.status, job.started_mono = "running", time.monotonic()
             self._running += 1
             return job
 
     def _work(self, index: int, runner: Callable[[Job], dict]) -> None:
         while (job := self._next()) is not None:
             start = time.monotonic()
+            if job.retain and not self._record(job, status="running"):
+                logger.warning("job skipped: another replica holds it, or it expired", extra={"job_id": job.id})
+                with self._cond:
+                    self._held.pop(job.id, None)
+                    self._running -= 1
+                    self._cost -= job.cost
+                    self._cond.notify_all()
+                continue
             try:
                 result = runner(job)
             except Exception as exc:  # one job fails alone; the worker goes on
                 error = from_exception(exc)
                 if error.status >= 500:
                     logger.exception("job crashed", extra={"job_id": job.id, "request_id": job.request_id})
-                job._finish("failed", error=error)
+                self._end(job, "failed", error=error)
             else:
-                job._finish("done", result=result)
-            job.finished_mono = self.clock()
+                self._end(job, "done", result=result)
             seconds = time.monotonic() - start
             with self._cond:
                 self._running -= 1
@@ -370,27 +400,46 @@ class JobManager:
                     logger.exception("on_finish hook failed", extra={"job_id": job.id})
             logger.debug("worker %d idle", index, extra={"worker": index})
 
-    # -- expiry ----------------------------------------------------------------------------------
-    def sweep(self) -> int:
-        """Delete finished jobs older than ``result_ttl``.
+    # -- maintenance -----------------------------------------------------------------------------
+    def maintain(self) -> list[Job]:
+        """One maintenance round: heartbeat, take over lost replicas' jobs while accepting (as many
+        as the queue and the cost budget have room for), delete expired jobs.
 
         Returns:
-            How many were deleted.
-        """
-        now = self.clock()
-        with self._cond:
-            expired = [
-                job_id
-                for job_id, job in self._jobs.items()
-                if job.finished_mono is not None and now - job.finished_mono >= self.result_ttl
-            ]
-            for job_id in expired:
-                del self._jobs[job_id]
-        return len(expired)
+            The jobs taken over, now queued here.
 
-    def _sweep_loop(self) -> None:
-        interval = max(0.2, min(5.0, self.result_ttl / 4))
-        while not self._stopped.wait(timeout=interval):
-            removed = self.sweep()
-            if removed:
-                logger.debug("expired %d job result(s)", removed)
+        Raises:
+            ApiError: the store could not be reached (``503``).
+        """
+        with self._cond:
+            room = self.max_queued - len(self._queue) if self._accepting else 0
+            budget = None if self.max_cost is None else max(0, self.max_cost - self._cost)
+        taken: list[Job] = []
+        for record in self.store.claim(self.replica, max(0, room), budget):
+            job = Job(
+                payload=record.payload,
+                owner=record.owner,
+                request_id=record.request_id,
+                pages_total=record.pages_total,
+                cost=record.cost,
+                claims=record.claims,
+                id=record.id,
+                created_at=record.created_at,
+            )
+            with self._cond:
+                self._enqueue_locked(job)
+            logger.warning("job taken over from a lost replica", extra={"job_id": job.id, "request_id": job.request_id})
+            taken.append(job)
+        self.store.expire()
+        return taken
+
+    def _maintain_loop(self) -> None:
+        while True:
+            try:
+                self.maintain()
+            except ApiError:
+                logger.warning("job store unreachable (heartbeat)")
+            except Exception:
+                logger.exception("job maintenance failed")
+            if self._stopped.wait(timeout=self.heartbeat):
+                return

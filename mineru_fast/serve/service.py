@@ -24,6 +24,7 @@ from .errors import ApiError
 from .jobs import Job, JobManager
 from .metrics import ServiceMetrics
 from .parsing import ParseRequest, render_result, run_canary, run_parse
+from .store import HEARTBEAT_INTERVAL, JobStore, MemoryJobStore
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class Service:
         parser_factory: builds the parser (called once, at start-up).
         on_load_failure: called with the exception if loading or the canary fails (the CLI uses it
             to stop the server with an error).
+        job_store: where jobs are recorded; default a ``MemoryJobStore`` keeping results
+            ``config.result_ttl`` seconds (Ray Serve replicas pass their shared store).
+        replica: this service's id in ``job_store`` (unique among the replicas sharing it).
     """
 
     def __init__(
@@ -52,8 +56,12 @@ class Service:
         config: ServeConfig,
         parser_factory: Callable[[], DocumentParser],
         on_load_failure: Callable[[BaseException], None] | None = None,
+        job_store: JobStore | None = None,
+        replica: str = "local",
     ) -> None:
         self.config = config
+        self.job_store = job_store if job_store is not None else MemoryJobStore(config.result_ttl)
+        self.replica = replica
         self.parser_factory = parser_factory
         self.on_load_failure = on_load_failure
         self.state: ServiceState = "loading"
@@ -95,9 +103,12 @@ class Service:
             jobs = JobManager(
                 [runner] * self.config.workers,
                 max_queued=self.config.queue_size,
-                result_ttl=self.config.result_ttl,
+                store=self.job_store,
+                replica=self.replica,
                 max_cost=self.config.pixel_budget_pixels,
                 on_finish=self._job_finished,
+                # expiry runs with the heartbeat: a short result_ttl needs shorter rounds
+                heartbeat=max(0.2, min(HEARTBEAT_INTERVAL, self.config.result_ttl / 4)),
             )
             with self._lock:
                 if self.state != "loading":  # shut down while loading
