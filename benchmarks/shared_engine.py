@@ -6,7 +6,12 @@ With one loaded fast-preset parser (replayed workload pages, so every run decode
 
 1. ``parse``: the same pages parsed one call at a time, as one multi-page call, and as concurrent
    one-page calls from as many threads; pages/min, P95 latency, and the longest any decode step
-   waited for admission work (vision blocks, prefill chunks) while others decoded.
+   waited for admission work (vision blocks, prefill chunks) while others decoded, with the engine
+   loop thread's CPU seconds during that wait. Each mode also records the process's CPU seconds
+   (the same pages cost the same CPU in every mode) and its threads' run-queue wait (Linux
+   ``/proc/self/task/*/schedstat``: seconds runnable but not running because other processes
+   held the cores). A mode with a run-queue wait of more than a few percent of its wall time, or
+   a longest wait far above its CPU time, ran on a busy machine: its wall figures do not compare.
 2. ``chat``: crop requests of the median page through ``POST /v1/chat/completions`` of a real
    server on loopback (the same parser behind it), sent one at a time and all at once;
    requests/s and P95. Each request asks for exactly its block's token count
@@ -33,12 +38,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def run_queue_waits() -> dict[int, float]:
+    """Seconds each thread of this process has waited on a run queue (runnable, not running):
+    field 2 of ``/proc/self/task/<tid>/schedstat``, in ns; empty where the file is absent."""
+    waits = {}
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            waits[int(stat.parent.name)] = int(stat.read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):  # a thread that just ended
+            continue
+    return waits
+
+
+def run_queue_wait_since(before: dict[int, float]) -> float | None:
+    """Run-queue seconds of the threads alive now since ``before`` (threads that ended in
+    between are not counted); None without ``schedstat``."""
+    now = run_queue_waits()
+    return sum(v - before.get(tid, 0.0) for tid, v in now.items()) if now else None
+
+
 def timed_parse(parser, pages, label: str) -> dict:
-    """Parse ``pages`` (WorkloadPage) in the way ``label`` names; reset and read the stall gauge."""
+    """Parse ``pages`` (WorkloadPage) in the way ``label`` names; reset and read the stall gauge,
+    the process's CPU seconds and its threads' run-queue wait."""
     from mineru_fast.traces import Trace
 
     scheduler = parser.engine.scheduler
-    scheduler.max_decode_wait_s = 0.0
+    scheduler.max_decode_wait_s = scheduler.max_decode_wait_cpu_s = 0.0
+    queued, cpu = run_queue_waits(), time.process_time()
     latencies: list[float] = []
 
     def one(batch) -> None:
@@ -66,6 +92,9 @@ def timed_parse(parser, pages, label: str) -> dict:
         "pages_per_min": 60 * len(pages) / wall,
         "p95_latency_s": percentile(latencies, 0.95),
         "max_decode_wait_s": scheduler.max_decode_wait_s,
+        "max_decode_wait_cpu_s": scheduler.max_decode_wait_cpu_s,
+        "cpu_s": time.process_time() - cpu,
+        "run_queue_wait_s": run_queue_wait_since(queued),
     }
 
 

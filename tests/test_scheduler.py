@@ -188,3 +188,58 @@ def test_repetition_guard_ends_a_looping_sequence_under_the_ngram_ban(tiny_model
     replay = engine.preprocessor.decode(result.token_ids)
     (replayed,) = engine.generate([crop_request(bound=3000, forced_text=replay)])
     assert replayed.finish_reason == "stop"
+
+
+def test_a_decode_step_waits_for_the_budget_or_one_unit_not_both(tiny_model):
+    """On a fake clock where a vision block costs 0.8 s, a prefill forward 0.3 s per crop prompt
+    and the budget is 0.5 s: after a cheap unit, a unit that would overrun the budget waits for the
+    next step, so no decode step waits longer than the budget or the longest single unit (the loop
+    used to start a 0.8 s block 0.3 s into the budget: a 1.1 s wait)."""
+    engine = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+    scheduler = engine.scheduler
+    now = [0.0]
+    scheduler.clock = lambda: now[0]
+    crops = [crop_request(seed=s, bound=8) for s in range(3)]
+    encoded = engine.preprocessor.encode(crops[0])
+    patches = encoded.pixel_values.shape[0]
+    scheduler.admission_budget_s = 0.5
+    scheduler.vision_pack_patches = patches  # one crop per pack
+    block_s, prefill_s_per_token = 0.8 / patches, 0.3 / len(encoded.input_ids)
+    units: list[float] = []
+    vision_steps, prefill_chunks, decode = engine.vision_steps, engine.lm.prefill_chunks, engine.lm.decode
+
+    def timed_vision(pixels, grids):
+        inner, cost, step = vision_steps(pixels, grids), block_s * pixels.shape[0], 0
+        while True:
+            try:
+                next(inner)
+            except StopIteration as stop:  # the merger: free
+                return stop.value
+            if step:  # step 0 is the patch embedding (free), each later one a block
+                now[0] += cost
+                units.append(cost)
+            step += 1
+            yield
+
+    def timed_prefill(chunks):
+        cost = prefill_s_per_token * sum(c[0].shape[0] for c in chunks)
+        now[0] += cost
+        units.append(cost)
+        return prefill_chunks(chunks)
+
+    def timed_decode(tokens, rope, cache):
+        now[0] += 0.01
+        return decode(tokens, rope, cache)
+
+    engine.vision_steps, engine.lm.prefill_chunks, engine.lm.decode = timed_vision, timed_prefill, timed_decode
+    first = scheduler.submit(crop_request(bound=400, forced_text=NUMBERS), start=False)
+    with torch.inference_mode():  # as in the engine loop
+        while not scheduler.live:
+            scheduler.step()
+        scheduler.max_decode_wait_s = 0.0
+        later = [scheduler.submit(r, start=False) for r in crops]
+        run_until_done(scheduler, *later)
+        assert not first.done() and all(h.result().finish_reason == "length" for h in later)
+        assert scheduler.max_decode_wait_s <= max(scheduler.admission_budget_s, *units) + 1e-9
+        first.cancel()
+        run_until_done(scheduler, first)

@@ -5,15 +5,23 @@ submitting thread). The loop, on its own thread, repeats one *step*:
 
 1. take new requests from the inbox; end cancelled requests and those past their deadline;
 2. one decode step for every live sequence (one token each, all slots batched);
-3. admission work until ``admission_budget_s`` has passed (at least one unit): a unit is either one
+3. admission work within ``admission_budget_s`` (at least one unit): a unit is either one
    batched prefill forward (chunks of waiting prompts, at most ``prefill_chunk_tokens`` tokens in
    all, each into its own slot) or one block of the vision encoder over the current pack of images
-   (at most ``vision_pack_patches`` patches). So a decode step never waits for more than the budget
-   plus one unit, however much work arrives (vLLM's chunked prefill, applied to vision too).
+   (at most ``vision_pack_patches`` patches). After the first unit, the next one starts only if
+   its estimated time (the rate measured on the last unit of its kind: seconds per patch of a
+   vision block, per token of a prefill forward) still fits the budget. So a decode step waits
+   for the budget or one unit, whichever is longer, however much work arrives (vLLM's chunked
+   prefill, applied to vision too).
 
 Prefill goes before vision (it puts sequences into the decode batch); vision runs ahead only while
 fewer than ``slots`` sequences wait for a slot. Lower ``priority`` values are admitted first.
 Failures stay local: a unit that raises ends the requests it carried with ``"error"`` results.
+
+``max_decode_wait_s`` is the longest admission wait between two decode steps so far and
+``max_decode_wait_cpu_s`` the loop thread's CPU seconds during that wait: a wait much longer than
+its CPU time was spent off the CPU (other processes on the cores, another thread holding the GIL),
+not on admission work.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -142,6 +150,10 @@ class Scheduler:
         self.prefilling: dict[int, SequenceState] = {}  # slot -> sequence part-way through its prompt
         self.live: dict[int, SequenceState] = {}  # slot -> decoding sequence
         self.max_decode_wait_s = 0.0  # longest admission work between two decode steps so far
+        self.max_decode_wait_cpu_s = 0.0  # the loop thread's CPU seconds during that wait
+        self.clock: Callable[[], float] = time.perf_counter  # budgets and timings (tests step a fake clock)
+        # seconds per patch of the last vision block, per token of the last prefill forward
+        self._rate: dict[str, float] = {}
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
@@ -228,14 +240,21 @@ class Scheduler:
         if self.live:
             self._decode_step()
             worked = True
-        start = time.perf_counter()
+        start, cpu_start = self.clock(), time.thread_time()
         had_live = bool(self.live)
-        while self._admission_unit():
-            worked = True
-            if self.live and time.perf_counter() - start >= self.admission_budget_s:
+        units = 0
+        while (unit := self._next_unit()) is not None:
+            if units and self.live and self.clock() - start + self._estimate(unit) > self.admission_budget_s:
                 break
+            if unit == "vision":
+                self._vision_unit()
+            else:
+                self._prefill_unit()
+            worked, units = True, units + 1
         if had_live:
-            self.max_decode_wait_s = max(self.max_decode_wait_s, time.perf_counter() - start)
+            wait = self.clock() - start
+            if wait > self.max_decode_wait_s:
+                self.max_decode_wait_s, self.max_decode_wait_cpu_s = wait, time.thread_time() - cpu_start
         return worked
 
     def _drain_inbox(self) -> None:
@@ -274,14 +293,36 @@ class Scheduler:
 
     # -- admission: prefill and vision ---------------------------------------------------------
 
-    def _admission_unit(self) -> bool:
+    def _next_unit(self) -> str | None:
+        """``"prefill"``, ``"vision"`` or None: the admission unit due next."""
         if self.prefilling or (self.ready and len(self.live) + len(self.prefilling) < self.slots):
-            self._prefill_unit()
-            return True
+            return "prefill"
         if self.vision_job is not None or (self.waiting and len(self.ready) < self.slots):
-            self._vision_unit()
-            return True
-        return False
+            return "vision"
+        return None
+
+    def _estimate(self, unit: str) -> float:
+        """Seconds the next ``unit`` should take, at the rate of the last unit of its kind (0.0
+        before the first one: it runs)."""
+        rate = self._rate.get(unit, 0.0)
+        if unit == "vision":
+            return rate * self._pack_patches()
+        free = self.slots - len(self.live) - len(self.prefilling)
+        tokens = sum(s.prompt_len - s.prefilled for s in self.prefilling.values())
+        tokens += sum(s.prompt_len for s in self.ready[: max(free, 0)])
+        return rate * min(tokens, self.prefill_chunk_tokens)
+
+    def _pack_patches(self) -> int:
+        """Patches of the current vision pack, or of the one the next vision unit will form."""
+        if self.vision_job is not None:
+            return sum(s.encoded.pixel_values.shape[0] for s in self.vision_pack)
+        patches = 0
+        for seq in self.waiting:
+            n = seq.encoded.pixel_values.shape[0]
+            if patches and patches + n > self.vision_pack_patches:
+                break
+            patches += n
+        return patches
 
     def _vision_unit(self) -> None:
         if self.vision_job is None:
@@ -296,13 +337,19 @@ class Scheduler:
             pixels = torch.cat([s.encoded.pixel_values for s in pack])
             self.vision_pack, self.vision_job_s = pack, 0.0
             self.vision_job = self.runner.vision_steps(pixels, [s.encoded.grid_thw for s in pack])
-        start = time.perf_counter()
+            first = True  # the patch embedding: no block, no rate
+        else:
+            first = False
+        start = self.clock()
         try:
             next(self.vision_job)
-            self.vision_job_s += time.perf_counter() - start
+            elapsed = self.clock() - start
+            self.vision_job_s += elapsed
+            if not first:
+                self._rate["vision"] = elapsed / max(1, self._pack_patches())
             return
         except StopIteration as stop:
-            self.vision_job_s += time.perf_counter() - start
+            self.vision_job_s += self.clock() - start
             embeds: torch.Tensor = stop.value
         except Exception as exc:
             logger.exception("vision encoder failed on a pack of %d images", len(self.vision_pack))
@@ -336,7 +383,7 @@ class Scheduler:
             n = min(budget, seq.prompt_len)
             chunks.append((seq, slot, n))
             budget -= n
-        start = time.perf_counter()
+        start = self.clock()
         try:
             logits = self.runner.lm.prefill_chunks([_chunk(seq, slot, n) for seq, slot, n in chunks])
         except Exception as exc:
@@ -344,8 +391,9 @@ class Scheduler:
             for seq, _, _ in chunks:
                 self._end(seq, "error", f"{type(exc).__name__}: {exc}")
             return
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         total = sum(n for _, _, n in chunks)
+        self._rate["prefill"] = elapsed / max(1, total)
         completed: list[tuple[int, torch.Tensor]] = []  # (slot, logits of its first new token)
         for (seq, slot, n), row in zip(chunks, logits, strict=True):
             seq.prefilled += n
@@ -363,7 +411,7 @@ class Scheduler:
     # -- decode --------------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        start = time.perf_counter()
+        start = self.clock()
         width = max(self.live) + 1
         tokens = torch.zeros(width, dtype=torch.long)
         rope = torch.zeros(width, dtype=torch.long)
@@ -384,7 +432,7 @@ class Scheduler:
                 self._end(seq, "error", f"{type(exc).__name__}: {exc}")
             return
         slots = sorted(self.live)
-        share = (time.perf_counter() - start) / len(slots)
+        share = (self.clock() - start) / len(slots)
         for slot in slots:
             self.live[slot].decode_s += share
         self._choose(slots, logits[slots])
