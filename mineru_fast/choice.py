@@ -149,15 +149,9 @@ def describe(options: ParserOptions, topology: Topology | None = None, environ: 
         "precision": options.precision,
         "bf16": ("native" if cls.native_bf16 else "emulated") if bf16 else None,
         "int8_kernel": kernel.value if kernel else None,
-        "int8_kernel_path": int8_kernel_path(kernel.value, lm_decode_rows(options)) if kernel else None,
+        "int8_kernel_path": int8_kernel_path(kernel.value) if kernel else None,
         "int8_reason": kernel.reason if kernel else None,
     }
-
-
-def lm_decode_rows(options: ParserOptions) -> int:
-    """``Int8DynamicConfig.decode_rows`` of the fast engine's language-model layers: the decode
-    batch (``slots``) where they are dynamic INT8, else 0."""
-    return options.slots if options.engine == "fast" and options.lm_quant == "int8-dynamic" else 0
 
 
 def warn_if_emulated_bf16(options: ParserOptions, topology: Topology | None = None) -> bool:

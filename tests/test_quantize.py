@@ -68,56 +68,6 @@ def test_only_torch_ao_lets_one_token_change_the_others(backend):
     assert same == (backend in PER_TOKEN)
 
 
-@pytest.mark.parametrize("backend", PER_TOKEN)
-def test_decode_rows_run_the_torch_ao_kernel_and_longer_inputs_stay_per_token(backend):
-    """Up to ``decode_rows`` rows the layer returns exactly what the torch_ao layer of the same
-    weights returns; above, exactly what the plain per-token layer returns."""
-    torch.manual_seed(0)
-    linear = nn.Linear(96, 40)
-    made = {}
-    for name, config in (
-        ("split", Int8DynamicConfig(backend, decode_rows=4)),
-        ("per_token", Int8DynamicConfig(backend)),
-        ("torch_ao", Int8DynamicConfig("torch_ao")),
-    ):
-        copy = nn.Linear(96, 40)
-        copy.load_state_dict(linear.state_dict())
-        made[name] = quantize_(nn.Sequential(copy), config)[0]
-    with torch.inference_mode():
-        for rows in (1, 4):
-            x = torch.randn(rows, 96)
-            x[0] *= 50  # a per-tensor scale coarsens the other rows, so the two paths differ here
-            assert torch.equal(made["split"](x), made["torch_ao"](x))
-            assert not torch.equal(made["split"](x), made["per_token"](x)) or rows == 1
-        x = torch.randn(2, 3, 96)  # 6 rows in a 3-D input
-        assert torch.equal(made["split"](x), made["per_token"](x))
-        assert not torch.equal(made["split"](x), made["torch_ao"](x))
-    with pytest.raises(ValueError, match="decode_rows"):
-        Int8DynamicConfig(backend, decode_rows=-1)
-
-
-def test_fast_engine_gives_only_the_language_model_a_decode_path(tiny_model):
-    from mineru_fast import ParserOptions
-    from mineru_fast.engine.factory import build_engine
-    from mineru_fast.engine.quantize import OneDnnInt8Linear
-
-    engine = build_engine(tiny_model, ParserOptions.preset("fast", threads=1, slots=3, int8_kernel="onednn"))
-    try:
-        rows = {
-            part: {
-                m.decode_rows
-                for name, m in getattr(engine, part).named_modules()
-                if isinstance(m, OneDnnInt8Linear) and name != "lm_head"
-            }
-            for part in ("vision", "lm")
-        }
-        assert rows == {"vision": {0}, "lm": {3}}
-        assert engine.lm.lm_head.decode_rows == 0
-        assert "<= 3 rows (decode): torch_ao" in engine.numerics["int8_kernel_path"]
-    finally:
-        engine.close()
-
-
 def test_backend_names():
     assert resolve_int8_backend("auto") == "onednn"  # oneDNN's quantized linear ops ship in torch 2.13 CPU
     assert resolve_int8_backend("torch_ao") == "torch_ao"

@@ -30,7 +30,7 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
     Raises:
         ModelLoadError: the checkpoint cannot be loaded.
     """
-    from ..choice import describe, lm_decode_rows, warn_if_emulated_bf16
+    from ..choice import describe, warn_if_emulated_bf16
 
     set_torch_threads(options.threads)
     warn_if_emulated_bf16(options)
@@ -44,8 +44,7 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
     from .backends import apply_ipex, choose_backend
     from .generate import FastEngine
 
-    int8 = Int8DynamicConfig(numerics["int8_kernel"] or "auto")
-    configs = {**QUANT_CONFIGS, "int8-dynamic": int8}
+    configs = {**QUANT_CONFIGS, "int8-dynamic": Int8DynamicConfig(numerics["int8_kernel"] or "auto")}
     choice = choose_backend(options.backend)
     int8_parts = {part: getattr(options, f"{part}_quant") == "int8-dynamic" for part in ("vision", "lm", "lm_head")}
     ipex_int8 = choice.backend == "ipex" and choice.int8 == "ipex"
@@ -55,11 +54,7 @@ def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
         )
 
     def quant(part: str) -> object | None:  # IPEX's INT8 starts from the float layer
-        if ipex_int8 and int8_parts[part]:
-            return None
-        if part == "lm" and int8_parts[part]:  # decode rows take the kernel that is fast at few rows
-            return Int8DynamicConfig(int8.backend, decode_rows=lm_decode_rows(options))
-        return configs[getattr(options, f"{part}_quant")]
+        return None if ipex_int8 and int8_parts[part] else configs[getattr(options, f"{part}_quant")]
 
     engine = FastEngine(
         model_dir,

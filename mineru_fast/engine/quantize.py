@@ -27,14 +27,6 @@ quantized form through a handler registered for the config's type:
   So the integer products are exact on every ISA (tested under simulated classes), and the
   activation granularity is what differs: per token for ``onednn`` / ``int_mm``, per tensor for
   ``torch_ao`` (whose one scale follows the largest value anywhere in the batch).
-  ``decode_rows`` (the language model's layers, set by the engine factory to the decode batch
-  size): an input of at most that many rows (one token per sequence while decoding) goes through
-  the ``torch_ao`` kernel instead, from a second int8 copy of the weight. oneDNN's per-call cost
-  dominates at a few rows (measured on the full-size model: decode 30.8 s per page against 23.3 s
-  with ``torch_ao``, while the vision encoder and prefill were as fast or faster per token), so
-  the per-token kernel keeps the long inputs where one scale would span hundreds of tokens. At
-  one row a per-tensor scale is a per-token scale (7-bit asymmetric instead of 8-bit symmetric);
-  across a decode batch it follows the largest row.
   ``"auto"`` is the per-token ``onednn`` kernel, ``int_mm`` where PyTorch lacks oneDNN's
   quantized linear ops, ``torch_ao`` where both are missing. Which one is fastest on a CPU class
   is measured, not assumed (``mineru_fast.choice``). ``torch_ao`` is the deprecated
@@ -89,13 +81,10 @@ class Int8DynamicConfig:
     """Dynamic INT8 linears; ``backend`` picks the kernel (see the module docstring's table)."""
 
     backend: Literal["auto", "onednn", "int_mm", "torch_ao"] = "auto"
-    decode_rows: int = 0  # per-token kernels: inputs of at most this many rows run torch_ao (0: none)
 
     def __post_init__(self) -> None:
         if self.backend not in INT8_BACKENDS:
             raise ValueError(f"backend must be one of {INT8_BACKENDS}, got {self.backend!r}")
-        if self.decode_rows < 0:
-            raise ValueError(f"decode_rows must be >= 0, got {self.decode_rows}")
 
 
 @dataclass(frozen=True)
@@ -180,14 +169,13 @@ def _scratch_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> to
 
 
 class _PerTokenInt8Linear(nn.Module):
-    """Shared by the per-token kernels: int8 weights, one float32 scale per output channel, and
-    with ``decode_rows`` a ``torch_ao`` copy for inputs of at most that many rows."""
+    """Shared by the per-token kernels: int8 weights, one float32 scale per output channel."""
 
     backend = ""
     weight_scale: torch.Tensor  # buffers: [out] float32, [out] float32 or None
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, decode_rows: int = 0) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight_max = int8_weight_max(self.backend)
         q, scale = _per_channel_int8(linear.weight, self.weight_max)
@@ -195,25 +183,12 @@ class _PerTokenInt8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._pack(q)
-        self.decode_rows = decode_rows
-        self.decode_kernel = _TorchAoDynamicLinear(linear) if decode_rows else None
 
     def _pack(self, q: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _per_token(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_kernel is not None and x.numel() <= self.decode_rows * self.in_features:
-            return self.decode_kernel(x)
-        return self._per_token(x)
-
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, weights=+-{self.weight_max}, "
-            f"decode_rows={self.decode_rows}"
-        )
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=+-{self.weight_max}"
 
     @staticmethod
     def _token_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +221,7 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
     def _pack(self, q: torch.Tensor) -> None:
         self.weight_packed = torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN blocked layout: no buffer
 
-    def _per_token(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1]).float()
         x_scale, inv = self._token_scales(x2)
@@ -271,7 +246,7 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
     def _pack(self, q: torch.Tensor) -> None:
         self.register_buffer("weight_t", q.t().contiguous())  # [in, out] for _int_mm
 
-    def _per_token(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1]).float()
         x_scale, inv = self._token_scales(x2)
@@ -375,10 +350,9 @@ def resolve_int8_backend(backend: str = "auto") -> str:
     return "int_mm" if hasattr(torch, "_int_mm") else "torch_ao"
 
 
-def int8_kernel_path(backend: str, decode_rows: int = 0) -> str:
+def int8_kernel_path(backend: str) -> str:
     """One line saying what ``backend``'s kernel does here (weights, activations, kernel), with the
-    weight range the probe found (``int8_weight_max``) for the per-token kernels and, with
-    ``decode_rows`` (``Int8DynamicConfig.decode_rows`` of the language model), their decode path.
+    weight range the probe found (``int8_weight_max``) for the per-token kernels.
 
     Raises:
         ValueError: unknown backend.
@@ -391,18 +365,14 @@ def int8_kernel_path(backend: str, decode_rows: int = 0) -> str:
         )
     kernel = "oneDNN u8s8s32" if backend == "onednn" else "torch._int_mm s8s8s32"
     bits = 8 if int8_weight_max(backend) == 127 else 7
-    path = f"{backend}: int8 weights per channel ({bits}-bit); int8 activations per token; {kernel}"
-    if decode_rows and torch_ao_available():
-        path += f"; language-model inputs of <= {decode_rows} rows (decode): torch_ao, per tensor"
-    return path
+    return f"{backend}: int8 weights per channel ({bits}-bit); int8 activations per token; {kernel}"
 
 
 def _int8_dynamic(linear: nn.Linear, config: Int8DynamicConfig) -> nn.Module:
     backend = resolve_int8_backend(config.backend)
     if backend == "torch_ao":
         return _TorchAoDynamicLinear(linear)
-    decode_rows = config.decode_rows if torch_ao_available() else 0
-    return (OneDnnInt8Linear if backend == "onednn" else IntMmInt8Linear)(linear, decode_rows)
+    return OneDnnInt8Linear(linear) if backend == "onednn" else IntMmInt8Linear(linear)
 
 
 _HANDLERS: dict[type, Callable[[nn.Linear, object], nn.Module]] = {
