@@ -127,7 +127,7 @@ def test_fidelity_runs_once_per_distinct_numerics(monkeypatch):
 def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
 
-    assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, only=["continuous"], profile=tiny_profile) == 0
+    assert main(str(tiny_model), True, 1, None, 1, tmp_path, plot=False, only=["continuous"], profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["label"] for r in results["rows"]] == ["+ continuous batching"]
     assert "concurrency" not in results and "roofline" not in results

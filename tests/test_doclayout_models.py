@@ -84,7 +84,7 @@ def test_onnx_graph_has_the_published_signature(tiny_doclayout):
 
 @needs_onnx
 def test_onnx_and_transformers_detect_the_same_regions(tiny_doclayout, pages):
-    onnx = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=2)
+    onnx = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1)
     torch_ = LayoutDetector.from_pretrained(tiny_doclayout, backend="torch")
     assert onnx.weights.backend == "onnx" and onnx.rules == "onnx"
     for a, b in zip(onnx.detect(pages), torch_.detect(pages), strict=True):
@@ -94,15 +94,15 @@ def test_onnx_and_transformers_detect_the_same_regions(tiny_doclayout, pages):
 
 @needs_onnx
 def test_batching_does_not_change_detections(tiny_doclayout, pages):
-    one = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=2, batch_size=1)
-    window = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=2, batch_size=2)
+    one = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1, batch_size=1)
+    window = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1, batch_size=2)
     for a, b in zip(one.detect(pages), window.detect(pages), strict=True):
         assert_same_detections(a, b)
 
 
 @needs_onnx
 def test_replay_runs_the_model_and_post_processes_the_trace(tiny_doclayout, pages):
-    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=2, batch_size=2)
+    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1, batch_size=2)
     seen = []
     run = detector.runner.run
 
@@ -129,7 +129,7 @@ def test_replay_runs_the_model_and_post_processes_the_trace(tiny_doclayout, page
 
 @needs_onnx
 def test_a_recorded_trace_replays_the_recorded_layout(tiny_doclayout, pages, tmp_path):
-    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=2)
+    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1)
     real = detector.detect(pages)
     LayoutTrace.from_layouts(real).save(tmp_path / "trace.json")
     from mineru_fast.doclayout import load_layout_trace
