@@ -7,9 +7,13 @@
 - inter-op threads: 1. The engine issues no parallel ops of its own (no ``torch.jit.fork``), so a
   larger inter-op pool only adds idle threads.
 - OpenMP variables, set in the environment before torch loads its OpenMP runtime (which reads them
-  once, at load): ``OMP_NUM_THREADS``, and with ``bind``: ``OMP_PROC_BIND=close`` +
+  once, at load): ``OMP_NUM_THREADS``, and with ``bind`` when the threads fill every physical core
+  of the affinity mask (one per core): ``OMP_PROC_BIND=close`` +
   ``OMP_PLACES=cores`` for GNU OpenMP (torch's own), ``KMP_AFFINITY`` + ``KMP_BLOCKTIME=1`` when
-  Intel OpenMP is loaded (``LD_PRELOAD``-ed ``libiomp5``).
+  Intel OpenMP is loaded (``LD_PRELOAD``-ed ``libiomp5``). Fewer threads than that (``--threads 1``
+  on a larger mask, or a CPU quota below the mask) are not bound: binding places them on the
+  mask's first cores, so two such processes would share those cores while the others idle.
+  ``launch`` narrows each process's mask to its own cores first, so its workers are bound.
 
 A variable the user set is never changed; the plan records it as kept, and the log says so.
 """
@@ -88,9 +92,10 @@ def plan_threads(
         threads: explicit intra-op threads (e.g. ``--threads``); wins over everything.
         environ: the process environment, read for user-set variables (never modified here).
         openmp: ``"gnu"`` or ``"intel"``; detected when None.
-        bind: also place OpenMP threads one per core. Leave it off in a process that starts
-            other processes after running torch: binding pins the main thread, and children
-            inherit its affinity.
+        bind: also place OpenMP threads one per core, where they fill every allowed physical
+            core (see the module docstring). Leave it off in a process that starts other
+            processes after running torch: binding pins the main thread, and children inherit
+            its affinity.
 
     Raises:
         ValueError: ``threads`` below 1 or an unknown ``openmp``.
@@ -102,7 +107,7 @@ def plan_threads(
         raise ValueError(f"openmp must be 'gnu' or 'intel', got {openmp!r}")
     intra = threads or _user_threads(environ) or topology.usable_cores
     wanted = {"OMP_NUM_THREADS": str(intra)}
-    if bind:
+    if bind and intra == len(topology.allowed_cores()):
         wanted.update(INTEL_BINDING if openmp == "intel" else GNU_BINDING)
     return ThreadPlan(
         intra_op=intra,

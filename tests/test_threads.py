@@ -32,11 +32,26 @@ def test_intel_openmp_gets_kmp_variables(two_sockets):
 
 
 def test_user_values_are_kept_and_reported(two_sockets):
-    environ = {"OMP_NUM_THREADS": "3", "OMP_PROC_BIND": "spread"}
+    environ = {"OMP_NUM_THREADS": "8", "OMP_PROC_BIND": "spread"}
     plan = plan_threads(two_sockets, environ=environ, openmp="gnu")
-    assert plan.intra_op == 3
+    assert plan.intra_op == 8
     assert plan.env == {"OMP_PLACES": "cores"} and plan.kept == environ
-    assert "kept user-set OMP_NUM_THREADS=3 OMP_PROC_BIND=spread" in plan.describe()
+    assert "kept user-set OMP_NUM_THREADS=8 OMP_PROC_BIND=spread" in plan.describe()
+
+
+@pytest.mark.parametrize("threads", [1, 7])
+def test_fewer_threads_than_allowed_cores_are_not_bound(two_sockets, threads):
+    """Bound, 1 thread of each of two processes would sit on the mask's first core, both."""
+    plan = plan_threads(two_sockets, threads=threads, environ={}, openmp="gnu")
+    assert plan.env == {"OMP_NUM_THREADS": str(threads)}
+
+
+def test_a_cpu_quota_below_the_mask_is_not_bound(tmp_path):
+    sysfs, proc = build_machine(tmp_path, 1, 8, smt=2, cgroup="0::/\n", cgroup_files={"cpu.max": "300000 100000"})
+    plan = plan_threads(read_topology(sysfs, proc, affinity=set(range(16))), environ={}, openmp="gnu")
+    assert plan.env == {"OMP_NUM_THREADS": "3"}
+    narrowed = read_topology(sysfs, proc, affinity={0, 1, 2})  # launch's per-worker mask: bound
+    assert plan_threads(narrowed, environ={}, openmp="gnu").env["OMP_PROC_BIND"] == "close"
 
 
 def test_explicit_threads_win_but_do_not_rewrite_the_user_variable(two_sockets):
