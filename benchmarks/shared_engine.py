@@ -12,10 +12,10 @@ With one loaded fast-preset parser (replayed workload pages, so every run decode
    ``/proc/self/task/*/schedstat``: seconds runnable but not running because other processes
    held the cores). A mode with a run-queue wait of more than a few percent of its wall time, or
    a longest wait far above its CPU time, ran on a busy machine: its wall figures do not compare.
-2. ``chat``: crop requests of the median page through ``POST /v1/chat/completions`` of a real
-   server on loopback (the same parser behind it), sent one at a time and all at once;
-   requests/s and P95. Each request asks for exactly its block's token count
-   (``min_tokens = max_tokens``), so both runs decode the same number of tokens.
+2. ``chat``: crop requests of the workload pages (in page order, the first ``--chat`` of them)
+   through ``POST /v1/chat/completions`` of a real server on loopback (the same parser behind
+   it), sent one at a time and all at once; requests/s and P95. Each request asks for exactly
+   its block's token count (``min_tokens = max_tokens``), so both runs decode the same tokens.
 3. ``decode``: decode steps per second and tokens per second at batch 1, 4 and 16.
 
 Prints a Markdown summary and writes every figure as JSON.
@@ -98,29 +98,33 @@ def timed_parse(parser, pages, label: str) -> dict:
     }
 
 
-def crop_requests(page, limit: int) -> list[dict]:
-    """Chat bodies for the blocks of the page that MinerU reads (PNG crop, task prompt), with the
-    block's replayed text under ``_text`` (its token count becomes the request's exact length)."""
+def crop_requests(pages, limit: int) -> list[dict]:
+    """Chat bodies for the blocks MinerU reads (PNG crop, task prompt), taken from ``pages`` in
+    order until ``limit``, with the block's replayed text under ``_text`` (its token count becomes
+    the request's exact length)."""
     from mineru_fast.page_protocol import plan_content, read_layout
     from mineru_fast.protocol import SYSTEM_PROMPT
 
-    layout = read_layout(page.trace.layout)
     bodies = []
-    for request in plan_content(page.image, layout, image_analysis=False):
-        content = page.trace.content_for(layout.blocks[request.block_index])
-        if content is None:
-            continue
-        buf = io.BytesIO()
-        request.image.save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        user = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": request.prompt}]
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-        body = {"model": "m", "messages": messages, "temperature": 0.0, "top_k": 1, "skip_special_tokens": False}
-        bodies.append({"_text": content, **body})
-    return bodies[:limit]
+    for page in pages:
+        layout = read_layout(page.trace.layout)
+        for request in plan_content(page.image, layout, image_analysis=False):
+            content = page.trace.content_for(layout.blocks[request.block_index])
+            if content is None:
+                continue
+            buf = io.BytesIO()
+            request.image.save(buf, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            user = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": request.prompt}]
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+            body = {"model": "m", "messages": messages, "temperature": 0.0, "top_k": 1, "skip_special_tokens": False}
+            bodies.append({"_text": content, **body})
+            if len(bodies) == limit:
+                return bodies
+    return bodies
 
 
-def chat_runs(parser, model: str, page, count: int) -> list[dict]:
+def chat_runs(parser, model: str, pages, count: int) -> list[dict]:
     """The chat endpoint of a real server on loopback, sequential and concurrent."""
     import httpx
     import uvicorn
@@ -128,7 +132,7 @@ def chat_runs(parser, model: str, page, count: int) -> list[dict]:
     from mineru_fast.serve import ServeConfig, create_app
 
     tokenizer = parser.engine.preprocessor.tokenizer
-    bodies = crop_requests(page, count)
+    bodies = crop_requests(pages, count)
     for body in bodies:
         n = len(tokenizer.encode(body.pop("_text"), add_special_tokens=False)) + 1
         body["max_tokens"] = body["min_tokens"] = n
@@ -226,7 +230,7 @@ def main() -> int:
             args.output.write_text(json.dumps(results, indent=1))  # kept if a later section fails
     if "chat" in only:
         print("[shared-engine] chat ...", file=sys.stderr, flush=True)
-        results["chat"] = chat_runs(parser, args.model, pages[0], args.chat)
+        results["chat"] = chat_runs(parser, args.model, pages, args.chat)
         args.output.write_text(json.dumps(results, indent=1))
     if "decode" in only:
         print("[shared-engine] decode ...", file=sys.stderr, flush=True)
