@@ -3,10 +3,10 @@
 One ``MemoryJobStore`` runs as a Serve deployment-scoped actor (``job_store_actor``): Serve's
 controller starts it before the replicas, recreates it if it fails its health checks, and deletes
 it with the application. A Ray actor runs one call at a time, so each store operation (a claim of
-a lost replica's job above all) is atomic across replicas. Each replica reaches it through
-``RayJobStore``, the ``JobStore`` interface over actor calls. The records live in that actor's
-memory: if the actor is lost (its node goes), the jobs it held are lost with it and their ids
-answer ``404`` (clients submit again).
+a lost replica's job, or the check of an idempotency key as it adds a job, above all) is atomic
+across replicas. Each replica reaches it through ``RayJobStore``, the ``JobStore`` interface over
+actor calls. The records live in that actor's memory: if the actor is lost (its node goes), the
+jobs it held are lost with it and their ids answer ``404`` (clients submit again).
 """
 
 from __future__ import annotations
@@ -86,9 +86,15 @@ class RayJobStore:
             503, "job_store_unavailable", "the job store cannot be reached; retry shortly", {"Retry-After": "5"}
         ) from problem
 
-    def add(self, record: JobRecord) -> None:
-        """See ``JobStore.add``."""
-        self._call("add", record)
+    def add(self, record: JobRecord) -> JobRecord | None:
+        """See ``JobStore.add`` (one actor call: atomic across replicas)."""
+        stored: JobRecord | None = self._call("add", record)
+        return stored
+
+    def find(self, owner: str | None, idempotency_key: str) -> JobRecord | None:
+        """See ``JobStore.find``."""
+        found: JobRecord | None = self._call("find", owner, idempotency_key)
+        return found
 
     def update(
         self,

@@ -13,7 +13,9 @@ change a replica makes names the claim it holds (``claims``), so a replica that 
 another cannot change it any more, and a job ends once, with one result. After ``max_claims``
 take-overs a job whose replica is lost again ends ``failed`` with the code ``replica_lost``.
 A finished job is kept ``result_ttl`` seconds, then deleted; only the API key that submitted a job
-may read it.
+may read it. A job submitted with an idempotency key (the ``Idempotency-Key`` header) is the only
+one of its owner with that key until it is deleted: ``add`` hands back the stored job instead of
+storing a second one, in the same atomic step, so two replicas given one key make one job.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class JobRecord:
         error: the ``JobError`` once ``failed`` or ``cancelled``.
         collected: its outcome has been handed to a client.
         created_at / started_at / finished_at: Unix times (seconds).
+        idempotency_key: the client's ``Idempotency-Key`` (None without one); unique among the
+            stored jobs of one ``owner``.
+        fingerprint: digest of what the submission asked for (``ParseRequest.fingerprint``), to
+            tell a repeat of it from another request under the same key; None without a key.
     """
 
     id: str
@@ -98,6 +104,8 @@ class JobRecord:
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
+    idempotency_key: str | None = None
+    fingerprint: str | None = None
 
     def describe(self, queue_position: int | None = None) -> dict:
         """The job's status as JSON-ready data (no result).
@@ -128,8 +136,14 @@ class JobRecord:
 class JobStore(Protocol):
     """The operations the service's ``JobManager`` needs of a job store (see the module's text)."""
 
-    def add(self, record: JobRecord) -> None:
-        """Store a new queued job held by ``record.replica`` (a sign of life of that replica)."""
+    def add(self, record: JobRecord) -> JobRecord | None:
+        """Store a new queued job held by ``record.replica`` (a sign of life of that replica) and
+        return None; when a stored job of ``record.owner`` has ``record.idempotency_key`` already,
+        store nothing and return that job's record (as ``get`` does)."""
+
+    def find(self, owner: str | None, idempotency_key: str) -> JobRecord | None:
+        """The stored job of ``owner`` submitted with ``idempotency_key`` (as ``get`` returns
+        it); None when there is none (never was, or expired)."""
 
     def update(
         self,
@@ -186,9 +200,10 @@ class MemoryJobStore:
         self._records: dict[str, JobRecord] = {}  # in submission order
         self._finished: dict[str, float] = {}  # job id -> clock() when it ended
         self._seen: dict[str, float] = {}  # replica id -> clock() of its last sign of life
+        self._keys: dict[tuple[str | None, str], str] = {}  # (owner, idempotency key) -> job id
         self._lock = threading.Lock()
 
-    def add(self, record: JobRecord) -> None:
+    def add(self, record: JobRecord) -> JobRecord | None:
         """See ``JobStore.add``.
 
         Raises:
@@ -197,8 +212,20 @@ class MemoryJobStore:
         with self._lock:
             if record.id in self._records:
                 raise ValueError(f"job {record.id} is stored already")
+            if record.idempotency_key is not None:
+                scope = (record.owner, record.idempotency_key)
+                if scope in self._keys:
+                    return _view(self._records[self._keys[scope]])
+                self._keys[scope] = record.id
             self._records[record.id] = record
             self._seen[record.replica] = self.clock()
+            return None
+
+    def find(self, owner: str | None, idempotency_key: str) -> JobRecord | None:
+        """See ``JobStore.find``."""
+        with self._lock:
+            job_id = self._keys.get((owner, idempotency_key))
+            return None if job_id is None else _view(self._records[job_id])
 
     def update(
         self,
@@ -238,7 +265,7 @@ class MemoryJobStore:
             record = self._records.get(job_id)
             if record is None or record.owner != owner:
                 return None
-            return replace(record, payload=None, result=record.result if with_result else None)
+            return _view(record, with_result)
 
     def collect(self, job_id: str) -> None:
         """See ``JobStore.collect``."""
@@ -283,9 +310,17 @@ class MemoryJobStore:
             now = self.clock()
             expired = [job_id for job_id, ended in self._finished.items() if now - ended >= self.result_ttl]
             for job_id in expired:
-                del self._records[job_id], self._finished[job_id]
+                record = self._records.pop(job_id)
+                del self._finished[job_id]
+                if record.idempotency_key is not None:
+                    del self._keys[(record.owner, record.idempotency_key)]
             holding = {record.replica for record in self._records.values() if record.status not in FINISHED}
             for replica, seen in list(self._seen.items()):
                 if now - seen > self.lost_after and replica not in holding:
                     del self._seen[replica]
             return len(expired)
+
+
+def _view(record: JobRecord, with_result: bool = False) -> JobRecord:
+    """A copy of a stored record as lookups return it: no payload, the result only if asked for."""
+    return replace(record, payload=None, result=record.result if with_result else None)
