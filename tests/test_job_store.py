@@ -1,13 +1,15 @@
 """The job store (``mineru_fast.serve.store``) and two job managers sharing one, as Ray Serve
 replicas do, without Ray: take-over of a lost replica's jobs, bounded re-claims, expiry, key
-isolation. A fake clock drives heartbeats and expiry; no test waits on the wall clock."""
+isolation, idempotency keys. A fake clock drives heartbeats and expiry; no test waits on the wall
+clock."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
-from mineru_fast.serve.jobs import Job, JobManager
+from mineru_fast.serve.jobs import AlreadySubmitted, Job, JobManager
 from mineru_fast.serve.store import JobError, JobRecord, MemoryJobStore
 
 
@@ -23,6 +25,10 @@ class Clock:
 
 def record(job_id: str, replica: str = "a", owner: str | None = "alpha", cost: int = 0) -> JobRecord:
     return JobRecord(id=job_id, owner=owner, replica=replica, payload=f"bytes of {job_id}", cost=cost)
+
+
+def keyed(job_id: str, key: str, owner: str | None = "alpha", fingerprint: str = "f1") -> JobRecord:
+    return replace(record(job_id, owner=owner), idempotency_key=key, fingerprint=fingerprint)
 
 
 def wait_for(condition, timeout: float) -> bool:
@@ -190,3 +196,83 @@ def test_a_draining_manager_claims_nothing():
         assert manager.maintain() == [] and store.get("orphan", "alpha").replica == "gone"
     finally:
         manager.shutdown(5)
+
+
+def test_an_idempotency_key_names_one_job_per_owner_until_the_job_expires():
+    clock = Clock()
+    store = MemoryJobStore(result_ttl=60, clock=clock)
+    assert store.add(keyed("j1", "k")) is None and store.find("alpha", "k").id == "j1"
+    repeat = store.add(keyed("j2", "k", fingerprint="f2"))  # the store does not judge fingerprints
+    assert (repeat.id, repeat.fingerprint, repeat.payload, repeat.status) == ("j1", "f1", None, "queued")
+    assert store.get("j2", "alpha") is None  # nothing was stored for the repeat
+    assert store.add(keyed("j3", "k", owner="beta")) is None and store.add(keyed("j4", "k", owner=None)) is None
+    assert [store.find(owner, "k").id for owner in ("alpha", "beta", None)] == ["j1", "j3", "j4"]
+    assert store.find("alpha", "K") is None and store.find("gamma", "k") is None
+    assert store.add(record("j5")) is None and store.add(record("j6")) is None  # no key: no check
+    assert store.update("j1", 0, status="done", result={"markdown": "# one"})
+    clock.now = 59.9
+    assert store.expire() == 0 and store.add(keyed("j7", "k")).id == "j1"  # done, not expired: still j1
+    assert store.find("alpha", "k").result is None  # a lookup never ships the result
+    clock.now = 60.0
+    assert store.expire() == 1 and store.find("alpha", "k") is None  # the key went with its job
+    assert store.add(keyed("j7", "k")) is None and store.find("alpha", "k").id == "j7"
+
+
+def test_concurrent_adds_with_one_key_store_one_job():
+    store = MemoryJobStore(result_ttl=60)
+    threads, start = 16, threading.Barrier(16)
+    answers: dict[int, JobRecord | None] = {}
+
+    def add(index: int) -> None:
+        start.wait()
+        answers[index] = store.add(keyed(f"j{index}", "k"))
+
+    workers = [threading.Thread(target=add, args=(index,)) for index in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(10)
+    created = [index for index, answer in answers.items() if answer is None]
+    assert len(answers) == threads and len(created) == 1
+    winner = f"j{created[0]}"
+    assert {answer.id for answer in answers.values() if answer is not None} == {winner}
+    assert [index for index in range(threads) if store.get(f"j{index}", "alpha") is not None] == created
+
+
+def test_two_replicas_given_one_key_queue_and_run_one_job():
+    store = MemoryJobStore(result_ttl=60)
+    ran: list[str] = []
+
+    def runner(job: Job) -> dict:
+        ran.append(job.id)
+        return {"payload": job.payload}
+
+    managers = [JobManager([runner], max_queued=4, store=store, replica=name, heartbeat=3600) for name in "ab"]
+    start = threading.Barrier(2)
+    outcomes: list[tuple[str, str]] = []
+
+    def submit(manager: JobManager) -> None:
+        job = Job("the upload", owner="alpha", idempotency_key="k", fingerprint="f")
+        start.wait()
+        try:
+            outcomes.append(("queued", manager.submit(job).id))
+        except AlreadySubmitted as exc:
+            outcomes.append(("repeat", exc.record.id))
+
+    for manager in managers:
+        manager.start()
+    try:
+        submitters = [threading.Thread(target=submit, args=(manager,)) for manager in managers]
+        for submitter in submitters:
+            submitter.start()
+        for submitter in submitters:
+            submitter.join(10)
+        assert sorted(kind for kind, _ in outcomes) == ["queued", "repeat"]
+        assert len({job_id for _, job_id in outcomes}) == 1
+        job_id = outcomes[0][1]
+        assert wait_for(lambda: store.get(job_id, "alpha").status == "done", 5)
+        assert ran == [job_id] and store.get(job_id, "alpha", with_result=True).result == {"payload": "the upload"}
+        assert managers[0].queue_length == managers[1].queue_length == 0
+    finally:
+        for manager in managers:
+            manager.shutdown(5)

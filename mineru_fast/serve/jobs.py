@@ -7,12 +7,14 @@ documents share its engine batch), so documents are parsed off the event loop an
 ``QueueFull``, one whose cost would take the jobs admitted (queued and running) over ``max_cost``
 raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Jobs submitted with
 ``retain=True`` (``POST /v1/jobs``) are recorded in a ``JobStore`` (``store``), where they can be
-looked up by id until ``result_ttl`` after they finished; jobs submitted with ``retain=False``
-(synchronous calls) are never stored. A maintenance thread heartbeats to the store, takes over the
-jobs of lost replicas (a shared store, see ``store``) and deletes expired jobs. ``stop_accepting``
-and ``wait_drained`` make a graceful drain (no new jobs; wait until the jobs unfinished at that
-moment have finished and their outcomes have been collected); ``shutdown`` stops the workers,
-letting queued and running jobs finish within a time limit and cancelling what is left.
+looked up by id until ``result_ttl`` after they finished (one whose idempotency key the store
+holds already for its owner is not queued: ``AlreadySubmitted``); jobs submitted with
+``retain=False`` (synchronous calls) are never stored. A maintenance thread heartbeats to the
+store, takes over the jobs of lost replicas (a shared store, see ``store``) and deletes expired
+jobs. ``stop_accepting`` and ``wait_drained`` make a graceful drain (no new jobs; wait until the
+jobs unfinished at that moment have finished and their outcomes have been collected); ``shutdown``
+stops the workers, letting queued and running jobs finish within a time limit and cancelling what
+is left.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .store import FINISHED, HEARTBEAT_INTERVAL, JobError, JobRecord, JobStatus,
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown"]
+__all__ = ["Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown", "AlreadySubmitted"]
 
 
 class QueueFull(Exception):
@@ -55,6 +57,18 @@ class ShuttingDown(Exception):
     """The manager no longer accepts jobs (graceful shutdown under way)."""
 
 
+class AlreadySubmitted(Exception):
+    """The store holds a job of the same owner with the same idempotency key (nothing was queued).
+
+    Attributes:
+        record: that job's record, as ``JobStore.get`` returns it.
+    """
+
+    def __init__(self, record: JobRecord) -> None:
+        super().__init__(f"job {record.id} holds this idempotency key")
+        self.record = record
+
+
 @dataclass(eq=False)
 class Job:
     """One parse job as its replica runs it.
@@ -69,6 +83,8 @@ class Job:
         retain: record the job in the store, findable by id until ``result_ttl`` after it
             finished; False for a job whose submitter waits for it (its result goes out once).
         claims: the store's claim number this run holds (0 unless taken over from a lost replica).
+        idempotency_key / fingerprint: the client's ``Idempotency-Key`` and the digest of its
+            request (``JobRecord``), for a retained job; None otherwise.
         result: the runner's JSON-ready result once ``done``.
         error: the ``ApiError`` once ``failed`` or ``cancelled``.
         on_progress: called with the job after each ``report_progress`` (set by the manager).
@@ -81,6 +97,8 @@ class Job:
     cost: int = 0
     retain: bool = True
     claims: int = 0
+    idempotency_key: str | None = None
+    fingerprint: str | None = None
     id: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     status: JobStatus = "queued"
     pages_done: int = 0
@@ -136,6 +154,8 @@ class Job:
             status=self.status,
             claims=self.claims,
             created_at=self.created_at,
+            idempotency_key=self.idempotency_key,
+            fingerprint=self.fingerprint,
         )
 
 
@@ -286,6 +306,8 @@ class JobManager:
             ShuttingDown: the manager is not accepting jobs.
             QueueFull: ``max_queued`` jobs are already waiting.
             OverBudget: the job's cost does not fit in what ``max_cost`` leaves now.
+            AlreadySubmitted: the store holds a job of ``job.owner`` with ``job.idempotency_key``
+                (stored by another request since the caller looked, e.g. on another replica).
             ApiError: the store could not be reached (``503``).
         """
         with self._cond:
@@ -295,8 +317,8 @@ class JobManager:
                 raise QueueFull(self._retry_after_locked())
             if self.max_cost is not None and self._cost + job.cost > self.max_cost:
                 raise OverBudget(self._retry_after_locked())
-            if job.retain:
-                self.store.add(job.to_record(self.replica))
+            if job.retain and (stored := self.store.add(job.to_record(self.replica))) is not None:
+                raise AlreadySubmitted(stored)
             self._enqueue_locked(job)
         return job
 
