@@ -5,7 +5,9 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
 - ``POST /v1/document/parse``: multipart ``file`` (PDF or image) plus optional ``pages``,
   ``password``, ``formats`` (``markdown,content_list,json,layout``) and, when the server allows
   it, ``replay`` (a trace JSON file); waits for the parse and returns the result.
-- ``POST /v1/jobs``: the same fields; returns ``202`` with ``job_id`` at once.
+- ``POST /v1/jobs``: the same fields; returns ``202`` with ``job_id`` at once. With an
+  ``Idempotency-Key`` header, a repeat of the request by the same API key returns the job the
+  first one made (header ``Idempotent-Replayed: true``) instead of queueing another.
 - ``GET /v1/jobs/{job_id}``: status and per-page progress; ``GET /v1/jobs/{job_id}/result``.
 - ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page).
 
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Header, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -38,7 +41,7 @@ from .config import ServeConfig
 from .context import RequestContextMiddleware
 from .errors import ApiError, error_body, from_exception
 from .hosts import HostCheckMiddleware
-from .jobs import Job, OverBudget, QueueFull, ShuttingDown
+from .jobs import AlreadySubmitted, Job, OverBudget, QueueFull, ShuttingDown
 from .metrics import CONTENT_TYPE_LATEST
 from .parsing import ParseRequest, inspect_document, parse_formats, trace_from_json
 from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
@@ -64,6 +67,13 @@ PagesField = Annotated[str | None, Form(description="1-based page range, e.g. '1
 PasswordField = Annotated[str | None, Form(description="user password of an encrypted PDF")]
 FormatsField = Annotated[str | None, Form(description="comma-separated: markdown, content_list, json, layout")]
 ReplayField = Annotated[UploadFile | None, File(description="replay trace JSON (servers started with --allow-replay)")]
+IdempotencyKeyHeader = Annotated[
+    str | None,
+    Header(description="1-255 printable ASCII characters; a repeat with the same key returns the job it made"),
+]
+# The field's convention (IETF draft "The Idempotency-Key HTTP Header Field"; Stripe's API): an
+# opaque client-chosen string, typically a UUID. The bound is this service's.
+_IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
 
 
 def _request_id(request: Request) -> str | None:
@@ -202,16 +212,24 @@ async def _read_request(
     )
 
 
-async def _check_and_submit(service: Service, request: Request, parse_request: ParseRequest, retain: bool) -> Job:
+async def _check_and_submit(
+    service: Service,
+    request: Request,
+    parse_request: ParseRequest,
+    retain: bool,
+    idempotency: tuple[str, str] | None = None,
+) -> Job:
     """Inspect the document's headers off the event loop, then queue it.
 
     Args:
         retain: keep the job findable by id after it finished (False for synchronous calls).
+        idempotency: ``(Idempotency-Key, ParseRequest.fingerprint())`` of a retained job, if sent.
 
     Raises:
         ApiError: 422 for a broken or unsupported document, 413 ``document_too_large`` when its
             decoded pixels alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
             ``Retry-After``, 503 when not ready or shutting down.
+        AlreadySubmitted: the store holds a job of this API key with this ``Idempotency-Key``.
     """
     jobs = service.require_ready()
     try:
@@ -239,6 +257,8 @@ async def _check_and_submit(service: Service, request: Request, parse_request: P
         pages_total=len(info.selected),
         cost=info.cost,
         retain=retain,
+        idempotency_key=idempotency[0] if idempotency else None,
+        fingerprint=idempotency[1] if idempotency else None,
     )
     try:
         await run_in_threadpool(jobs.submit, job)  # a retained job is recorded in the store first
@@ -266,6 +286,55 @@ async def _check_and_submit(service: Service, request: Request, parse_request: P
         },
     )
     return job
+
+
+def _idempotency_key(value: str | None) -> str | None:
+    """The ``Idempotency-Key`` header's value, checked (None when absent).
+
+    Raises:
+        ApiError: 400 ``invalid_idempotency_key`` when it is not 1-255 printable ASCII characters.
+    """
+    if value is None or _IDEMPOTENCY_KEY.fullmatch(value):
+        return value
+    raise ApiError(400, "invalid_idempotency_key", "Idempotency-Key must be 1-255 printable ASCII characters")
+
+
+async def _submit_once(
+    service: Service, request: Request, parse_request: ParseRequest, key: str | None
+) -> tuple[JobRecord, bool]:
+    """Queue a retained job, unless a request with the same ``Idempotency-Key`` (``key``) made one.
+
+    The store is asked first (so a repeat is answered while the queue is full), then again
+    atomically as the job is added (so concurrent repeats, on any replica, make one job).
+
+    Returns:
+        The job's record and whether this request made it.
+
+    Raises:
+        ApiError: as ``_check_and_submit``; 422 ``idempotency_key_reused`` when the key's job was
+            made from another request (another document, page range, formats, or password presence).
+    """
+    if key is None:
+        job = await _check_and_submit(service, request, parse_request, retain=True)
+        return job.to_record(service.replica), True
+    fingerprint = await run_in_threadpool(parse_request.fingerprint)  # hashes the whole upload
+    stored = await run_in_threadpool(service.job_store.find, request.state.api_key, key)
+    if stored is None:
+        try:
+            job = await _check_and_submit(service, request, parse_request, retain=True, idempotency=(key, fingerprint))
+        except AlreadySubmitted as exc:  # a concurrent request with this key came first
+            stored = exc.record
+        else:
+            return job.to_record(service.replica), True
+    if stored.fingerprint != fingerprint:
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was sent with another request (document, page range, formats or password); "
+            "use a new key for a new request",
+        )
+    logger.info("job submission repeated", extra={"job_id": stored.id, "request_id": _request_id(request)})
+    return stored, False
 
 
 async def _wait(job: Job) -> None:
@@ -350,17 +419,23 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         password: PasswordField = None,
         formats: FormatsField = None,
         replay: ReplayField = None,
+        idempotency_key: IdempotencyKeyHeader = None,
     ) -> JSONResponse:
-        """Queue a document; poll ``/v1/jobs/{job_id}``, then fetch ``/v1/jobs/{job_id}/result``."""
+        """Queue a document; poll ``/v1/jobs/{job_id}``, then fetch ``/v1/jobs/{job_id}/result``.
+        A repeat with the same ``Idempotency-Key`` returns the job the first request made."""
+        key = _idempotency_key(idempotency_key)
         parse_request = await _read_request(service, file, pages, password, formats, replay)
-        job = await _check_and_submit(service, request, parse_request, retain=True)
-        position = service.jobs.queue_position(job.id) if service.jobs else None
+        record, created = await _submit_once(service, request, parse_request, key)
+        position = service.jobs.queue_position(record.id) if service.jobs else None
         body = {
-            **job.to_record(service.replica).describe(position),
-            "status_url": f"/v1/jobs/{job.id}",
-            "result_url": f"/v1/jobs/{job.id}/result",
+            **record.describe(position),
+            "status_url": f"/v1/jobs/{record.id}",
+            "result_url": f"/v1/jobs/{record.id}/result",
         }
-        return JSONResponse(body, 202, {"Location": f"/v1/jobs/{job.id}"})
+        headers = {"Location": f"/v1/jobs/{record.id}"}
+        if not created:
+            headers["Idempotent-Replayed"] = "true"
+        return JSONResponse(body, 202, headers)
 
     @app.get("/v1/jobs/{job_id}")
     async def job_status(request: Request, job_id: str) -> dict:

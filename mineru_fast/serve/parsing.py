@@ -9,6 +9,7 @@ client sends is written to disk under a name it chose. The format is sniffed fro
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import logging
@@ -69,6 +70,14 @@ class ParseRequest:
     password: str | None = field(default=None, repr=False)
     formats: frozenset[str] = DEFAULT_FORMATS
     trace: Trace | None = field(default=None, repr=False)
+
+    def fingerprint(self) -> str:
+        """What the request asks for, as a SHA-256 hex digest: the document's bytes, the page
+        range, the formats, and whether a password and a replay trace came with it (not their
+        values). Two submissions under one ``Idempotency-Key`` must have the same."""
+        document = hashlib.sha256(self.data).hexdigest()
+        asked = [document, self.pages, sorted(self.formats), self.password is not None, self.trace is not None]
+        return hashlib.sha256(json.dumps(asked).encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
