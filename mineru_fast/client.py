@@ -8,10 +8,14 @@ exactly ``Retry-After`` when the service says it and an exponential backoff with
 within ``RetryPolicy``'s bounds. Every other error is raised at once as a ``ServiceError``
 subclass built from the service's JSON error body (``mineru_fast.errors``).
 
-``parse`` submits a job and polls it; if the job is gone (the server restarted and lost its
-in-memory queue, or cancelled it while shutting down) the document is submitted again. An upload
-whose connection broke after it was sent is sent again too, so the service may parse a document
-twice (parsing has no side effects). Very large images are made smaller before upload
+A job submission (``POST /v1/jobs``) carries an ``Idempotency-Key`` header, a new random one per
+``submit`` (or ``parse``) call and the same one on each retry of it, so a submission whose answer
+was lost (connection broken after the upload, a proxy's ``500``) and that is sent again gets the
+job it made back, not a second job. ``parse`` submits a job and polls it; if the job is gone (the
+server restarted and lost its in-memory queue, or cancelled it while shutting down) the document
+is submitted again, under a new key. A ``POST /v1/document/parse`` (``use_jobs=False``) whose
+connection broke after it was sent is sent again too, so the service may parse that document twice
+(parsing has no side effects). Very large images are made smaller before upload
 (``mineru_fast.upload``). Results are the service's JSON, as dicts.
 
 >>> with Client("http://127.0.0.1:8000", api_key="...") as client:
@@ -26,6 +30,7 @@ import email.utils
 import os
 import random
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -289,13 +294,15 @@ class _Base:
     def _upload(self, source: UploadSource) -> _Flow[Upload]:
         return (yield _Call(prepare_upload, (source, self.upload)))
 
-    def _submit(self, upload: Upload, form: dict[str, str]) -> _Flow[dict[str, Any]]:
+    def _submit(self, upload: Upload, form: dict[str, str], key: str | None = None) -> _Flow[dict[str, Any]]:
+        """``POST /v1/jobs`` under ``key`` (default a new UUID4), the same key on every retry."""
         files = {"file": (upload.name, upload.data, "application/octet-stream")}
-        return (yield from self._json("POST", "/v1/jobs", files=files, data=form))
+        headers = {"Idempotency-Key": str(uuid.uuid4()) if key is None else key}
+        return (yield from self._json("POST", "/v1/jobs", files=files, data=form, headers=headers))
 
-    def _submit_source(self, source: UploadSource, form: dict[str, str]) -> _Flow[dict[str, Any]]:
+    def _submit_source(self, source: UploadSource, form: dict[str, str], key: str | None) -> _Flow[dict[str, Any]]:
         upload = yield from self._upload(source)
-        return (yield from self._submit(upload, form))
+        return (yield from self._submit(upload, form, key))
 
     def _wait(self, job_id: str, timeout: float | None) -> _Flow[dict[str, Any]]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -319,7 +326,7 @@ class _Base:
         deadline = None if timeout is None else time.monotonic() + timeout
         submitted = 0
         while True:
-            job = yield from self._submit(upload, form)
+            job = yield from self._submit(upload, form)  # a new key: the lost job's may still name it
             submitted += 1
             try:
                 return (yield from self._wait(job["job_id"], _left(deadline)))
@@ -407,8 +414,12 @@ class Client(_Base):
         pages: str | None = None,
         password: str | None = None,
         formats: Iterable[str] | None = None,
+        idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         """``POST /v1/jobs``: queue a document; returns the job (``job_id``, ``status``, ...).
+
+        The request carries ``Idempotency-Key``, the same on each retry, so retries never make a
+        second job: a repeat the service already accepted returns that job.
 
         Args:
             source: file path, bytes, binary file object or PIL image (images over the upload
@@ -417,13 +428,18 @@ class Client(_Base):
             password: user password of an encrypted PDF.
             formats: result parts among ``markdown``, ``content_list``, ``json``, ``layout``;
                 None = the service's default (Markdown and content list).
+            idempotency_key: 1-255 printable ASCII characters naming this submission, to submit it
+                again later (e.g. from another process) without making a second job; default a
+                new random UUID4 per call. The service keeps it as long as the job (its result TTL).
 
         Raises:
-            DocumentRejected: the document or a field was refused. RateLimited,
-            ServiceUnavailable, ServiceUnreachable: still so after the retries.
+            DocumentRejected: the document or a field was refused; also ``422
+            idempotency_key_reused`` when ``idempotency_key`` named another request before.
+            RateLimited, ServiceUnavailable, ServiceUnreachable: still so after the retries.
             AuthenticationFailed: missing or wrong API key. InputError: ``source`` cannot be read.
+            ServiceError: ``400 invalid_idempotency_key`` for a malformed ``idempotency_key``.
         """
-        return self._run(self._submit_source(source, _form(pages, password, formats)))
+        return self._run(self._submit_source(source, _form(pages, password, formats), idempotency_key))
 
     def job(self, job_id: str) -> dict[str, Any]:
         """``GET /v1/jobs/{job_id}``: status, queue position and pages done.
@@ -468,9 +484,9 @@ class Client(_Base):
         """Parse one document on the service; its result (``status``, ``pages``, ``markdown``, ...).
 
         With ``use_jobs`` (default) the document is submitted as a job and polled, so no request
-        stays open for the whole parse; a job lost to a server restart (or cancelled by a shutdown)
-        is submitted again, at most ``resubmits`` times. Otherwise one ``POST /v1/document/parse``
-        waits for the result.
+        stays open for the whole parse (its retries make one job, see ``submit``); a job lost to a
+        server restart (or cancelled by a shutdown) is submitted again as a new job, at most
+        ``resubmits`` times. Otherwise one ``POST /v1/document/parse`` waits for the result.
 
         Args:
             source / pages / password / formats: as for ``submit``.
@@ -552,9 +568,10 @@ class AsyncClient(_Base):
         pages: str | None = None,
         password: str | None = None,
         formats: Iterable[str] | None = None,
+        idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         """See ``Client.submit``."""
-        return await self._run(self._submit_source(source, _form(pages, password, formats)))
+        return await self._run(self._submit_source(source, _form(pages, password, formats), idempotency_key))
 
     async def job(self, job_id: str) -> dict[str, Any]:
         """See ``Client.job``."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +162,32 @@ def test_async_client_resubmits_a_lost_job():
         "GET /v1/jobs/j2",
         "GET /v1/jobs/j2/result",
     ]
+
+
+def test_one_idempotency_key_per_submission_sent_on_each_of_its_retries():
+    job = {"job_id": "j1", "status": "queued"}
+    answers = [
+        httpx.ReadError("connection reset by peer"),  # the answer lost after the upload
+        httpx.Response(500, text="Internal Server Error"),  # a proxy's answer for a dying replica
+        httpx.Response(202, json=job),
+        httpx.Response(202, json=job),
+        httpx.Response(202, json=job),
+    ]
+    keys: list[str | None] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers.get("idempotency-key"))
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with Client("http://svc", retries=FAST, transport=httpx.MockTransport(handle)) as client:
+        assert client.submit(b"%PDF-1.4 not really") == job  # three tries of one submission
+        assert client.submit(b"%PDF-1.4 not really") == job  # another submission
+        assert client.submit(b"%PDF-1.4 not really", idempotency_key="order-7") == job
+    assert keys[0] == keys[1] == keys[2] and uuid.UUID(keys[0]).version == 4
+    assert keys[3] not in keys[:3] and uuid.UUID(keys[3]).version == 4 and keys[4] == "order-7"
 
 
 # -- upload re-encoding ------------------------------------------------------------------------------
