@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -275,12 +276,19 @@ def expected_parse(tiny_model):
 
 
 def submit_jobs(url: str, page_counts: list[int]) -> dict[str, tuple[int, str]]:
-    """``POST /v1/jobs`` each document; ``job_id -> (pages, replica that accepted it)``."""
+    """``POST /v1/jobs`` each document twice at once under one ``Idempotency-Key`` (a client's retry
+    racing its first try, on either replica): one job each; ``job_id -> (pages, replica that made it)``."""
     jobs = {}
-    for pages in page_counts:
-        response = httpx.post(f"{url}/v1/jobs", files=replay_files(pages), headers=HEADERS, timeout=60)
-        assert response.status_code == 202, response.text
-        jobs[response.json()["job_id"]] = (pages, response.headers["x-replica-id"])
+    with ThreadPoolExecutor(2) as pool:
+        for pages in page_counts:
+            files, headers = replay_files(pages), {**HEADERS, "Idempotency-Key": str(uuid.uuid4())}
+            answers = list(pool.map(lambda _: httpx.post(f"{url}/v1/jobs", files=files, headers=headers, timeout=60),
+                                    range(2)))  # fmt: skip
+            assert [a.status_code for a in answers] == [202, 202], [a.text for a in answers]
+            assert answers[0].json()["job_id"] == answers[1].json()["job_id"]
+            made = [a for a in answers if "idempotent-replayed" not in a.headers]
+            assert len(made) == 1, [dict(a.headers) for a in answers]
+            jobs[made[0].json()["job_id"]] = (pages, made[0].headers["x-replica-id"])
     return jobs
 
 
