@@ -278,12 +278,15 @@ def expected_parse(tiny_model):
 def submit_jobs(url: str, page_counts: list[int]) -> dict[str, tuple[int, str]]:
     """``POST /v1/jobs`` each document twice at once under one ``Idempotency-Key`` (a client's retry
     racing its first try, on either replica): one job each; ``job_id -> (pages, replica that made it)``."""
+
+    def post(files: dict, headers: dict) -> httpx.Response:
+        return httpx.post(f"{url}/v1/jobs", files=files, headers=headers, timeout=60)
+
     jobs = {}
     with ThreadPoolExecutor(2) as pool:
         for pages in page_counts:
             files, headers = replay_files(pages), {**HEADERS, "Idempotency-Key": str(uuid.uuid4())}
-            answers = list(pool.map(lambda _: httpx.post(f"{url}/v1/jobs", files=files, headers=headers, timeout=60),
-                                    range(2)))  # fmt: skip
+            answers = list(pool.map(post, [files] * 2, [headers] * 2))
             assert [a.status_code for a in answers] == [202, 202], [a.text for a in answers]
             assert answers[0].json()["job_id"] == answers[1].json()["job_id"]
             made = [a for a in answers if "idempotent-replayed" not in a.headers]

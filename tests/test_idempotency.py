@@ -67,8 +67,9 @@ def upload(data: bytes) -> dict:
     return {"file": ("page.png", data, "application/octet-stream")}
 
 
-def page(seed: int) -> bytes:
-    return image_bytes(text_page(size=(320, 240), lines=4, seed=seed), "PNG")
+def page(number: int) -> bytes:
+    """A small PNG page, its width (and so its bytes) distinct per ``number``."""
+    return image_bytes(text_page(size=(300 + 10 * number, 240), lines=4, seed=number), "PNG")
 
 
 def settle(app, timeout: float = 120) -> None:
@@ -130,6 +131,7 @@ def test_a_key_reused_for_another_request_is_422_and_keys_are_per_api_key(app, p
             return answers
 
     first, *reused, by_beta = asyncio.run(scenario())
+    assert document != other
     assert first.status_code == 202, first.text
     for response in reused:
         assert response.status_code == 422, response.text
@@ -142,7 +144,9 @@ def test_a_key_reused_for_another_request_is_422_and_keys_are_per_api_key(app, p
     assert parses == [len(document)] * 2
 
 
-@pytest.mark.parametrize("value", ["", "k" * 256, "tab\tinside", "caf\u00e9".encode()], ids=["empty", "256", "tab", "utf8"])
+@pytest.mark.parametrize(
+    "value", ["", "k" * 256, "tab\tinside", "caf\u00e9".encode()], ids=["empty", "256", "tab", "utf8"]
+)
 def test_a_malformed_idempotency_key_is_400(app, parses, value):
     async def scenario() -> httpx.Response:
         async with http(app, "alpha") as client:
