@@ -234,6 +234,9 @@ def main() -> int:
         args.output.write_text(json.dumps(results, indent=1))
     if "decode" in only:
         print("[shared-engine] decode ...", file=sys.stderr, flush=True)
+        # This thread drives the model directly: the engine loop stops first, so its OpenMP pool is
+        # gone and this thread's pool is the only one (see mineru_fast.threads).
+        parser.close()
         results["decode"] = decode_rates(parser.engine)
     args.output.write_text(json.dumps(results, indent=1))
     for section in ("parse", "chat", "decode"):

@@ -101,6 +101,34 @@ def test_cancel_mid_decode_keeps_the_others_going(tiny_model, engine):
     assert not scheduler.has_work()
 
 
+def test_a_long_sequence_left_in_a_high_slot_moves_down_and_decodes_as_alone(tiny_model, engine):
+    """Three short requests end while a long one, in the highest slot, goes on: it moves into slot
+    0 (its KV positions and its decoding rules, penalties and n-gram history included), later steps
+    decode one row, and its tokens are those it gets alone (logits to float32 rounding: another
+    batch width sums in another order)."""
+    rules = SP(max_new_tokens=40, presence_penalty=0.5, frequency_penalty=0.3, no_repeat_ngram_size=3)
+    long = GenerationRequest(text_page(seed=5).crop((40, 40, 700, 300)), prompt_for("text"), rules)
+    scheduler = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048).scheduler
+    widths: list[int] = []
+    decode = scheduler.runner.lm.decode
+
+    def recorded(tokens, rope, cache):
+        widths.append(tokens.shape[0])
+        return decode(tokens, rope, cache)
+
+    scheduler.runner.lm.decode = recorded
+    scheduler.admission_budget_s = float("inf")  # all four admitted in the first step, whatever the timing
+    short = [scheduler.submit(crop_request(seed=s, bound=3), start=False) for s in range(3)]
+    handle = scheduler.submit(long, start=False)
+    scheduler.step()
+    assert len(scheduler.live) == 4 and scheduler.live[3].handle is handle
+    run_until_done(scheduler, handle, *short)
+    assert widths[0] == 4 and widths[-1] == 1 and widths.count(4) <= 3
+    (alone,) = engine.generate([long])
+    assert len(alone.token_ids) > 10 and handle.result().token_ids == alone.token_ids
+    assert np.allclose(handle.result().logprobs, alone.logprobs, atol=1e-4)
+
+
 def test_deadline_passed_in_the_queue_times_out(engine):
     result = engine.submit(crop_request(deadline=time.monotonic() - 1)).result(timeout=60)
     assert result.finish_reason == "timeout" and result.token_ids == []

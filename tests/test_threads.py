@@ -94,3 +94,73 @@ def test_importing_the_cli_does_not_load_torch():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_PROC_BIND", "OMP_PLACES")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
+
+
+# The OpenMP pool checks count the process's OS threads (/proc/self/task): GNU OpenMP starts a pool
+# of (intra-op threads - 1) workers for each thread that runs a parallel region, kept until that
+# thread exits. An elementwise op on 4M floats is far above torch's parallel grain (32768).
+POOL_CHECK = """
+import os, sys, threading, time
+import torch
+
+def count():
+    return len(os.listdir("/proc/self/task"))
+
+def settled(expected):
+    for _ in range(100):  # a finished thread's pool workers exit right after it
+        if count() == expected:
+            return expected
+        time.sleep(0.05)
+    return count()
+
+torch.set_num_threads(2)
+"""
+needs_gnu_openmp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "OpenMP" not in __import__("torch").__config__.parallel_info(),
+    reason="counts OpenMP pool threads in /proc (Linux, torch built with OpenMP)",
+)
+
+
+def run_pool_check(body: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", POOL_CHECK + body], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return [int(v) for v in out.stdout.split()]
+
+
+@needs_gnu_openmp
+def test_one_torch_thread_starts_no_openmp_pool():
+    """A thread's op inside ``one_torch_thread`` adds no OS thread; the same op outside adds the
+    pool's worker (so the count does see a pool); the thread's own setting comes back."""
+    before, inside, outside, restored = run_pool_check("""
+from mineru_fast.threads import one_torch_thread
+base = count()
+seen = []
+def work():
+    torch.set_num_threads(2)
+    with one_torch_thread():
+        torch.ones(4_000_000).add(1.0)
+    seen.append(count() - base)  # this thread itself is one
+    torch.ones(4_000_000).add(1.0)
+    seen.append(count() - base)
+    seen.append(torch.get_num_threads())
+t = threading.Thread(target=work)
+t.start(); t.join()
+print(base, *seen)
+""")
+    assert (inside, outside, restored) == (1, 2, 2), (before, inside, outside, restored)
+
+
+@needs_gnu_openmp
+def test_building_an_engine_leaves_no_openmp_pool_in_the_caller(tiny_model):
+    """Loading, quantizing and checking kernels run in a thread that ends with its pool: the
+    caller's thread count is back to where it was, and the caller's first op then starts a pool."""
+    before, after, after_op = run_pool_check(f"""
+from mineru_fast.engine.factory import build_engine
+from mineru_fast.options import ParserOptions
+base = count()
+engine = build_engine({str(tiny_model)!r}, ParserOptions.preset("fast", threads=2))
+after = settled(base)
+torch.ones(4_000_000).add(1.0)
+print(base, after, count())
+""")
+    assert after == before and after_op == before + 1, (before, after, after_op)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..options import TASKS, ParserOptions
 from ..protocol import sampling_for
-from ..threads import set_torch_threads
+from ..threads import in_fresh_thread, set_torch_threads
 from .base import DTYPES, Engine
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
@@ -27,12 +27,19 @@ QUANT_CONFIGS = {
 def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
     """The reference or fast engine for ``model_dir`` configured by ``options``.
 
+    Loading, quantization and kernel checks run in a thread of their own that ends before this
+    returns, so the calling thread never starts an OpenMP pool (``threads.in_fresh_thread``).
+
     Raises:
         ModelLoadError: the checkpoint cannot be loaded.
     """
+    set_torch_threads(options.threads)
+    return in_fresh_thread(lambda: _build(model_dir, options))
+
+
+def _build(model_dir: Path, options: ParserOptions) -> Engine:
     from ..choice import describe, warn_if_emulated_bf16
 
-    set_torch_threads(options.threads)
     warn_if_emulated_bf16(options)
     numerics = describe(options)
     if options.engine == "reference":

@@ -69,6 +69,12 @@ class KVCache(nn.Module):
         """Views ``[1, kv_heads, length, head_dim]`` of ``slot``'s first ``length`` positions."""
         return self.k[slot : slot + 1, :, :length], self.v[slot : slot + 1, :, :length]
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (``src`` keeps
+        its now stale copy)."""
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
+
     def write_decode(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

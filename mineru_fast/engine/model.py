@@ -196,6 +196,12 @@ class Qwen2LM(nn.Module):
         for layer in self.decoder_layers:
             layer.attention.kv_cache = KVCache(slots, c.num_kv_heads, max_len, c.head_dim, dtype)
 
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached positions of slot ``src`` to slot ``dst`` in every layer."""
+        for layer in self.decoder_layers:
+            assert layer.attention.kv_cache is not None
+            layer.attention.kv_cache.move(src, dst, length)
+
     @property
     def dtype(self) -> torch.dtype:
         """The activation dtype."""

@@ -96,6 +96,14 @@ class BatchLogitsProcessor:
         self.blockers[row] = NGramBlocker(params.no_repeat_ngram_size)
         self.forced[row] = forced
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Move row ``src``'s sequence (rules and history) to row ``dst``; ``src`` is left stale
+        until its next ``reset_row``."""
+        for table in (self.counts, self.presence, self.frequency, self.repetition, self.in_prompt):
+            table[dst] = table[src]
+        self.min_new[dst], self.forced[dst] = self.min_new[src], self.forced[src]
+        self.blockers[dst] = self.blockers[src]
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
         """Apply penalties, n-gram bans and forcing to ``logits`` ``[B, V]`` (float32) in place.
 

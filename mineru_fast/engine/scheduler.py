@@ -4,7 +4,9 @@ Requests from any thread go into an inbox (their tokenization and image preproce
 submitting thread). The loop, on its own thread, repeats one *step*:
 
 1. take new requests from the inbox; end cancelled requests and those past their deadline;
-2. one decode step for every live sequence (one token each, all slots batched);
+2. one decode step for every live sequence (one token each, all slots batched); live sequences
+   are first moved down into slots freed below them (KV and decoding rules), so the step's width
+   is the number of live sequences, not the highest slot a long one happened to take;
 3. admission work within ``admission_budget_s`` (at least one unit): a unit is either one
    batched prefill forward (chunks of waiting prompts, at most ``prefill_chunk_tokens`` tokens in
    all, each into its own slot) or one block of the vision encoder over the current pack of images
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..protocol import SamplingParams
+from ..threads import one_torch_thread
 from .base import FinishReason, GenerationRequest, GenerationResult, RequestHandle
 from .preprocess import EncodedRequest
 from .repetition import loop_period
@@ -138,6 +141,7 @@ class Scheduler:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.vision_pack_patches = vision_pack_patches
         self.repetition_window = repetition_window
+        self.threads = torch.get_num_threads()  # the engine thread's intra-op threads: the builder's
         self.rules = BatchLogitsProcessor(
             [SamplingParams()] * slots, [None] * slots, runner.vocab_size, runner.preprocessor.end_ids
         )
@@ -172,7 +176,8 @@ class Scheduler:
             handle.set_result(GenerationResult("", [], "cancelled", error="the engine is closed"))
             return handle
         try:
-            encoded = self.runner.preprocessor.encode(request)
+            with one_torch_thread():  # the engine thread alone runs multi-threaded ops (see threads)
+                encoded = self.runner.preprocessor.encode(request)
             needed = len(encoded.input_ids) + request.sampling.max_new_tokens
             if needed > self.max_seq_len:
                 raise ValueError(
@@ -211,6 +216,7 @@ class Scheduler:
     # -- the loop -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._closed:
                 if not self.has_work():
@@ -410,8 +416,23 @@ class Scheduler:
 
     # -- decode --------------------------------------------------------------------------------
 
+    def _compact(self) -> None:
+        """Move the sequence in the highest live slot into the lowest free slot below it, until
+        there is none: a decode step runs every slot up to the highest live one, so a long
+        sequence left high after the others ended would otherwise decode padding rows with it."""
+        while self.live:
+            top = max(self.live)
+            free = next((s for s in range(top) if s not in self.live and s not in self.prefilling), None)
+            if free is None:
+                return
+            seq = self.live.pop(top)
+            self.runner.lm.move_slot(top, free, seq.prompt_len + len(seq.tokens) - 1)  # all but the last token
+            self.rules.move_row(top, free)
+            self.live[free] = seq
+
     def _decode_step(self) -> None:
         start = self.clock()
+        self._compact()
         width = max(self.live) + 1
         tokens = torch.zeros(width, dtype=torch.long)
         rope = torch.zeros(width, dtype=torch.long)

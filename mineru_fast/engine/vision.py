@@ -18,6 +18,12 @@ from torch import nn
 
 from .model import rotate_half
 
+# Rows of the vision MLP per chunk. Measured on the full-size encoder (per-token INT8, 2 threads, a
+# 1036x1036 layout image of 5476 patches): 1024-row chunks 7-10 % faster than one [5476, 5120] pass,
+# 512 and 2048 in between; the outputs are bit-identical (each row's MLP is independent). The
+# same for 16 crops packed into 3 packs: 23.5 s unchunked, 21.4 s chunked, 20.1 s one by one.
+MLP_CHUNK_ROWS = 1024
+
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -61,27 +67,33 @@ class VisionBlock(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """``x`` ``[N, dim]`` of packed images with ``lengths`` patches each -> ``[N, dim]``."""
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[n, dim]``, the patches of one image, with its rotary tables ``[1, n, head_dim]``
+        -> ``[n, dim]``."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # [H, N, d]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # [H, n, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # 4-D [1, H, n_i, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(qi[None], ki[None], vi[None])[0]
-                for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
-            ],
-            dim=1,
-        )
+        # 4-D [1, H, n, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
         return self.proj(out.transpose(0, 1).reshape(n, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        # In-place elementwise steps: on CPU the temporaries of [N, 5120] tensors cost more than the math.
-        x = x + self.attention(self.norm1(x), cos, sin, lengths)
-        h = self.fc1(self.norm2(x))
-        gate = h.mul(1.702).sigmoid_()  # quick_gelu(h) = h * sigmoid(1.702 h)
-        return x.add_(self.fc2(gate.mul_(h)))
+        """``x`` ``[N, dim]`` of packed images with ``lengths`` patches each (updated in place and
+        returned). Attention runs image by image, as it must (each image attends to itself), and
+        so do its linears: a pack's temporaries are then one image's, not ``[N, 3 * dim]``; the
+        MLP is row-wise and runs on ``MLP_CHUNK_ROWS`` rows at a time, so its ``[rows, 5120]``
+        intermediates stay in cache. Residuals are added in place, each into its own rows."""
+        start = 0
+        for n in lengths:
+            rows = slice(start, start + n)
+            x[rows].add_(self.attention(self.norm1(x[rows]), cos[:, rows], sin[:, rows]))
+            start += n
+        for start in range(0, x.shape[0], MLP_CHUNK_ROWS):
+            chunk = x[start : start + MLP_CHUNK_ROWS]
+            h = self.fc1(self.norm2(chunk))
+            gate = h.mul(1.702).sigmoid_()  # quick_gelu(h) = h * sigmoid(1.702 h)
+            chunk.add_(self.fc2(gate.mul_(h)))
+        return x
 
 
 class PatchMerger(nn.Module):
