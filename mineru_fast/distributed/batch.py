@@ -42,6 +42,8 @@ line per document with pages/min and an ETA.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import pickle
 import shutil
 import sys
@@ -69,7 +71,7 @@ __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
 
 ITEM = "item"  # the one column of the pipeline's rows: a pickled _Job, _Task or _Outcome
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its node id
-WATCH_INTERVAL_S = 0.05  # how often the driver fetches the actors' page events (``on_event`` only)
+WATCH_WAIT_S = 0.5  # the longest wait of the driver's fetch of page events (``on_event`` only)
 
 
 class BatchError(MineruFastError):
@@ -281,19 +283,22 @@ def _lost(attempt: int) -> str:
 
 
 class _Ledger:
-    """The attempts of every task (a Ray actor on the driver's node, no CPU), and the actors' page
-    events while the driver wants them (``on_event``).
+    """The attempts of every task (an asyncio Ray actor on the driver's node, no CPU), and the
+    actors' page events while the driver wants them (``on_event``).
 
     A task is keyed by ``(document, task index)``. An attempt that began and reported no error is
     running, or, once another attempt begins or Ray gives up on the task, was cut short with its
-    actor (``_lost``).
+    actor (``_lost``). A page's event returns to its actor only once the driver has handled it, so
+    ``on_event`` acts at a known point of a task (tests kill the actor there).
     """
 
     def __init__(self) -> None:
         self.attempts: dict[tuple[str, int], int] = {}
         self.errors: dict[tuple[str, int], str] = {}
         self.running: set[tuple[str, int]] = set()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # handed in, not yet taken by the driver
+        self.sent = self.handled = 0  # events handed in / handled by the driver, counted from the start
+        self.changed = asyncio.Condition()
 
     def begin(self, key: tuple[str, int]) -> tuple[int, str | None]:
         """Count a new attempt of ``key``: ``(its number, the last error of the task or None)``."""
@@ -314,13 +319,28 @@ class _Ledger:
         began = [(key, n) for key, n in self.attempts.items() if key[0] == name]
         return {key[1]: (n, _lost(n) if key in self.running else self.errors.get(key)) for key, n in began}
 
-    def event(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
+    async def event(self, event: dict[str, Any]) -> None:
+        """Hand a page's event to the driver; returns once the driver has handled it (``handled``)."""
+        async with self.changed:
+            self.events.append(event)
+            self.sent += 1
+            number = self.sent
+            self.changed.notify_all()
+            await self.changed.wait_for(lambda: self.handled >= number)
 
-    def take_events(self) -> list[dict[str, Any]]:
-        """The page events since the last call."""
-        events, self.events = self.events, []
-        return events
+    async def take_events(self, timeout: float) -> list[dict[str, Any]]:
+        """The events handed in since the last call, waiting up to ``timeout`` seconds for one."""
+        async with self.changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait_for(lambda: bool(self.events)), timeout)
+            events, self.events = self.events, []
+            return events
+
+    async def done(self, count: int) -> None:
+        """The driver has handled ``count`` more events (in the order taken)."""
+        async with self.changed:
+            self.handled += count
+            self.changed.notify_all()
 
 
 class _ParseTasks:
@@ -384,8 +404,10 @@ class _ParseTasks:
             return None
 
         def report(event: dict[str, Any]) -> None:
-            self.ledger.event.remote({**event, "document": task.name, "task": task.index, "attempt": attempt,
-                                      "actor": self.actor})  # fmt: skip
+            import ray
+
+            ray.get(self.ledger.event.remote({**event, "document": task.name, "task": task.index,
+                                              "attempt": attempt, "actor": self.actor}))  # fmt: skip
 
         return report
 
@@ -603,7 +625,8 @@ def run_batch(
         log: receives progress and failure lines.
         on_event: called in the driver (from a thread of its own) with each page an actor parsed:
             ``{"kind": "page", "index", "status", "files": None, "page": None}`` plus ``document``,
-            ``task``, ``attempt`` and ``actor`` (the actor handle); tests use it to kill actors.
+            ``task``, ``attempt`` and ``actor`` (the actor handle); the actor goes on once it has
+            returned. Tests use it to kill actors at a known page.
 
     Returns:
         The ``BatchSummary``; every input ends in the manifest, parsed or with its error.
@@ -656,7 +679,9 @@ def run_batch(
         stop = threading.Event()
         watcher = None
         if on_event is not None:
-            watcher = threading.Thread(target=_watch, args=(ledger, on_event, stop), name="batch-events", daemon=True)
+            watcher = threading.Thread(
+                target=_watch, args=(ledger, on_event, log, stop), name="batch-events", daemon=True
+            )
             watcher.start()
         try:
             with DataContext.current(_context()):
@@ -680,13 +705,18 @@ def run_batch(
     return BatchSummary(runner.records, skipped, time.perf_counter() - start, count)
 
 
-def _watch(ledger: Any, on_event: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
-    """Hand the actors' page events to ``on_event`` until ``stop`` (then once more)."""
+def _watch(
+    ledger: Any, on_event: Callable[[dict[str, Any]], None], log: Callable[[str], None], stop: threading.Event
+) -> None:
+    """Hand the actors' page events to ``on_event`` (each actor waits for it) until ``stop``."""
     import ray
 
-    while True:
-        stopping = stop.wait(WATCH_INTERVAL_S)
-        for event in ray.get(ledger.take_events.remote()):
-            on_event(event)
-        if stopping:
-            return
+    while not stop.is_set():
+        events = ray.get(ledger.take_events.remote(WATCH_WAIT_S))
+        for event in events:
+            try:
+                on_event(event)
+            except Exception as exc:  # the actor waits for the event all the same
+                log(f"on_event raised {_error(exc)}")
+        if events:
+            ledger.done.remote(len(events))
