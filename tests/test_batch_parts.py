@@ -15,9 +15,9 @@ from mineru_fast.distributed.assembly import PARTIAL, TASK_FAILED, DocumentAssem
 from mineru_fast.distributed.batch import BatchError, plan_jobs
 from mineru_fast.distributed.manifest import Manifest, Record
 from mineru_fast.distributed.sources import Source, list_sources
-from mineru_fast.distributed.worker import DocumentWorker
+from mineru_fast.distributed.worker import DocumentWorker, inspect_document
 from mineru_fast.document import Page
-from mineru_fast.errors import SourceError
+from mineru_fast.errors import CorruptDocument, SourceError
 from mineru_fast.options import ParserOptions
 
 needs_pyarrow = pytest.mark.skipif(
@@ -28,13 +28,18 @@ needs_pyarrow = pytest.mark.skipif(
 @needs_pyarrow
 def test_the_worker_streams_each_page_with_its_image_files(tiny_model, tmp_path):
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
+    seen: list[dict] = []
     try:
         events = list(worker.parse(pdf_bytes(2), trace=sample_trace(2)))
+        gathered = worker.run_task(pdf_bytes(2), trace=sample_trace(2), on_page=seen.append)
         broken = list(worker.parse(b"%PDF-1.7 cut short"))
-        broken_info = worker.inspect("bad", b"%PDF-1.7 cut short")
+        broken_task = worker.run_task(b"%PDF-1.7 cut short")
+        with pytest.raises(CorruptDocument):
+            inspect_document("bad", b"%PDF-1.7 cut short")
         (tmp_path / "doc.pdf").write_bytes(pdf_bytes(3))
         (uri_source,) = list_sources([(tmp_path / "doc.pdf").as_uri()])
-        info = worker.inspect("doc", uri_source, pages="2-3")
+        info = inspect_document("doc", uri_source, pages="2-3")  # the inspection task reads the file
+        metadata = worker.parser.result_metadata(info)
         from_uri = list(worker.parse(uri_source, trace=sample_trace(3), pages="2"))  # the actor reads the file
         missing = list(worker.parse(Source("file:///gone.pdf", "/gone.pdf", uri_source.filesystem)))
     finally:
@@ -49,9 +54,12 @@ def test_the_worker_streams_each_page_with_its_image_files(tiny_model, tmp_path)
     page = events[0]["page"]
     assert page.index == 0 and page.image is None and page.crops == {} and page.blocks  # its record only
     assert [e["kind"] for e in broken] == ["error"] and broken[0]["error"].startswith("CorruptDocument: ")
-    assert broken_info["error"].startswith("CorruptDocument: ")
-    assert info["pages"] == [1, 2] and info["metadata"]["input"]["pages"] == [1, 2]
-    assert info["metadata"]["input"]["name"] == "doc"
+    assert [page.index for page in gathered["pages"]] == [0, 1]  # one task's pages, gathered
+    assert gathered["files"] == {**events[0]["files"], **events[1]["files"]}
+    assert [(e["index"], e["files"], e["page"]) for e in seen] == [(0, None, None), (1, None, None)]
+    assert broken_task["error"].startswith("CorruptDocument: ")
+    assert info.pages == (1, 2) and metadata["input"]["pages"] == [1, 2]
+    assert metadata["input"]["name"] == "doc"
     assert [(e["kind"], e.get("index")) for e in from_uri] == [("page", 1), ("done", None)]
     assert from_uri[0]["files"] == events[1]["files"]  # the same page, the same bytes
     assert [e["kind"] for e in missing] == ["error"] and missing[0]["error"].startswith("SourceError: cannot read")
@@ -84,10 +92,10 @@ def test_a_document_split_into_tasks_is_written_as_sequential_parse_writes_it(ti
                  "--replay", str(tmp_path / "traces"), "--quiet"]) == 0  # fmt: skip
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:
-        info = worker.inspect("doc", source.read_bytes())
-        tasks = split_pages(info["pages"], 2)
+        info = inspect_document("doc", source.read_bytes())
+        tasks = split_pages(list(info.pages), 2)
         assert tasks == [[0, 1], [2, 3], [4]] and [page_spec(t) for t in tasks] == ["1-2", "3-4", "5"]
-        assembly = DocumentAssembly(tmp_path / "out", "doc", tasks, info["metadata"])
+        assembly = DocumentAssembly(tmp_path / "out", "doc", tasks, worker.parser.result_metadata(info))
         done = [run_task(worker, assembly, i, source.read_bytes(), trace) for i in (2, 0, 1)]  # out of order
     finally:
         worker.parser.close()
@@ -252,8 +260,8 @@ def test_batch_takes_the_quiet_and_confidence_flags_of_parse(tiny_model, tmp_pat
 
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:  # the driver's writer (one per document) adds the field; the actors send pages
-        info = worker.inspect("doc", pdf_bytes(1))
-        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], info["metadata"], confidence=True)
+        metadata = worker.parser.result_metadata(inspect_document("doc", pdf_bytes(1)))
+        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], metadata, confidence=True)
         assert run_task(worker, assembly, 0, pdf_bytes(1), sample_trace(1))
     finally:
         worker.parser.close()
@@ -274,10 +282,10 @@ def test_a_reparse_split_into_tasks_keeps_every_tasks_outputs_and_only_those(tin
         (stale / rel).write_bytes(b"earlier run")
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:
-        info = worker.inspect("doc", data)
-        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], info["metadata"])
+        metadata = worker.parser.result_metadata(inspect_document("doc", data))
+        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], metadata)
         assert run_task(worker, whole, 0, data, trace)
-        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], info["metadata"])
+        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], metadata)
         assert [run_task(worker, split, i, data, trace) for i in (1, 0)] == [False, True]  # pages 2-3 first
     finally:
         worker.parser.close()

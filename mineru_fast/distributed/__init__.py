@@ -1,12 +1,14 @@
 """Scale-out on Ray (extra ``mineru-fast[ray]``): ``mineru-fast batch`` and the Ray Serve service.
 
-- ``worker``: ``DocumentWorker``, one parser per Ray actor; parses a document's pages (all, or a
-  task's range) and streams each page with its image files (no Ray import: testable without Ray).
+- ``worker``: ``inspect_document`` (a document's selected pages) and ``DocumentWorker``, one parser
+  per batch actor: parses a document's pages (all, or a task's range) and hands each page back with
+  its image files (no Ray import: testable without Ray).
 - ``manifest``: the batch manifest (JSON lines), and which documents a resumed run skips.
 - ``sources``: the batch inputs: local paths, directories and globs, pyarrow filesystem URIs.
 - ``placement``: NUMA-local actors (which cores each actor pins itself to).
 - ``assembly``: a document's page-range tasks and its outputs, written in page order from them.
-- ``batch``: the batch driver (``run_batch``): actors, tasks, bounded retries, atomic outputs, progress.
+- ``batch``: the batch (``run_batch``): a Ray Data pipeline (inspection tasks, an actor pool of
+  parsers), bounded retries, atomic outputs written by the driver, progress.
 - ``serve_app``: the service's FastAPI application as a Ray Serve deployment.
 - ``job_store``: the job store its replicas share (a Serve deployment-scoped actor).
 

@@ -1,15 +1,15 @@
 """The driver's side of a document in ``mineru-fast batch``: its tasks and the outputs assembled from them.
 
 A document's selected pages are split into tasks of at most ``pages_per_task`` consecutive pages
-(``split_pages``), which run on any actors. A task's pages arrive together when it completes, in any
+(``split_pages``), which run on any actors. A task's pages arrive together in its one result, in any
 order among the tasks; ``DocumentAssembly`` writes the pages of the completed tasks in page order
 with one ``writer.DocumentWriter``, the writer of sequential ``mineru-fast parse``, so the outputs
 are the same bytes however the document was split.
 
 Layout under ``OUTPUT/.partial/<name>/``: ``doc/`` is the document's output folder while it is
 written (renamed to ``OUTPUT/<name>/`` by ``finish``); ``task.<i>.<attempt>/`` receives the image
-files of one attempt of task ``i`` as they stream in, and its files move into ``doc/`` when the
-task completes (a failed attempt's folder is removed, so it leaves nothing behind).
+files of task ``i``'s result (of the attempt that completed it), and they move into ``doc/`` when
+its pages are taken (``complete``).
 
 A task that failed on every attempt adds one ``failure`` page per page it held (error code
 ``batch_task_failed``, the task's last error), so the document is ``partial`` (or ``failure`` when
@@ -78,7 +78,7 @@ class DocumentAssembly:
         output: the batch output directory.
         name: the document's output stem.
         tasks: its tasks' 0-based page indices (``split_pages``).
-        metadata: the result's metadata block (``DocumentWorker.inspect``).
+        metadata: the result's metadata block (the parse actor's ``DocumentParser.result_metadata``).
         confidence: add the ``mf_confidence`` extension field to the content list (``DocumentWriter``).
     """
 

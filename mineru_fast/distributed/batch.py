@@ -1,61 +1,82 @@
-"""``mineru-fast batch``: parse a collection of documents on a Ray cluster (or a local Ray).
+"""``mineru-fast batch``: parse a collection of documents on a Ray cluster (or a local Ray), as a
+Ray Data pipeline.
 
-Each of ``actors`` Ray actors (``worker.DocumentWorker``, ``num_cpus=cores_per_actor``) holds one
-parser with that many threads (pinned to one NUMA node where the machine has several:
-``placement``). The driver gives every actor a thread that takes the next item from one shared
-queue: a new document, or a task of a document already started (tasks first, oldest document
-first), so each actor runs one thing at a time and work is balanced as tasks finish.
+The pipeline (``ray.data``, unordered, consumed by the driver as its rows complete):
 
-A new document is first inspected on an actor (its selected pages and metadata block), then split
-into tasks of at most ``pages_per_task`` pages (``assembly.split_pages``) that run on whichever
-actors are free. A local document's bytes are put in Ray's object store once and shared by its
-tasks; a URI document (``sources``) is read by each actor that runs a task of it. Page images
-travel back page by page (a streaming actor method, with backpressure), the pages when their task
-completes; the driver writes the document in page order (``assembly.DocumentAssembly``), so the
-machines need no shared file system and only the driver writes ``OUTPUT``.
+1. ``from_items``: one row per input document (``_Job``).
+2. ``flat_map(_inspect)``: Ray Data CPU tasks, on the driver's node (``label_selector`` on its
+   node id), so that they read the local files the driver was given (the nodes share no file
+   system); a URI input (``sources``) is read there too, from its store. Each opens its document
+   (``worker.inspect_document``: its selected pages) and splits it into tasks of at most
+   ``pages_per_task`` pages (``assembly.split_pages``): one row per task (``_Task``), carrying the
+   document's bytes (a URI document: its ``Source``, read again by the actor that parses it). They
+   reserve no CPU (``num_cpus=0``): the actors may hold every CPU of the cluster, and a task that
+   waited for one would wait for ever. An unreadable input gives one ``error`` row instead.
+3. ``map(_ParseTasks)`` on an actor pool (``ActorPoolStrategy``, ``actors`` actors of
+   ``num_cpus=cores_per_actor``, one task in flight each): every actor holds one parser with that
+   many threads (``worker.DocumentWorker``, pinned to one NUMA node where the machine has
+   several: ``placement``) and turns one task row into one result row (``_Outcome``): the task's
+   pages with their image files, or its failure. Rows of one block each (``target_max_block_size``
+   of one byte), so every task is its own actor call and a long document runs on several actors.
 
-Outputs are atomic: a document is written under ``OUTPUT/.partial/<name>/`` and renamed to
+The driver takes the result rows as they complete (``iter_rows``) and writes each document in page
+order (``assembly.DocumentAssembly``) under ``OUTPUT/.partial/<name>/``, renamed to
 ``OUTPUT/<name>/`` once every task is in; then its record is appended to ``OUTPUT/manifest.jsonl``
-(``manifest``). An actor that dies (killed, out of memory, node lost) is restarted by Ray
-(``max_restarts=-1``); the task it held runs again, up to ``max_retries`` more times; a task that
-still fails turns its pages into ``failure`` pages (the document is ``partial``, the record lists
-``failed_pages``), or, when every task of the document failed, the document is recorded as
-``error`` with the last error. An input that cannot be read (``InputError``) is recorded as
-``error`` at once: retrying would not change it. ``resume`` skips documents whose outputs are
-complete. Progress: a line per document with pages/min and an ETA.
+(``manifest``). So the machines need no shared file system and only the driver writes ``OUTPUT``.
+
+Failures. An actor that dies (killed, out of memory, node lost) is restarted by Ray (Ray Data's
+``max_restarts=-1``) and Ray runs its task again on it (``max_task_retries``); a parse that raises
+is tried again in the actor. A ``_Ledger`` actor on the driver's node counts the attempts of every
+task, so whatever ended an attempt, the task is tried at most ``max_retries`` more times: the
+attempt after the last one returns at once a ``failed`` row (Ray allows it one retry more than
+``max_retries``). A task's result is one row, sent when the task ends, so an attempt cut short sends
+nothing and the pages of a document come from exactly one attempt of each task. A failed task turns
+its pages into ``failure`` pages (the document is ``partial``, the record lists ``failed_pages``),
+or, when every task of the document failed, the document is recorded as ``error`` with the last
+error. A task that Ray gives up on all the same (``max_errored_blocks=-1``: Ray Data logs its error
+and the run goes on) is failed by the driver when the dataset is exhausted, with the ledger's count
+of its attempts. An input that cannot be read (``InputError``) is recorded as ``error`` at once:
+retrying would not change it. ``resume`` skips documents whose outputs are complete. Progress: a
+line per document with pages/min and an ETA.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import asyncio
+import contextlib
+import pickle
 import shutil
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..cli_options import output_clashes
+from ..document import Page
 from ..errors import MineruFastError
+from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
 from . import PAGES_PER_TASK, require_ray
 from .assembly import PARTIAL, DocumentAssembly, page_spec, split_pages
 from .manifest import Manifest, Record
 from .sources import Source, list_sources
-from .worker import DocumentWorker
+from .worker import DocumentWorker, inspect_document
 
 __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
 
-RESTART_TIMEOUT_S = 600.0  # longest wait for a restarted actor (it loads the model again)
-BACKPRESSURE = 2  # page events an actor may run ahead of the driver (bounds the object store's share)
+ITEM = "item"  # the one column of the pipeline's rows: a pickled _Job, _Task or _Outcome
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its node id
+WATCH_WAIT_S = 0.5  # the longest wait of the driver's fetch of page events (``on_event`` only)
 
 
 class BatchError(MineruFastError):
-    """A batch that cannot start: no inputs, clashing output names, actors that fail to load."""
+    """A batch that cannot start (no inputs, clashing output names), or that Ray Data stopped (e.g.
+    parser actors that fail to load)."""
 
     code = "batch_not_started"
 
@@ -73,7 +94,7 @@ class BatchConfig:
             one); None starts a Ray on this machine with its usable cores.
         actors: parser actors; None: as many as the cluster's CPUs allow at ``cores_per_actor``.
         cores_per_actor: CPUs (threads) per actor; None: the CPUs of the smallest node.
-        max_retries: further attempts of a task (or an inspection) whose actor died or raised.
+        max_retries: further attempts of a task whose actor died or whose parse raised.
         resume: skip documents complete in the manifest and on disk.
         replay: trace directory of ``<stem>.json`` (tests, benchmarks) or None.
         pages / password: as ``DocumentParser.iter_pages``, for every input.
@@ -172,22 +193,65 @@ def plan_jobs(inputs: list[str | Path]) -> list[_Job]:
     return [_Job(source, name) for name, source in by_name.items()]
 
 
-@dataclass
-class _Document:
-    """A started document: what its tasks need, and its assembly."""
-
-    job: _Job
-    data: Any  # ObjectRef of a local document's bytes, or the Source of a URI document
-    trace: Trace | None
-    assembly: DocumentAssembly
-    start: float
-    closed: bool = False  # recorded: what is left of it is dropped
-
-
-@dataclass
+@dataclass(frozen=True)
 class _Task:
-    document: _Document
+    """One page-range task of a document: a row between inspection and parse.
+
+    Attributes:
+        name: the document's output stem.
+        index: the task's index in ``tasks``.
+        tasks: the 0-based pages of each task of the document (``split_pages``); empty when the
+            selection holds no page (one task then, which parses nothing: the metadata block).
+        data: the document's bytes, or the ``Source`` of a URI document (read by the actor).
+        trace: replayed outputs of the whole document (tests, benchmarks) or None.
+        info: the document's ``InputInfo`` (the actor's parser makes the metadata block of it).
+        started: ``time.time()`` when its inspection began, on the driver's node.
+    """
+
+    name: str
     index: int
+    tasks: list[list[int]]
+    data: bytes | Source
+    trace: Trace | None
+    info: InputInfo
+    started: float
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A result row: one task's outcome, or a document that could not be inspected.
+
+    Attributes:
+        name: the document's output stem.
+        kind: ``done`` (the task's pages, their files in ``files``), ``failed`` (the task failed on
+            every attempt, or the input turned out unreadable: ``error``) or ``error`` (the document
+            could not be inspected: ``error``; nothing else of it comes).
+        index / tasks: as ``_Task`` (``error``: none).
+        metadata: the result's metadata block (``error``: None).
+        attempts: the attempts the task took (``error``: 1).
+        started: as ``_Task``.
+        actor: where the actor runs (``DocumentWorker.describe``), for the driver's log.
+    """
+
+    name: str
+    kind: str
+    index: int = 0
+    tasks: list[list[int]] = field(default_factory=list)
+    metadata: dict[str, Any] | None = None
+    pages: list[Page] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)
+    error: str | None = None
+    attempts: int = 1
+    started: float = 0.0
+    actor: dict[str, Any] | None = None
+
+
+def _row(item: _Job | _Task | _Outcome) -> dict[str, Any]:
+    return {ITEM: pickle.dumps(item)}
+
+
+def _item(row: dict[str, Any]) -> Any:
+    return pickle.loads(row[ITEM])
 
 
 def _error(exc: BaseException) -> str:
@@ -195,163 +259,267 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-class _Runner:
-    """The driver's state: the queue, the manifest, progress; ``drive`` is one actor's thread."""
+def _inspect(
+    row: dict[str, Any], replay: Path | None, pages: str | None, password: str | None, per_task: int
+) -> list[dict[str, Any]]:
+    """The inspection stage (a Ray Data CPU task on the driver's node): a document's task rows, or
+    its ``error`` row when it cannot be read (``SourceError``, ``InputError``, ``TraceError``)."""
+    job: _Job = _item(row)
+    started = time.time()
+    try:
+        data = job.source.read()
+        trace = load_trace(replay / f"{job.name}.json") if replay is not None else None
+        info = inspect_document(job.name, data, pages, password)
+    except MineruFastError as exc:
+        return [_row(_Outcome(job.name, "error", error=f"{type(exc).__name__}: {exc}", started=started))]
+    tasks = split_pages(list(info.pages), per_task)
+    payload: bytes | Source = job.source if job.source.filesystem is not None else data
+    return [_row(_Task(job.name, i, tasks, payload, trace, info, started)) for i in range(max(1, len(tasks)))]
 
-    def __init__(self, config: BatchConfig, jobs: list[_Job], log: Callable[[str], None],
-                 on_event: Callable[[dict[str, Any]], None] | None) -> None:  # fmt: skip
-        self.config, self.log, self.on_event = config, log, on_event
+
+def _lost(attempt: int) -> str:
+    """The error of an attempt that began and never ended (the ledger's view of it)."""
+    return f"Actor lost during attempt {attempt}: it died or became unreachable (killed, out of memory, its node lost)"
+
+
+class _Ledger:
+    """The attempts of every task (an asyncio Ray actor on the driver's node, no CPU), and the
+    actors' page events while the driver wants them (``on_event``).
+
+    A task is keyed by ``(document, task index)``. An attempt that began and reported no error is
+    running, or, once another attempt begins or Ray gives up on the task, was cut short with its
+    actor (``_lost``). A page's event returns to its actor only once the driver has handled it, so
+    ``on_event`` acts at a known point of a task (tests kill the actor there).
+    """
+
+    def __init__(self) -> None:
+        self.attempts: dict[tuple[str, int], int] = {}
+        self.errors: dict[tuple[str, int], str] = {}
+        self.running: set[tuple[str, int]] = set()
+        self.events: list[dict[str, Any]] = []  # handed in, not yet taken by the driver
+        self.sent = self.handled = 0  # events handed in / handled by the driver, counted from the start
+        self.changed = asyncio.Condition()
+
+    def begin(self, key: tuple[str, int]) -> tuple[int, str | None]:
+        """Count a new attempt of ``key``: ``(its number, the last error of the task or None)``."""
+        attempt = self.attempts.get(key, 0)
+        if key in self.running:
+            self.errors[key] = _lost(attempt)
+        self.attempts[key] = attempt + 1
+        self.running.add(key)
+        return attempt + 1, self.errors.get(key)
+
+    def fail(self, key: tuple[str, int], error: str) -> None:
+        """The running attempt of ``key`` raised ``error``."""
+        self.running.discard(key)
+        self.errors[key] = error
+
+    def tasks(self, name: str) -> dict[int, tuple[int, str | None]]:
+        """Each task of document ``name`` that began: ``index -> (attempts, last error or None)``."""
+        began = [(key, n) for key, n in self.attempts.items() if key[0] == name]
+        return {key[1]: (n, _lost(n) if key in self.running else self.errors.get(key)) for key, n in began}
+
+    async def event(self, event: dict[str, Any]) -> None:
+        """Hand a page's event to the driver; returns once the driver has handled it (``handled``)."""
+        async with self.changed:
+            self.events.append(event)
+            self.sent += 1
+            number = self.sent
+            self.changed.notify_all()
+            await self.changed.wait_for(lambda: self.handled >= number)
+
+    async def take_events(self, timeout: float) -> list[dict[str, Any]]:
+        """The events handed in since the last call, waiting up to ``timeout`` seconds for one."""
+        async with self.changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait_for(lambda: bool(self.events)), timeout)
+            events, self.events = self.events, []
+            return events
+
+    async def done(self, count: int) -> None:
+        """The driver has handled ``count`` more events (in the order taken)."""
+        async with self.changed:
+            self.handled += count
+            self.changed.notify_all()
+
+
+class _ParseTasks:
+    """The parse stage's actor (Ray Data builds the pool): one ``DocumentWorker``, pinned; a task
+    row in, its ``_Outcome`` row out (an inspection ``error`` row passes through).
+
+    Args:
+        model / options / threads: as ``DocumentWorker`` (``pin=True``).
+        ledger: the ``_Ledger`` actor.
+        attempts: the most attempts of a task (``max_retries + 1``).
+        password: as ``DocumentParser.iter_pages``.
+        events: send each parsed page's event to the ledger (the driver has an ``on_event``).
+    """
+
+    def __init__(
+        self, model: str, options: ParserOptions, threads: int, ledger: Any, attempts: int,
+        password: str | None, events: bool,
+    ) -> None:  # fmt: skip
+        import ray
+
+        self.worker = DocumentWorker(model, options, threads, pin=True)
+        self.ledger, self.attempts, self.password, self.events = ledger, attempts, password, events
+        self.actor = ray.get_runtime_context().current_actor
+        self.where = self.worker.describe()
+
+    def __call__(self, batch: Any) -> Any:
+        """A batch of task rows (``pyarrow``; one row, as ``map_batches`` is asked) to their outcomes."""
+        import pyarrow as pa
+
+        outcomes = [pickle.dumps(self._run(pickle.loads(item))) for item in batch.column(ITEM).to_pylist()]
+        return pa.table({ITEM: pa.array(outcomes, type=pa.large_binary())})
+
+    def _run(self, task: _Task | _Outcome) -> _Outcome:
+        import ray
+
+        if isinstance(task, _Outcome):
+            return task
+        key = (task.name, task.index)
+        metadata = self.worker.parser.result_metadata(task.info)
+        outcome = _Outcome(task.name, "done", task.index, task.tasks, metadata, started=task.started, actor=self.where)
+        pages = page_spec(task.tasks[task.index]) if task.tasks else ""
+        while True:
+            attempt, error = ray.get(self.ledger.begin.remote(key))
+            if attempt > self.attempts:  # the last allowed attempt failed: give up
+                return replace(outcome, kind="failed", error=error, attempts=attempt - 1)
+            if not task.tasks:  # nothing selected: the metadata block alone
+                return replace(outcome, attempts=attempt)
+            report = self._reporter(task, attempt)
+            try:
+                result = self.worker.run_task(task.data, task.trace, pages, self.password, report)
+            except Exception as exc:  # tried again here, as long as attempts are left
+                ray.get(self.ledger.fail.remote(key, _error(exc)))
+                continue
+            if "error" in result:  # unreadable input: final
+                return replace(outcome, kind="failed", error=result["error"], attempts=attempt)
+            return replace(outcome, pages=result["pages"], files=result["files"], attempts=attempt)
+
+    def _reporter(self, task: _Task, attempt: int) -> Callable[[dict[str, Any]], None] | None:
+        """What sends a page's event to the ledger (None: no driver wants events)."""
+        if not self.events:
+            return None
+
+        def report(event: dict[str, Any]) -> None:
+            import ray
+
+            ray.get(self.ledger.event.remote({**event, "document": task.name, "task": task.index,
+                                              "attempt": attempt, "actor": self.actor}))  # fmt: skip
+
+        return report
+
+
+@dataclass
+class _Document:
+    """A document the driver has heard of: its assembly (from its first result on)."""
+
+    job: _Job
+    started: float
+    assembly: DocumentAssembly | None = None
+    pending: set[int] = field(default_factory=set)  # tasks without a result yet
+    closed: bool = False  # recorded: what is left of it is dropped
+
+
+class _Runner:
+    """The driver's state: the documents, the manifest, progress."""
+
+    def __init__(self, config: BatchConfig, jobs: list[_Job], log: Callable[[str], None]) -> None:
+        self.config, self.log = config, log
+        self.jobs = {job.name: job for job in jobs}
+        self.documents: dict[str, _Document] = {}
         self.manifest = Manifest(config.output)
-        # (priority, sequence, item): tasks of started documents (0) before new documents (1)
-        self.queue: list[tuple[int, int, _Job | _Task]] = []
-        self.sequence = itertools.count()
-        self.changed = threading.Condition()
-        self.unfinished = len(jobs)  # documents not yet recorded: a thread waits for their tasks
-        for job in jobs:
-            self._push(1, job)
         self.progress = _Progress(len(jobs), log, config.quiet)
         self.records: list[Record] = []
-        self.stopping = threading.Event()  # set when the driver is interrupted
+        self.actors: set[tuple[str, str | None]] = set()  # (host, cpus) of the actors seen
 
-    def _push(self, priority: int, item: _Job | _Task) -> None:
-        with self.changed:
-            heapq.heappush(self.queue, (priority, next(self.sequence), item))
-            self.changed.notify_all()
-
-    def _next(self) -> _Job | _Task | None:
-        """The next item; None when every document is recorded (or the run is interrupted)."""
-        with self.changed:
-            while not self.stopping.is_set():
-                if self.queue:
-                    return heapq.heappop(self.queue)[2]
-                if self.unfinished == 0:
-                    return None
-                self.changed.wait(timeout=0.5)  # another thread's document may add tasks
-            return None
-
-    def drive(self, actor: Any) -> None:
-        while (item := self._next()) is not None:
-            try:
-                if isinstance(item, _Job):
-                    self._start(actor, item)
-                else:
-                    self._run(actor, item)
-            except Exception as exc:  # e.g. OSError writing OUTPUT: the document is recorded, never lost
-                job = item if isinstance(item, _Job) else item.document.job
-                record = Record(job.source.location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0)
-                self._close(None if isinstance(item, _Job) else item.document, record)
-
-    def _close(self, document: _Document | None, record: Record) -> None:
-        """Record a document once (``document`` None: it never started, nothing else records it)."""
-        with self.changed:
-            if document is not None:
-                if document.closed:
-                    return
-                document.closed = True
-        self._record(record)
-
-    def _record(self, record: Record) -> None:
-        """A document's end: its manifest line (none once interrupted: it is left to --resume)."""
-        if not self.stopping.is_set():
-            try:
-                self.manifest.append(record)
-            except OSError as exc:
-                self.log(f"{record.document}: cannot write the manifest ({exc}); record: {record}")
-            self.progress.document(record)
-        with self.changed:
-            self.records.append(record)
-            self.unfinished -= 1
-            self.changed.notify_all()
-
-    def _trace(self, job: _Job) -> Trace | None:
-        if self.config.replay is None:
-            return None
-        return load_trace(self.config.replay / f"{job.name}.json")
-
-    def _start(self, actor: Any, job: _Job) -> None:
-        """Inspect a new document on ``actor`` and queue its tasks."""
-        import ray
-
-        start = time.perf_counter()
-        location = job.source.location
-        try:  # a URI document is read by its actors; a local one here (the nodes share no file system)
-            data: Any = job.source if job.source.filesystem is not None else ray.put(job.source.read())
-            trace = self._trace(job)
-        except MineruFastError as exc:
-            return self._close(None, Record(location, job.name, "error", 0, f"{type(exc).__name__}: {exc}", 1, 0.0))
-        error = ""
-        for attempt in range(1, self.config.max_retries + 2):
-            try:
-                _wait_alive(actor)
-                info = ray.get(actor.inspect.remote(job.name, data, self.config.pages, self.config.password))
-                break
-            except ray.exceptions.RayError as exc:
-                error = _error(exc)
-                self.log(f"{location}: inspection, attempt {attempt} failed ({error})")
-        else:
-            return self._close(None, Record(location, job.name, "error", 0, error, attempt, 0.0))
-        if "error" in info:  # unreadable input: final
-            return self._close(None, Record(location, job.name, "error", 0, info["error"], attempt, 0.0))
-        tasks = split_pages(info["pages"], self.config.pages_per_task)
-        assembly = DocumentAssembly(self.config.output, job.name, tasks, info["metadata"], self.config.confidence)
-        document = _Document(job, data, trace, assembly, start)
-        if not tasks:  # nothing selected: written at once (an empty document, as parse writes it)
-            return self._finish(document)
-        for index in range(len(tasks)):
-            self._push(0, _Task(document, index))
-
-    def _run(self, actor: Any, task: _Task) -> None:
-        """Run one task on ``actor``, retried up to ``max_retries`` more times; hand its outcome on."""
-        import ray
-
-        document, assembly = task.document, task.document.assembly
-        if document.closed:  # recorded as error already (a task of it could not be handled)
+    def take(self, outcome: _Outcome) -> None:
+        """One result row (see ``_Outcome``)."""
+        job = self.jobs[outcome.name]
+        document = self.documents.setdefault(outcome.name, _Document(job, outcome.started))
+        if document.closed:
             return
-        spec = page_spec(assembly.tasks[task.index])
-        location = document.job.source.location
-        error, final = "", False
-        for attempt in range(1, self.config.max_retries + 2):
-            staged = assembly.staging(task.index, attempt)
-            pages = []
-            try:
-                _wait_alive(actor)
-                method = actor.parse.options(num_returns="streaming", _generator_backpressure_num_objects=BACKPRESSURE)
-                for ref in method.remote(document.data, document.trace, spec, self.config.password):
-                    event = ray.get(ref)
-                    if self.on_event is not None:
-                        self.on_event({**event, "files": None, "page": None, "document": document.job.name,
-                                       "task": task.index, "attempt": attempt, "actor": actor})  # fmt: skip
-                    if event["kind"] == "page":
-                        _write_files(staged, event["files"])
-                        pages.append(event["page"])
-                    elif event["kind"] == "error":  # unreadable input: final
-                        error, final = event["error"], True
-                        break
-                    else:
-                        for _ in pages:
-                            self.progress.page()
-                        if assembly.complete(task.index, pages, staged, attempt):
-                            self._finish(document)
-                        return
-                else:
-                    error = "the actor ended the task without a result"
-            except ray.exceptions.RayError as exc:
-                error = _error(exc)
-                self.log(f"{location}: pages {spec}, attempt {attempt} failed ({error})")
-            except Exception as exc:  # e.g. OSError writing OUTPUT: the task fails, recorded, never lost
-                error, final = f"{type(exc).__name__}: {exc}", True
-            shutil.rmtree(staged, ignore_errors=True)
-            if final:
-                break
-        if assembly.fail(task.index, error, attempt):
+        try:
+            self._take(document, outcome)
+        except Exception as exc:  # e.g. OSError writing OUTPUT: the document is recorded, never lost
+            self._close(document, Record(job.source.location, job.name, "error", 0, _error(exc), 1, 0.0))
+
+    def _take(self, document: _Document, outcome: _Outcome) -> None:
+        job = document.job
+        if outcome.kind == "error":
+            record = Record(job.source.location, job.name, "error", 0, outcome.error, outcome.attempts, 0.0)
+            return self._close(document, record)
+        self._note_actor(outcome.actor)
+        if document.assembly is None:
+            assert outcome.metadata is not None  # a task's outcome has it
+            document.assembly = DocumentAssembly(self.config.output, job.name, outcome.tasks, outcome.metadata,
+                                                 self.config.confidence)  # fmt: skip
+            document.pending = set(range(len(outcome.tasks)))
+            if not outcome.tasks:  # nothing selected: written at once (an empty document, as parse writes it)
+                return self._finish(document)
+        assembly = document.assembly
+        document.pending.discard(outcome.index)
+        if outcome.kind == "done":
+            staged = assembly.staging(outcome.index, outcome.attempts)
+            _write_files(staged, outcome.files)
+            for _ in outcome.pages:
+                self.progress.page()
+            last = assembly.complete(outcome.index, outcome.pages, staged, outcome.attempts)
+        else:
+            location = job.source.location
+            self.log(f"{location}: pages {page_spec(outcome.tasks[outcome.index])} failed ({outcome.error})")
+            last = assembly.fail(outcome.index, outcome.error or "", outcome.attempts)
+        if last:
             self._finish(document)
+
+    def _note_actor(self, actor: dict[str, Any] | None) -> None:
+        """Log each actor's place the first time one of its results comes in."""
+        if actor is None or (actor["host"], actor["cpus"]) in self.actors:
+            return
+        self.actors.add((actor["host"], actor["cpus"]))
+        pinned = f": pinned to CPUs {actor['cpus']} (NUMA node {actor['node']})" if actor["cpus"] is not None else ""
+        self.log(f"an actor on {actor['host']}{pinned}")
+
+    def lost(self, ledger: Any) -> None:
+        """After the dataset: the documents and tasks Ray gave up on (no result row) end as failed."""
+        import ray
+
+        for name, job in self.jobs.items():
+            document = self.documents.setdefault(name, _Document(job, time.time()))
+            if document.closed:
+                continue
+            began = ray.get(ledger.tasks.remote(name))
+            if document.assembly is None:  # no task of it came back, or its inspection was lost
+                attempts = max((n for n, _ in began.values()), default=1)
+                errors = [e for _, e in began.values() if e]
+                error = errors[-1] if errors else "no result: Ray Data gave up on it (its log has the error)"
+                self._close(document, Record(job.source.location, name, "error", 0, error, attempts, 0.0))
+                continue
+            for index in sorted(document.pending):
+                attempts, error = began.get(index, (0, None))
+                error = error or f"no result after {attempts} attempt(s): Ray Data gave up on it (see its log)"
+                lost = _Outcome(name, "failed", index, document.assembly.tasks, error=error, attempts=max(attempts, 1))
+                self.take(lost)
+
+    def _close(self, document: _Document, record: Record) -> None:
+        """Record a document once: its manifest line, progress."""
+        if document.closed:
+            return
+        document.closed = True
+        try:
+            self.manifest.append(record)
+        except OSError as exc:
+            self.log(f"{record.document}: cannot write the manifest ({exc}); record: {record}")
+        self.progress.document(record)
+        self.records.append(record)
 
     def _finish(self, document: _Document) -> None:
         """Every task is in: publish the outputs (or drop them when nothing parsed) and record."""
         assembly, job = document.assembly, document.job
-        if document.closed:  # recorded as error meanwhile: its folder goes with OUTPUT/.partial
-            return
-        wall = round(time.perf_counter() - document.start, 3)
+        assert assembly is not None
+        wall = round(time.time() - document.started, 3)
         if assembly.all_failed:
             assembly.discard()
             record = Record(job.source.location, job.name, "error", 0, assembly.error, assembly.attempts, wall)
@@ -370,25 +538,6 @@ def _write_files(folder: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def _wait_alive(actor: Any) -> None:
-    """Wait until a restarting actor answers again (calls made while it restarts fail at once).
-
-    Raises:
-        ray.exceptions.RayError: it died for good, or is still unavailable after ``RESTART_TIMEOUT_S``.
-    """
-    import ray
-
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while True:
-        try:
-            ray.get(actor.describe.remote(), timeout=RESTART_TIMEOUT_S)
-            return
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
 def _cores_per_actor(config: BatchConfig) -> int:
     import ray
 
@@ -396,6 +545,69 @@ def _cores_per_actor(config: BatchConfig) -> int:
         return config.cores_per_actor
     per_node = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]]
     return max(1, min((c for c in per_node if c > 0), default=1))
+
+
+def _local(job: _Job) -> _Job:
+    """A local input with an absolute path: the inspection task runs in another directory."""
+    if job.source.filesystem is not None:
+        return job
+    return replace(job, source=replace(job.source, path=str(Path(job.source.path).absolute())))
+
+
+def _pipeline(config: BatchConfig, jobs: list[_Job], actors: int, cores: int, ledger: Any, events: bool) -> Any:
+    """The dataset of result rows (see the module docstring); built under the run's ``DataContext``."""
+    import ray
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
+
+    here = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+    replay = config.replay.absolute() if config.replay is not None else None
+    documents = ray.data.from_items([_row(_local(job)) for job in jobs], override_num_blocks=len(jobs))
+    pages, password, per_task = config.pages, config.password, config.pages_per_task
+
+    def inspect(row: dict[str, Any]) -> list[dict[str, Any]]:
+        return _inspect(row, replay, pages, password, per_task)
+
+    tasks = documents.flat_map(
+        inspect,
+        num_cpus=0,
+        compute=TaskPoolStrategy(size=min(actors, len(jobs))),  # inspections at once
+        label_selector=here,
+    )
+    with warnings.catch_warnings():  # Ray 2.60 names no parameter for max_task_retries yet
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return tasks.map_batches(
+            _ParseTasks,
+            batch_size=1,
+            batch_format="pyarrow",
+            fn_constructor_kwargs={
+                "model": config.model,
+                "options": config.options,
+                "threads": cores,
+                "ledger": ledger,
+                "attempts": config.max_retries + 1,
+                "password": config.password,
+                "events": events,
+            },
+            compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
+            num_cpus=cores,
+            max_task_retries=config.max_retries + 1,  # the last one only returns the task's failure
+        )
+
+
+def _context() -> Any:
+    """The ``DataContext`` of a run: the current one, changed as the module docstring says."""
+    from ray.data import DataContext
+
+    with warnings.catch_warnings():  # the copy sets Ray's deprecated fields too, each with a warning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        context = DataContext.get_current().copy()
+    context.target_max_block_size = 1  # a block per row: every task is its own actor call
+    context.max_errored_blocks = -1  # a task Ray gives up on is logged and left out, not the end of the run
+    context.execution_options.preserve_order = False  # results as they complete
+    context.enable_progress_bars = False  # the driver logs a line per document
+    context.print_on_execution_start = False
+    context.enable_auto_log_stats = False
+    return context
 
 
 def run_batch(
@@ -410,21 +622,26 @@ def run_batch(
 
     Args:
         config: inputs, output, model and cluster layout.
-        log: receives progress and retry lines.
-        on_event: called in the driver with each actor event (``files`` left out) plus
-            ``document``, ``attempt`` and ``actor`` (the actor handle); tests use it to kill actors.
+        log: receives progress and failure lines.
+        on_event: called in the driver (from a thread of its own) with each page an actor parsed:
+            ``{"kind": "page", "index", "status", "files": None, "page": None}`` plus ``document``,
+            ``task``, ``attempt`` and ``actor`` (the actor handle); the actor goes on once it has
+            returned. Tests use it to kill actors at a known page.
 
     Returns:
         The ``BatchSummary``; every input ends in the manifest, parsed or with its error.
 
     Raises:
         BatchError: no inputs, clashing output names, ``max_retries`` < 0, ``pages_per_task`` < 1,
-            or actors that fail to start (e.g. a wrong model path).
+            or a pipeline that Ray Data stopped (e.g. actors that fail to load: a wrong model path);
+            the documents recorded until then stay recorded.
         SourceError: an input that does not exist, or a URI that cannot be listed.
         RayDependencyError: Ray is not installed.
     """
     require_ray()
     import ray
+    from ray.data import DataContext
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if config.max_retries < 0:
         raise BatchError(f"--max-retries must be >= 0, got {config.max_retries}")
@@ -454,31 +671,52 @@ def run_batch(
         cores = _cores_per_actor(config)
         count = config.actors or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
         log(f"{len(jobs)} document(s) on {count} actor(s) x {cores} core(s)")
-        remote: Any = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=0)(DocumentWorker)
-        actors: list[Any] = [remote.remote(config.model, config.options, cores, pin=True) for _ in range(count)]
-        runner = _Runner(config, jobs, log, on_event)
+        node = ray.get_runtime_context().get_node_id()
+        ledger: Any = ray.remote(num_cpus=0)(_Ledger).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote()  # fmt: skip
+        runner = _Runner(config, jobs, log)
+        stop = threading.Event()
+        watcher = None
+        if on_event is not None:
+            watcher = threading.Thread(
+                target=_watch, args=(ledger, on_event, log, stop), name="batch-events", daemon=True
+            )
+            watcher.start()
         try:
-            try:
-                hosts = ray.get([a.describe.remote() for a in actors])
-            except ray.exceptions.RayError as exc:
-                raise BatchError(f"the parser actors failed to start: {exc}") from exc
-            log("actors on " + ", ".join(sorted({h["host"] for h in hosts})))
-            for n, h in enumerate(hosts):
-                if h["cpus"] is not None:
-                    log(f"actor {n} on {h['host']}: pinned to CPUs {h['cpus']} (NUMA node {h['node']})")
-            threads = [threading.Thread(target=runner.drive, args=(a,), name=f"batch-{n}", daemon=True)
-                       for n, a in enumerate(actors)]  # fmt: skip
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(timeout=0.5)  # wakes for Ctrl-C
+            with DataContext.current(_context()):
+                results = _pipeline(config, jobs, count, cores, ledger, on_event is not None)
+                try:
+                    for row in results.iter_rows():
+                        runner.take(_item(row))
+                except ray.exceptions.RayError as exc:
+                    raise BatchError(f"Ray Data stopped the batch ({len(runner.records)} of {len(jobs)} "
+                                     f"document(s) recorded): {_error(exc)}") from exc  # fmt: skip
+            runner.lost(ledger)
         finally:
-            runner.stopping.set()  # on an interrupt, no record is written for what is left
-            for a in actors:
-                ray.kill(a)
+            stop.set()
+            if watcher is not None:
+                watcher.join()
+            ray.kill(ledger)
     finally:
         if started:
             ray.shutdown()
     shutil.rmtree(config.output / PARTIAL, ignore_errors=True)
     return BatchSummary(runner.records, skipped, time.perf_counter() - start, count)
+
+
+def _watch(
+    ledger: Any, on_event: Callable[[dict[str, Any]], None], log: Callable[[str], None], stop: threading.Event
+) -> None:
+    """Hand the actors' page events to ``on_event`` (each actor waits for it) until ``stop``."""
+    import ray
+
+    while not stop.is_set():
+        events = ray.get(ledger.take_events.remote(WATCH_WAIT_S))
+        for event in events:
+            try:
+                on_event(event)
+            except Exception as exc:  # the actor waits for the event all the same
+                log(f"on_event raised {_error(exc)}")
+        if events:
+            ledger.done.remote(len(events))

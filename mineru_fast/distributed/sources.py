@@ -2,17 +2,18 @@
 
 A local input is a file, a directory (its files with a document or image suffix, recursively:
 ``cli_options.expand_inputs``) or a glob (``*``, ``?``, ``[...]``, ``**``; quoted, so that the
-shell leaves it alone). The driver reads a local file and sends its bytes to an actor, so the
-nodes need no shared file system.
+shell leaves it alone). A local file is read on the driver's machine (by a Ray Data inspection
+task placed there) and its bytes travel to the actors, so the nodes need no shared file system.
 
 A URI input (``scheme://...``) is opened with ``pyarrow.fs.FileSystem.from_uri``: whatever
 pyarrow supports (``file://``, ``s3://``, ``gs://``, ``hdfs://``, with their query options). It
 names a file, a directory (listed recursively with ``FileSelector``, files with a document or image
 suffix) or a glob whose ``*`` matches within one path segment (the only wildcard: ``?`` starts a
 URI's query and ``[`` is not allowed in one). A URI
-document is read by the actor that parses it (the ``Source`` carries the pyarrow filesystem, which
-pickles), so its bytes never pass through the driver; every node must reach the store (for
-``file://``: the same path on every node, e.g. a shared mount).
+document is read where it is inspected and again by each actor that parses a task of it (the
+``Source`` carries the pyarrow filesystem, which pickles), so its bytes never travel through Ray;
+every node must reach the store (for ``file://``: the same path on every node, e.g. a shared
+mount).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class Source:
     Attributes:
         location: what the manifest shows: the local path as given, or the file's URI.
         path: the local path, or the file's path within ``filesystem``.
-        filesystem: the ``pyarrow.fs.FileSystem`` of a URI input (the actor reads the file); None
-            for a local file (the driver reads it and sends the bytes).
+        filesystem: the ``pyarrow.fs.FileSystem`` of a URI input (the actors read the file); None
+            for a local file (read on the driver's machine, its bytes sent to the actors).
     """
 
     location: str

@@ -1,15 +1,18 @@
-"""``DocumentWorker``: the body of a batch actor. It holds one ``DocumentParser`` and parses the
-pages of a document it gets as bytes, or as the ``Source`` of a URI input that it reads itself.
-It writes each page's images (crops, layout overlay) into a temporary directory of its own and
-streams them back as bytes with the page, so no file system needs to be shared between the machines
-of a cluster; the driver assembles the document's Markdown, content list and JSON from the pages
-(``assembly``).
+"""The parsing side of ``mineru-fast batch``, without Ray (testable alone).
 
-``inspect`` comes first: the pages a document's selection holds and its result's metadata block.
-Then ``parse`` runs the pages of one task (the whole selection, or a part of it) and yields, in
-order, one ``{"kind": "page", "index", "status", "page", "files"}`` per page (``page``: the
-``Page`` without its images; ``files``: relative path -> bytes), then ``{"kind": "done"}``; a
-document that cannot be read at all yields ``{"kind": "error", "error"}`` instead.
+``inspect_document`` is the CPU step that comes first (a Ray Data task in ``batch``): which pages a
+document's selection holds (its ``InputInfo``), from the document's bytes, or from the ``Source``
+of a URI input that it reads itself.
+
+``DocumentWorker`` is the body of a batch actor: it holds one ``DocumentParser`` and parses the
+pages of a document. It writes each page's images (crops, layout overlay) into a temporary
+directory of its own and hands them back as bytes with the page, so no file system needs to be
+shared between the machines of a cluster; the driver assembles the document's Markdown, content
+list and JSON from the pages (``assembly``). ``parse`` runs the pages of one task (the whole
+selection, or a part of it) and yields, in order, one ``{"kind": "page", "index", "status",
+"page", "files"}`` per page (``page``: the ``Page`` without its images; ``files``: relative path ->
+bytes), then ``{"kind": "done"}``; a document that cannot be read at all yields ``{"kind":
+"error", "error"}`` instead. ``run_task`` gathers those events into the task's one result.
 """
 
 from __future__ import annotations
@@ -17,18 +20,19 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..cpu import format_cpulist
 from ..errors import InputError, TraceError
+from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace
 from .sources import Source
 
-__all__ = ["DocumentWorker"]
+__all__ = ["DocumentWorker", "inspect_document"]
 
 
 def _take_files(root: Path) -> dict[str, bytes]:
@@ -38,6 +42,28 @@ def _take_files(root: Path) -> dict[str, bytes]:
         files[path.relative_to(root).as_posix()] = path.read_bytes()
         path.unlink()
     return files
+
+
+def inspect_document(
+    name: str, data: bytes | Source, pages: str | None = None, password: str | None = None
+) -> InputInfo:
+    """What the driver needs before it splits a document into tasks (no parser needed).
+
+    Args:
+        name: the output stem (the metadata block names the document by it, as ``parse`` does).
+        data: the document's bytes, or the ``Source`` of a URI input (read here).
+        pages / password: as ``DocumentParser.iter_pages`` (the document's whole selection).
+
+    Returns:
+        The document's ``InputInfo`` named ``name``: ``pages`` holds the 0-based indices selected.
+
+    Raises:
+        InputError: the document cannot be read (``SourceError`` included).
+    """
+    from ..inputs import open_document
+
+    with open_document(_read(data), pages=pages, password=password) as opened:
+        return replace(InputInfo.from_opened(opened), name=name)
 
 
 class DocumentWorker:
@@ -74,30 +100,6 @@ class DocumentWorker:
         cpus = format_cpulist(group.cpus) if group is not None else None
         return {"host": socket.gethostname(), "threads": self.threads, "cpus": cpus,
                 "node": group.node if group is not None else None}  # fmt: skip
-
-    def inspect(
-        self, name: str, data: bytes | Source, pages: str | None = None, password: str | None = None
-    ) -> dict[str, Any]:
-        """What the driver needs before it splits a document into tasks.
-
-        Args:
-            name: the output stem (the metadata block names the document by it, as ``parse`` does).
-            data: the document's bytes, or the ``Source`` of a URI input (read here).
-            pages / password: as ``DocumentParser.iter_pages`` (the document's whole selection).
-
-        Returns:
-            ``{"pages": [0-based indices selected], "metadata": the result's metadata block}``, or
-            ``{"error": "Type: message"}`` when the document cannot be read (``InputError``).
-        """
-        from ..inputs import open_document
-        from ..metadata import InputInfo
-
-        try:
-            with open_document(_read(data), pages=pages, password=password) as opened:
-                info = replace(InputInfo.from_opened(opened), name=name)
-        except InputError as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        return {"pages": list(info.pages), "metadata": self.parser.result_metadata(info)}
 
     def parse(
         self,
@@ -136,6 +138,36 @@ class DocumentWorker:
             yield {"kind": "done"}
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+    def run_task(
+        self,
+        data: bytes | Source,
+        trace: Trace | None = None,
+        pages: str | None = None,
+        password: str | None = None,
+        on_page: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Parse the pages of one task and gather them into one result.
+
+        Args:
+            data / trace / pages / password: as ``parse``.
+            on_page: called with each ``page`` event as it is parsed (``files`` and ``page`` left out).
+
+        Returns:
+            ``{"pages": [Page, ...], "files": {relative path: bytes}}`` (the pages in order), or
+            ``{"error": "Type: message"}`` when the document cannot be read.
+        """
+        gathered: list[Any] = []
+        files: dict[str, bytes] = {}
+        for event in self.parse(data, trace, pages, password):
+            if event["kind"] == "error":
+                return {"error": event["error"]}
+            if event["kind"] == "page":
+                gathered.append(event["page"])
+                files.update(event["files"])
+                if on_page is not None:
+                    on_page({**event, "files": None, "page": None})
+        return {"pages": gathered, "files": files}
 
 
 def _read(data: bytes | Source) -> bytes:
