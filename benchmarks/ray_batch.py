@@ -4,7 +4,7 @@
 
 Writes ``--documents`` synthetic PDFs of ``--pages`` pages with replay traces (every run does the
 same work whatever the weights), then parses them with 1 and 2 workers of 1 core each: ``launch``
-(pinned ``parse`` processes, inputs dealt round-robin) and ``batch`` (Ray actors, a shared queue).
+(pinned ``parse`` processes, inputs dealt round-robin) and ``batch`` (a Ray Data actor pool).
 Both walls are end to end (workers start, load the model, parse, write); Ray's own start-up is
 timed apart. Ray's per-document overhead, without start-up and model load: the mean time a
 document takes in ``batch`` with 1 actor (from sending its bytes to its folder renamed into place,

@@ -297,3 +297,37 @@ def test_a_reparse_split_into_tasks_keeps_every_tasks_outputs_and_only_those(tin
         "layout/page_0001.png", "layout/page_0002.png", "layout/page_0003.png",
     ]  # fmt: skip
     assert tree == output_tree(tmp_path / "whole" / "doc")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+def test_batch_without_an_address_starts_its_own_local_ray_and_checks_the_model_first(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Without ``--ray-address``, a Ray found through ``RAY_ADDRESS`` (or a running ``ray start``)
+    is not joined: ``ray.init`` gets ``address="local"`` (joining with ``num_cpus`` raised in Ray);
+    a model directory that does not exist fails before Ray starts, with the model's own error."""
+    import ray
+
+    from mineru_fast.distributed.batch import BatchConfig, run_batch
+    from mineru_fast.errors import ModelLoadError
+
+    (tmp_path / "in").mkdir()
+    text_page().save(tmp_path / "in" / "page.png")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    calls: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ModelLoadError, match="no such model directory"):
+        run_batch(BatchConfig([tmp_path / "in"], tmp_path / "out", str(tmp_path / "nosuch")), log=lambda line: None)
+    assert calls == []
+    with pytest.raises(Stop):
+        run_batch(BatchConfig([tmp_path / "in"], tmp_path / "out", str(tiny_model)), log=lambda line: None)
+    assert len(calls) == 1 and calls[0]["address"] == "local" and calls[0]["num_cpus"] >= 1

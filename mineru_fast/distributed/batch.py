@@ -58,6 +58,7 @@ from typing import Any
 from ..cli_options import output_clashes
 from ..document import Page
 from ..errors import MineruFastError
+from ..hub import resolve_model_info
 from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
@@ -636,6 +637,8 @@ def run_batch(
             or a pipeline that Ray Data stopped (e.g. actors that fail to load: a wrong model path);
             the documents recorded until then stay recorded.
         SourceError: an input that does not exist, or a URI that cannot be listed.
+        ModelLoadError: without ``address``, a model this machine cannot load (checked before Ray
+            starts).
         RayDependencyError: Ray is not installed.
     """
     require_ray()
@@ -658,12 +661,17 @@ def run_batch(
     start = time.perf_counter()
     if not jobs:
         return BatchSummary([], skipped, 0.0, 0)
+    if config.address is None:  # the actors run here: a model they cannot load fails now, not in each actor
+        resolve_model_info(config.model)
     started = False
     if not ray.is_initialized():
         if config.address is None:
             from ..cpu import read_topology
 
-            ray.init(num_cpus=read_topology().usable_cores, include_dashboard=False, log_to_driver=False)
+            # "local": a new Ray of this machine's cores, never a cluster found through RAY_ADDRESS
+            # or a running `ray start` (joining one with num_cpus set is an error in Ray)
+            ray.init(address="local", num_cpus=read_topology().usable_cores, include_dashboard=False,
+                     log_to_driver=False)  # fmt: skip
         else:
             ray.init(address=config.address, log_to_driver=False)
         started = True

@@ -178,7 +178,7 @@ def run(
     import ray
 
     if address is None:
-        ray.init(include_dashboard=False)
+        ray.init(address="local", include_dashboard=False)  # a new local Ray, never one found via RAY_ADDRESS
     else:
         ray.init(address=address)
     serve.start(http_options={"host": config.host, "port": config.port})
