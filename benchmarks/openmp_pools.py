@@ -1,60 +1,61 @@
 """What a second OpenMP pool costs the engine's thread (see ``mineru_fast.threads``).
 
-    python benchmarks/openmp_pools.py [--threads N] [--repeats R]
+    python benchmarks/openmp_pools.py [--model DIR] [--threads N] [--tokens T]
 
-Runs the same torch work (an MLP-shaped mix of GEMMs and elementwise ops, ``[256, 1280]`` rows)
-in a new thread twice: first while no other thread of the process has an OpenMP pool, then after
-the main thread has run one parallel op (so its pool exists, as it did when the engine was loaded
-in the caller's thread). Prints both times and their ratio. The run alone can only come first
-(the main thread's pool lasts as long as the process); run the script twice to see the drift
-between runs, which should be well under the effect.
+Loads a parser (the build leaves the calling thread without an OpenMP pool), then decodes the same
+replayed text request of ``--tokens`` tokens through the engine three times: with the engine
+thread's pool the only one, after the main thread has run multi-threaded GEMMs for a few seconds
+(its pool then lives as long as the process), and once more. Prints the decode seconds of each
+run and the ratio. Default model: a tiny synthetic one (made here); the effect shows best on the
+full-size model, whose decode step is many short parallel ops.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import threading
+import tempfile
 import time
-
-import torch
-
-
-def work(steps: int) -> float:
-    """Seconds for ``steps`` rounds of ``[256, 1280] @ [1280, 1280]`` + bias + ReLU."""
-    a, w = torch.randn(256, 1280), torch.randn(1280, 1280)
-    start = time.perf_counter()
-    for _ in range(steps):
-        (a @ w).add_(1.0).relu_()
-    return time.perf_counter() - start
-
-
-def in_thread(threads: int, steps: int) -> float:
-    out: list[float] = []
-
-    def run() -> None:
-        torch.set_num_threads(threads)
-        out.append(work(steps))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return out[0]
+from pathlib import Path
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=400)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    alone = [in_thread(args.threads, args.steps)]  # before the main thread has any pool
-    torch.ones(4_000_000).add(1.0)  # the main thread's pool now exists, for the rest of the process
-    beside = [in_thread(args.threads, args.steps) for _ in range(args.repeats)]
-    result = {"threads": args.threads, "steps": args.steps, "alone_s": alone, "beside_main_pool_s": beside,
-              "ratio": min(beside) / alone[0]}  # fmt: skip
-    print(json.dumps(result))
+
+    import torch
+    from PIL import Image
+
+    from mineru_fast import DocumentParser, ParserOptions
+    from mineru_fast.engine.base import GenerationRequest
+    from mineru_fast.protocol import SamplingParams, prompt_for
+    from mineru_fast.synthetic import make_synthetic_model
+
+    model = args.model or make_synthetic_model(Path(tempfile.mkdtemp()) / "tiny", size="tiny", seed=0)
+    parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=args.threads))
+    text = " ".join(str(i) for i in range(args.tokens))  # about two tokens a number: cut by the bound
+    request = GenerationRequest(
+        Image.new("RGB", (448, 112), "white"), prompt_for("text"),
+        SamplingParams(max_new_tokens=args.tokens, min_new_tokens=args.tokens), forced_text=text,
+    )  # fmt: skip
+
+    def decode_seconds() -> float:
+        result = parser.engine.submit(request).result()
+        return result.decode_s
+
+    decode_seconds()  # warm-up
+    alone = decode_seconds()
+    a, w = torch.randn(256, 1280), torch.randn(1280, 1280)
+    start = time.perf_counter()
+    while time.perf_counter() - start < 3.0:  # the main thread's pool, busy for a while
+        (a @ w).relu_()
+    beside = [decode_seconds(), decode_seconds()]
+    parser.close()
+    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "decode_s_alone": alone,
+                      "decode_s_beside_main_pool": beside, "ratio": min(beside) / alone}))  # fmt: skip
     return 0
 
 
