@@ -20,10 +20,12 @@ A variable the user set is never changed; the plan records it as kept, and the l
 One thread runs the engine's multi-threaded torch work: GNU OpenMP gives every thread that starts
 a parallel region its own worker pool, and once the pools' threads outnumber the CPUs, every pool
 stops spinning between regions (``gomp_throttled_spin_count_var``) and parks its workers in the
-kernel after each op instead. Measured on 2 cores (full-size vision encoder over 16 crops): 21.2 s
-in a process with one pool, 23.4-25.5 s in the engine thread once the loading thread also had a
-pool. So the engine is built in a thread that exits afterwards (``in_fresh_thread``, its pool goes
-with it) and other threads' torch work runs single-threaded (``one_torch_thread``): no pool there.
+kernel after each op instead. Measured on 2 cores, full-size model, each pair in one process: the
+vision encoder over 16 crops took 21.8 s in a second thread holding the only pool, 24.2 s once the
+main thread had a pool too; the engine decoded 400 replayed tokens in 10.1 s, then 11.7-12.9 s
+(``benchmarks/openmp_pools.py``). So the engine is built in a thread that exits afterwards
+(``in_fresh_thread``, its pool goes with it) and other threads' torch work runs single-threaded
+(``one_torch_thread``): no pool there.
 """
 
 from __future__ import annotations
