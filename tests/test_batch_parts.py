@@ -189,6 +189,8 @@ def test_file_uris_list_folders_globs_and_files_through_pyarrow(tree_of_inputs):
     assert all(type(s.filesystem).__name__ == "LocalFileSystem" for s in folder)  # read by the actor
     assert [s.location for s in list_sources([f"{base}/*.pdf"])] == [f"{base}/a.pdf"]  # * stays in its folder
     assert [s.stem for s in list_sources([f"{base}/*/*.pdf"])] == ["c", "d e"]
+    assert [s.stem for s in list_sources([f"{base}/**/*.pdf"])] == ["a", "c", "d e"]  # as a local ** glob
+    assert [s.stem for s in list_sources([f"{base}/**/c.pdf"])] == ["c"]
     assert [s.stem for s in list_sources([f"{base}/sub/d%20e.pdf"])] == ["d e"]  # URI escapes decoded
     assert folder[0].read() == (root / "a.pdf").read_bytes()
 

@@ -8,7 +8,8 @@ task placed there) and its bytes travel to the actors, so the nodes need no shar
 A URI input (``scheme://...``) is opened with ``pyarrow.fs.FileSystem.from_uri``: whatever
 pyarrow supports (``file://``, ``s3://``, ``gs://``, ``hdfs://``, with their query options). It
 names a file, a directory (listed recursively with ``FileSelector``, files with a document or image
-suffix) or a glob whose ``*`` matches within one path segment (the only wildcard: ``?`` starts a
+suffix) or a glob whose ``*`` matches within one path segment and whose ``**`` segment matches any
+number of segments, none included, as in a local recursive glob (the only wildcards: ``?`` starts a
 URI's query and ``[`` is not allowed in one). A URI
 document is read where it is inspected and again by each actor that parses a task of it (the
 ``Source`` carries the pyarrow filesystem, which pickles), so its bytes never travel through Ray;
@@ -90,10 +91,19 @@ def _uri_of(uri: str, path: str) -> str:
 
 
 def _matches(path: str, pattern: str) -> bool:
-    """``path`` matches ``pattern`` segment by segment, ``*`` its only wildcard (never crossing ``/``)."""
+    """``path`` matches ``pattern`` segment by segment: ``*`` within one segment, a ``**`` segment
+    any number of whole segments (none included); no other wildcard."""
     parts, wanted = path.strip("/").split("/"), pattern.strip("/").split("/")
     literal = [w.replace("[", "[[]").replace("?", "[?]") for w in wanted]  # fnmatch's other wildcards
-    return len(parts) == len(literal) and all(fnmatchcase(p, w) for p, w in zip(parts, literal, strict=True))
+    return _match_segments(parts, literal)
+
+
+def _match_segments(parts: list[str], wanted: list[str]) -> bool:
+    if not wanted:
+        return not parts
+    if wanted[0] == "**":
+        return any(_match_segments(parts[i:], wanted[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatchcase(parts[0], wanted[0]) and _match_segments(parts[1:], wanted[1:])
 
 
 def _list_uri(uri: str) -> list[Source]:
