@@ -119,7 +119,7 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--actors", type=positive_int, help="parser actors (default: cluster CPUs / --cores-per-actor)")
     p.add_argument("--cores-per-actor", type=positive_int, help="CPUs and threads per actor (default: smallest node's)")
     p.add_argument("--resume", action="store_true", help="skip documents complete in OUTPUT/manifest.jsonl")
-    p.add_argument("--max-retries", type=int, default=2, help="further attempts of a page-range task, whatever ended the last one (2)")
+    p.add_argument("--max-retries", type=int, default=2, help="more attempts of a task after any failed one (2)")
     p.add_argument(
         "--pages-per-task",
         type=positive_int,
