@@ -110,6 +110,35 @@ def test_fast_logits_match_reference(fast_engine, reference_engine):
         assert torch.allclose(logits, reference[step], atol=1e-3, rtol=0), step
 
 
+def test_each_decode_row_attends_to_its_own_length_only(fast_engine):
+    """A decode step over slots of different lengths: each row's logits equal the same token fed
+    to its slot alone through the prefill path (a one-token chunk at that position, masked causal
+    attention over the cache). The slots first held a longer sequence, so a row that read past its
+    own length would attend to stale keys.
+
+    Tolerance: 1e-3 absolute on logits of magnitude ~10-40, as in the reference comparison above
+    (same math, different kernels and batch shapes: ~1e-5); stale keys move them by units.
+    """
+    lm = fast_engine.lm
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 40, 17, 29]
+    tokens = torch.randint(0, lm.config.vocab_size, (4,), generator=g)
+    with torch.inference_mode():
+        for slot in range(4):
+            stale = lm.embed_tokens(torch.randint(0, lm.config.vocab_size, (60,), generator=g))
+            lm.prefill_chunks([(stale, torch.arange(60).expand(3, -1), slot, 0)])
+        for slot, n in enumerate(lengths):
+            prompt = lm.embed_tokens(torch.randint(0, lm.config.vocab_size, (n,), generator=g))
+            lm.prefill_chunks([(prompt, torch.arange(n).expand(3, -1), slot, 0)])
+        positions = torch.tensor(lengths)
+        batched = lm.decode(tokens, positions, positions)
+        for slot, n in enumerate(lengths):
+            chunk = (lm.embed_tokens(tokens[slot : slot + 1]), torch.full((3, 1), n), slot, n)
+            alone = lm.prefill_chunks([chunk])[0]
+            assert alone.abs().max() > 5
+            assert torch.allclose(batched[slot], alone, atol=1e-3, rtol=0), (slot, (batched[slot] - alone).abs().max())
+
+
 def test_batched_decoding_equals_one_at_a_time(tiny_model, fast_engine):
     requests = page_requests(text_page()) + page_requests(text_page(seed=3))
     batched = fast_engine.generate(requests)

@@ -137,18 +137,31 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def decode(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, lengths: list[int]
     ) -> torch.Tensor:
-        """``x`` ``[B, 1, hidden]`` for slots ``0..B-1`` writing at ``positions`` ``[B]``;
-        ``mask`` ``[B, 1, 1, L]`` bool marks each slot's valid cache positions."""
+        """``x`` ``[B, 1, hidden]`` for slots ``0..B-1`` writing at ``positions`` ``[B]``; row ``b``
+        attends to the first ``lengths[b]`` cached positions of its slot.
+
+        Attention runs row by row over each row's own length, its query heads grouped by the
+        key/value head they share (``[1, kv_heads, heads / kv_heads, head_dim]``, no copy of the
+        keys per query head): one masked call over the longest row made every row pay for it. Per
+        layer, 2 threads, float32, batch 16 with one row at 1800 positions and the others at
+        200-700: 0.62 ms row by row against 1.94 ms as one masked call (one process).
+        """
         q, k, v = self._qkv(x, cos, sin)
         assert self.kv_cache is not None
         keys, values = self.kv_cache.write_decode(positions, k, v)
-        # Decode attention always runs in float32: SDPA's bfloat16 kernel for one query row is slower
-        # on CPU than upcasting a bfloat16 store and running the float32 one (measured at batch 16
-        # and 1500 positions, 2 threads, per layer: 19 ms vs 8 ms cast + 3 ms attention).
-        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True)
-        return self.wo(out.to(x.dtype).transpose(1, 2).reshape(x.shape[0], 1, -1))
+        group = self.n_heads // self.n_kv
+        rows = []
+        for b, n in enumerate(lengths):
+            # Decode attention runs in float32: SDPA's bfloat16 kernel for one query row is slower on
+            # CPU than upcasting a bfloat16 store (a no-op for a float32 one) and running the float32 one.
+            qb = q[b : b + 1].reshape(1, self.n_kv, group, self.head_dim).float()
+            rows.append(
+                F.scaled_dot_product_attention(qb, keys[b : b + 1, :, :n].float(), values[b : b + 1, :, :n].float())
+            )
+        out = torch.cat(rows) if len(rows) > 1 else rows[0]  # [B, kv_heads, group, head_dim]
+        return self.wo(out.to(x.dtype).reshape(x.shape[0], 1, -1))
 
 
 class FeedForward(nn.Module):
@@ -258,9 +271,8 @@ class Qwen2LM(nn.Module):
         """
         h = self.embed_tokens(tokens)[:, None]  # [B, 1, hidden]
         cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
-        length = int(cache_positions.max()) + 1
-        mask = (torch.arange(length) <= cache_positions[:, None])[:, None, None]  # [B, 1, 1, L]
+        lengths = (cache_positions + 1).tolist()
         for layer in self.decoder_layers:
-            h = h + layer.attention.decode(layer.attention_norm(h), cos, sin, cache_positions, mask)
+            h = h + layer.attention.decode(layer.attention_norm(h), cos, sin, cache_positions, lengths)
             h = h + layer.feed_forward(layer.ffn_norm(h))
         return self._logits(h[:, 0])
