@@ -16,7 +16,7 @@ from mineru_fast.distributed.batch import BatchError, plan_jobs
 from mineru_fast.distributed.manifest import Manifest, Record
 from mineru_fast.distributed.sources import Source, list_sources
 from mineru_fast.distributed.worker import DocumentWorker, inspect_document
-from mineru_fast.document import Page
+from mineru_fast.document import Page, ParseError
 from mineru_fast.errors import CorruptDocument, SourceError
 from mineru_fast.options import ParserOptions
 
@@ -130,6 +130,24 @@ def test_a_task_that_failed_on_every_attempt_leaves_failure_pages_never_a_comple
     assert everything_failed.fail(0, "ActorDiedError: killed", 3) and everything_failed.all_failed
     everything_failed.discard()
     assert not (tmp_path / PARTIAL / "lost").exists() and not (tmp_path / "lost").exists()
+
+
+def test_pages_that_parsed_without_success_name_their_first_problem_for_the_manifest(tmp_path):
+    unreadable = ParseError("layout_unreadable", "layout output holds no valid block", 1)
+    assembly = DocumentAssembly(tmp_path, "doc", [[0], [1, 2], [3]], {"schema_version": "x"})
+    assert not assembly.complete(
+        1, [Page(1, status="failure", errors=[unreadable]), Page(2)], assembly.staging(1, 1), 1
+    )
+    assert not assembly.fail(2, "ActorDiedError: killed", 3)  # a failed task stays apart: failed_pages
+    assert assembly.problem is None  # nothing taken before task 0 is in
+    assert assembly.complete(
+        0, [Page(0, status="partial", warnings=["block 2 cut (length)"])], assembly.staging(0, 1), 1
+    )
+    assert assembly.problem == "page 1: block 2 cut (length) (and 1 more page(s))"
+    assert assembly.problem_pages[1] == (1, "layout_unreadable: layout output holds no valid block")
+    assert assembly.failed_pages == [3] and assembly.finish(wall_s=1.0) == ("partial", 4)
+    clean = DocumentAssembly(tmp_path, "clean", [[0]], {})
+    assert clean.complete(0, [Page(0)], clean.staging(0, 1), 1) and clean.problem is None
 
 
 def test_the_manifest_keeps_each_documents_last_record_and_checks_outputs(tmp_path):

@@ -527,7 +527,7 @@ class _Runner:
         else:
             status, pages = assembly.finish(wall)
             failed = [p + 1 for p in assembly.failed_pages]
-            error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else None
+            error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else assembly.problem
             record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed)
         self._close(document, record)
 
