@@ -351,3 +351,23 @@ def test_batch_without_an_address_starts_its_own_local_ray_and_checks_the_model_
     with pytest.raises(Stop):
         run_batch(BatchConfig([tmp_path / "in"], tmp_path / "out", str(tiny_model)), log=lambda line: None)
     assert len(calls) == 1 and calls[0]["address"] == "local" and calls[0]["num_cpus"] >= 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the batch command needs Ray (the ray extra)")
+def test_a_ray_address_with_no_cluster_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from mineru_fast.cli import main
+
+    def no_cluster(address=None, **kwargs):  # what Ray 2.60 raises for 'auto' with none running
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by ...")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    text_page().save(tmp_path / "page.png")
+    argv = ["batch", str(tmp_path / "page.png"), "-o", str(tmp_path / "out"), "--ray-address", "auto"]
+    assert main([*argv, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "mineru-fast: error: cannot join the Ray cluster at 'auto': Could not find any running Ray instance. "
+        "Please specify the one to connect to by ...\n"
+    )
