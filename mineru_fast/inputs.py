@@ -333,7 +333,8 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, l
             if getattr(exc, "err_code", None) == _PDFIUM_PASSWORD_ERROR:
                 hint = "the password is wrong" if password else "it is encrypted"
                 raise PasswordRequired(
-                    f"{name}: {hint}; pass the password with --password (CLI) or password= (Python)"
+                    f"{name}: {hint}; pass the password with --password (CLI), password= (Python)"
+                    " or the password form field (HTTP)"
                 ) from exc
             raise CorruptDocument(f"{name}: not a readable PDF ({exc})") from exc
     if page_count == 0:

@@ -222,6 +222,18 @@ def _write_weights(out: Path, config: dict, seed: int) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
+def match_file_mode(paths: list[Path], like: Path) -> None:
+    """Give ``paths`` the permission bits of ``like``, a file this process wrote with ``open``.
+
+    safetensors (0.8) writes a checkpoint through a private temporary file, so the weights come out
+    ``0600`` whatever the umask while the folder's other files get the umask's mode; a model folder
+    made by one user then fails to load for another (a container's user reading a mounted folder).
+    """
+    mode = like.stat().st_mode & 0o777
+    for path in paths:
+        path.chmod(mode)
+
+
 def make_synthetic_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """Write a random-weight MinerU2.5-architecture model directory.
 
@@ -246,6 +258,7 @@ def make_synthetic_model(out_dir: str | Path, size: str = "tiny", seed: int = 0)
     (out / "generation_config.json").write_text(json.dumps(_generation_config(), indent=2) + "\n")
     _write_processor(out)
     n_params = _write_weights(out, config, seed)
+    match_file_mode([out / "model.safetensors"], like=out / "config.json")
     (out / MARKER).write_text(
         f"Random-weight model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters).\n"
         "Its outputs are meaningless; use it to measure speed and memory, never quality.\n"

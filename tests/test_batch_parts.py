@@ -16,7 +16,7 @@ from mineru_fast.distributed.batch import BatchError, plan_jobs
 from mineru_fast.distributed.manifest import Manifest, Record
 from mineru_fast.distributed.sources import Source, list_sources
 from mineru_fast.distributed.worker import DocumentWorker, inspect_document
-from mineru_fast.document import Page
+from mineru_fast.document import Page, ParseError
 from mineru_fast.errors import CorruptDocument, SourceError
 from mineru_fast.options import ParserOptions
 
@@ -130,6 +130,24 @@ def test_a_task_that_failed_on_every_attempt_leaves_failure_pages_never_a_comple
     assert everything_failed.fail(0, "ActorDiedError: killed", 3) and everything_failed.all_failed
     everything_failed.discard()
     assert not (tmp_path / PARTIAL / "lost").exists() and not (tmp_path / "lost").exists()
+
+
+def test_pages_that_parsed_without_success_name_their_first_problem_for_the_manifest(tmp_path):
+    unreadable = ParseError("layout_unreadable", "layout output holds no valid block", 1)
+    assembly = DocumentAssembly(tmp_path, "doc", [[0], [1, 2], [3]], {"schema_version": "x"})
+    assert not assembly.complete(
+        1, [Page(1, status="failure", errors=[unreadable]), Page(2)], assembly.staging(1, 1), 1
+    )
+    assert not assembly.fail(2, "ActorDiedError: killed", 3)  # a failed task stays apart: failed_pages
+    assert assembly.problem is None  # nothing taken before task 0 is in
+    assert assembly.complete(
+        0, [Page(0, status="partial", warnings=["block 2 cut (length)"])], assembly.staging(0, 1), 1
+    )
+    assert assembly.problem == "page 1: block 2 cut (length) (and 1 more page(s))"
+    assert assembly.problem_pages[1] == (1, "layout_unreadable: layout output holds no valid block")
+    assert assembly.failed_pages == [3] and assembly.finish(wall_s=1.0) == ("partial", 4)
+    clean = DocumentAssembly(tmp_path, "clean", [[0]], {})
+    assert clean.complete(0, [Page(0)], clean.staging(0, 1), 1) and clean.problem is None
 
 
 def test_the_manifest_keeps_each_documents_last_record_and_checks_outputs(tmp_path):
@@ -333,3 +351,23 @@ def test_batch_without_an_address_starts_its_own_local_ray_and_checks_the_model_
     with pytest.raises(Stop):
         run_batch(BatchConfig([tmp_path / "in"], tmp_path / "out", str(tiny_model)), log=lambda line: None)
     assert len(calls) == 1 and calls[0]["address"] == "local" and calls[0]["num_cpus"] >= 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the batch command needs Ray (the ray extra)")
+def test_a_ray_address_with_no_cluster_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from mineru_fast.cli import main
+
+    def no_cluster(address=None, **kwargs):  # what Ray 2.60 raises for 'auto' with none running
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by ...")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    text_page().save(tmp_path / "page.png")
+    argv = ["batch", str(tmp_path / "page.png"), "-o", str(tmp_path / "out"), "--ray-address", "auto"]
+    assert main([*argv, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "mineru-fast: error: cannot join the Ray cluster at 'auto': Could not find any running Ray instance. "
+        "Please specify the one to connect to by ...\n"
+    )

@@ -3,6 +3,7 @@ parser's own requests, and mineru-vl-utils' official client against a real ``min
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import time
@@ -42,6 +43,30 @@ def mineru_body(image, prompt: str, **sampling) -> dict:
 
 
 CROP = text_page().crop((40, 40, 700, 300))
+
+
+def test_a_body_that_is_not_json_is_a_422_saying_so_before_any_model_is_needed():
+    from mineru_fast.serve import ServeConfig, create_app
+
+    app = create_app(ServeConfig(model="unused"))  # ASGITransport runs no lifespan: nothing loads
+
+    async def post(content: bytes) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            headers = {"content-type": "application/json"}
+            return await client.post("/v1/chat/completions", content=content, headers=headers)
+
+    for content, message in [
+        (
+            b"{not json",
+            "the body is not valid JSON: Expecting property name enclosed in double quotes (at character 1)",
+        ),
+        (b'{"model": "m", "messages": [}', "the body is not valid JSON: Expecting value (at character 28)"),
+        (b'{"model": "m"}', "messages: Field required"),
+    ]:
+        response = asyncio.run(post(content))
+        assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_request"
+        assert response.json()["error"]["message"] == message
 
 
 def test_mineru_request_becomes_the_parsers_request():

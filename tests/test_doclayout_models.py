@@ -207,3 +207,11 @@ def test_weights_are_found_in_the_hugging_face_cache_and_in_repository_snapshots
         resolve_layout_weights(download=False, backend="torch")
     with pytest.raises(ValueError, match="backend"):
         resolve_layout_weights(tiny_doclayout, backend="paddle")
+
+
+def test_the_synthetic_checkpoint_gets_the_mode_of_the_folders_other_files(tmp_path):
+    from mineru_fast.doclayout.synthetic import make_synthetic_doclayout
+
+    out = make_synthetic_doclayout(tmp_path / "tiny", "tiny", seed=0, onnx=False)
+    (weights,) = out.glob("*.safetensors")
+    assert weights.stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777

@@ -106,7 +106,7 @@ def test_missing_file_is_an_input_error(tmp_path):
 
 def test_encrypted_pdf_needs_password():
     path = need(CORPUS / "password_required_pw-1234.pdf")
-    with pytest.raises(PasswordRequired, match="--password"):
+    with pytest.raises(PasswordRequired, match=r"--password \(CLI\), password= \(Python\) or the password form field"):
         open_document(path)
     with pytest.raises(PasswordRequired, match="wrong"):
         open_document(path, password="nope")

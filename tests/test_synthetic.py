@@ -72,3 +72,10 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path, tiny_model):
     other = make_synthetic_model(tmp_path / "other", "tiny", seed=1)
     assert (again / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
     assert (other / "model.safetensors").read_bytes() != (tiny_model / "model.safetensors").read_bytes()
+
+
+def test_the_weights_get_the_mode_of_the_folders_other_files(tiny_model):
+    """safetensors writes 0600 through a temporary file; a model made by one user must load for
+    another (a container's user reading a mounted folder) as its config does."""
+    config_mode = (tiny_model / "config.json").stat().st_mode & 0o777
+    assert (tiny_model / "model.safetensors").stat().st_mode & 0o777 == config_mode

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..errors import MineruFastError
 
-__all__ = ["PAGES_PER_TASK", "RayDependencyError", "require_ray"]
+__all__ = ["PAGES_PER_TASK", "RayClusterUnreachable", "RayDependencyError", "join_cluster", "require_ray"]
 
 PAGES_PER_TASK = 32
 """Default of ``mineru-fast batch --pages-per-task``: a document with more selected pages is split
@@ -43,3 +43,24 @@ def require_ray() -> None:
 
     if importlib.util.find_spec("ray") is None:
         raise RayDependencyError("scale-out needs Ray: pip install 'mineru-fast[ray]'")
+
+
+class RayClusterUnreachable(MineruFastError):
+    """``--ray-address`` names no Ray cluster this process can join (``auto`` with none running)."""
+
+    code = "ray_unreachable"
+
+
+def join_cluster(address: str, log_to_driver: bool = True) -> None:
+    """``ray.init(address=address)``, its refusal as one typed error instead of Ray's traceback.
+
+    Raises:
+        RayClusterUnreachable: Ray found no cluster there (its ``ConnectionError``).
+    """
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=log_to_driver)
+    except ConnectionError as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise RayClusterUnreachable(f"cannot join the Ray cluster at {address!r}: {reason}") from exc

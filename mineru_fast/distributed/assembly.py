@@ -13,7 +13,9 @@ its pages are taken (``complete``).
 
 A task that failed on every attempt adds one ``failure`` page per page it held (error code
 ``batch_task_failed``, the task's last error), so the document is ``partial`` (or ``failure`` when
-nothing else parsed) and never looks complete; ``failed_pages`` lists them.
+nothing else parsed) and never looks complete; ``failed_pages`` lists them. The problems of the
+other pages that did not end in ``success`` (a page the model could not read) are summed up in
+``problem`` for the manifest's ``error`` and the progress line, as ``parse`` prints them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def page_spec(pages: list[int]) -> str:
     """0-based page indices as a 1-based page range (``[0, 1, 2, 4]`` -> ``"1-3,5"``), the syntax of
     ``--pages``, which is the kernel's cpulist syntax."""
     return format_cpulist([p + 1 for p in pages])
+
+
+def _first_problem(page: Page) -> str:
+    """``code: message`` of a page's first error, else its first warning (a partial page)."""
+    if page.errors:
+        return str(page.errors[0])
+    return page.warnings[0] if page.warnings else page.status
 
 
 def _move_files(source: Path, target: Path) -> None:
@@ -92,6 +101,7 @@ class DocumentAssembly:
         self.failed_pages: list[int] = []  # 0-based, pages of tasks that failed on every attempt
         self.error: str | None = None  # the last error of a failed task
         self.attempts = 0  # the most attempts any task took
+        self.problem_pages: list[tuple[int, str]] = []  # 0-based page, its first problem (parsed pages)
         self._ready: dict[int, list[Page] | str] = {}  # finished tasks not yet written (str: failed, its error)
         self._next = 0  # the first task not yet written
         self._lock = threading.Lock()
@@ -140,10 +150,22 @@ class DocumentAssembly:
                 message = f"pages {page_spec(pages)} failed on every attempt: {ready}"
                 ready = [Page(i, status="failure", errors=[ParseError(TASK_FAILED, message, i)]) for i in pages]
                 self.failed_pages.extend(pages)
+            else:
+                self.problem_pages.extend((p.index, _first_problem(p)) for p in ready if p.status != "success")
             for page in ready:
                 self.writer.add_page(page)
             self._next += 1
         return self._next == len(self.tasks)
+
+    @property
+    def problem(self) -> str | None:
+        """The first problem of the parsed pages that did not end in ``success``, with its page
+        (1-based) and how many other pages had one; None when there was none."""
+        if not self.problem_pages:
+            return None
+        index, problem = self.problem_pages[0]
+        more = len(self.problem_pages) - 1
+        return f"page {index + 1}: {problem}" + (f" (and {more} more page(s))" if more else "")
 
     @property
     def all_failed(self) -> bool:

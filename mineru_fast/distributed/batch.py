@@ -62,7 +62,7 @@ from ..hub import resolve_model_info
 from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
-from . import PAGES_PER_TASK, require_ray
+from . import PAGES_PER_TASK, join_cluster, require_ray
 from .assembly import PARTIAL, DocumentAssembly, page_spec, split_pages
 from .manifest import Manifest, Record
 from .sources import Source, list_sources
@@ -527,7 +527,7 @@ class _Runner:
         else:
             status, pages = assembly.finish(wall)
             failed = [p + 1 for p in assembly.failed_pages]
-            error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else None
+            error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else assembly.problem
             record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed)
         self._close(document, record)
 
@@ -673,7 +673,7 @@ def run_batch(
             ray.init(address="local", num_cpus=read_topology().usable_cores, include_dashboard=False,
                      log_to_driver=False)  # fmt: skip
         else:
-            ray.init(address=config.address, log_to_driver=False)
+            join_cluster(config.address, log_to_driver=False)
         started = True
     try:
         cores = _cores_per_actor(config)

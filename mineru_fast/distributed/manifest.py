@@ -3,7 +3,8 @@
 Fields: ``document`` (the input path as given), ``name`` (its output folder ``OUTPUT/<name>/``),
 ``status`` (``success`` / ``partial`` / ``failure``: parsed, outputs written, as the document's
 status; ``error``: no outputs, the input was unreadable or every attempt failed), ``pages``,
-``error`` (None or the last error), ``attempts`` (the most any of its tasks took), ``wall_s`` and
+``error`` (None, the last error, or for a parsed document with pages not in ``success`` the first
+such page's problem), ``attempts`` (the most any of its tasks took), ``wall_s`` and
 ``failed_pages`` (1-based pages whose task failed on every attempt; they are ``failure`` pages in
 the outputs, and the document is ``partial`` or ``failure``). Runs append; the last record of a
 document is its state. A resumed run skips the documents whose last record has outputs and whose

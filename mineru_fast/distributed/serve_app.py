@@ -24,6 +24,7 @@ from ray.serve import Application
 
 from ..options import ParserOptions
 from ..serve.config import ServeConfig
+from . import join_cluster
 from .job_store import RayJobStore, job_store_actor
 
 __all__ = ["ParseService", "ReplicaHeader", "build_app", "app_builder", "run"]
@@ -180,7 +181,7 @@ def run(
     if address is None:
         ray.init(address="local", include_dashboard=False)  # a new local Ray, never one found via RAY_ADDRESS
     else:
-        ray.init(address=address)
+        join_cluster(address)
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
         serve.run(build_app(config, replicas, cores_per_replica, autoscaling), name="mineru-fast", route_prefix="/",

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MineruFastError
-from ..synthetic import MARKER
+from ..synthetic import MARKER, match_file_mode
 from .labels import CLASS_ORDER, CLASS_THRESHOLDS, INPUT_SIZE, LABELS
 
 __all__ = ["ARCHITECTURES", "make_synthetic_doclayout", "cached_synthetic_doclayout"]
@@ -284,6 +284,7 @@ def make_synthetic_doclayout(out_dir: str | Path, size: str = "tiny", seed: int 
     _randomize(model, seed)
     model.save_pretrained(out, safe_serialization=True)
     (out / "preprocessor_config.json").write_text(json.dumps(_PREPROCESSOR, indent=2) + "\n")
+    match_file_mode(sorted(out.glob("*.safetensors")), like=out / "preprocessor_config.json")
     if onnx:
         _export_onnx(model, out / "inference.onnx")
     n_params = sum(p.numel() for p in model.parameters())

@@ -176,6 +176,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = []
         for err in exc.errors()[:5]:
+            if err.get("type") == "json_invalid":  # its loc ends with the character where decoding stopped
+                detail = (err.get("ctx") or {}).get("error") or err.get("msg", "invalid")
+                at = [p for p in err.get("loc", ()) if isinstance(p, int)]
+                problems.append(f"the body is not valid JSON: {detail}" + (f" (at character {at[-1]})" if at else ""))
+                continue
             where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
             problems.append(f"{where}: {err.get('msg', 'invalid')}" if where else str(err.get("msg", "invalid")))
         return _error_response(request, ApiError(422, "invalid_request", "; ".join(problems) or "invalid request"))
