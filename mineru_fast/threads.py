@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,21 +167,8 @@ def in_fresh_thread(fn: Callable[[], T], name: str = "mineru-fast-build") -> T:
     """``fn()`` run in a new thread that exits when it returns (see the module docstring: the
     OpenMP pool of its parallel ops ends with it). Blocks until then; ``fn``'s exception, if
     any, is raised here."""
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, fn()))
-        except BaseException as exc:  # handed to the caller as is
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=run, name=name)
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:  # joined on exit
+        return pool.submit(fn).result()
 
 
 @contextmanager
