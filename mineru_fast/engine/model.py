@@ -156,13 +156,14 @@ class Attention(nn.Module):
         # than upcasting a bfloat16 store (a no-op for a float32 one) and running the float32 one
         # (measured as one masked call at batch 16 and 1500 positions, 2 threads, per layer: 19 ms
         # vs 8 ms cast + 3 ms attention).
-        rows = []
-        for b, n in enumerate(lengths):
-            qb = q[b : b + 1].reshape(1, self.n_kv, group, self.head_dim).float()
-            rows.append(
-                F.scaled_dot_product_attention(qb, keys[b : b + 1, :, :n].float(), values[b : b + 1, :, :n].float())
+        q = q.reshape(x.shape[0], self.n_kv, group, self.head_dim).float()
+        rows = [
+            F.scaled_dot_product_attention(
+                q[b : b + 1], keys[b : b + 1, :, :n].float(), values[b : b + 1, :, :n].float()
             )
-        out = torch.cat(rows) if len(rows) > 1 else rows[0]  # [B, kv_heads, group, head_dim]
+            for b, n in enumerate(lengths)
+        ]
+        out = torch.cat(rows)  # [B, kv_heads, group, head_dim]
         return self.wo(out.to(x.dtype).reshape(x.shape[0], 1, -1))
 
 
