@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..errors import MineruFastError
 
-__all__ = ["PAGES_PER_TASK", "RayClusterUnreachable", "RayDependencyError", "join_cluster", "require_ray"]
+__all__ = ["PAGES_PER_TASK", "RayClusterUnreachable", "RayDependencyError", "init_ray", "require_ray"]
 
 PAGES_PER_TASK = 32
 """Default of ``mineru-fast batch --pages-per-task``: a document with more selected pages is split
@@ -51,14 +51,20 @@ class RayClusterUnreachable(MineruFastError):
     code = "ray_unreachable"
 
 
-def join_cluster(address: str, log_to_driver: bool = True) -> None:
-    """``ray.init(address=address)``, its refusal as one typed error instead of Ray's traceback.
+def init_ray(address: str | None, log_to_driver: bool = True, num_cpus: int | None = None) -> None:
+    """Start Ray for this process: without ``address`` a new local Ray (``address="local"``: never
+    a cluster found through ``RAY_ADDRESS`` or a running ``ray start``, which Ray would join, and
+    joining one with ``num_cpus`` set is an error in Ray) of ``num_cpus`` CPUs (None: Ray counts
+    them); with one, that cluster, its refusal as one typed error instead of Ray's traceback.
 
     Raises:
-        RayClusterUnreachable: Ray found no cluster there (its ``ConnectionError``).
+        RayClusterUnreachable: Ray found no cluster at ``address`` (its ``ConnectionError``).
     """
     import ray
 
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+        return
     try:
         ray.init(address=address, log_to_driver=log_to_driver)
     except ConnectionError as exc:

@@ -56,13 +56,14 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_options import output_clashes
+from ..cpu import read_topology
 from ..document import Page
 from ..errors import MineruFastError
 from ..hub import resolve_model_info
 from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
-from . import PAGES_PER_TASK, join_cluster, require_ray
+from . import PAGES_PER_TASK, init_ray, require_ray
 from .assembly import PARTIAL, DocumentAssembly, page_spec, split_pages
 from .manifest import Manifest, Record
 from .sources import Source, list_sources
@@ -665,15 +666,7 @@ def run_batch(
         resolve_model_info(config.model)
     started = False
     if not ray.is_initialized():
-        if config.address is None:
-            from ..cpu import read_topology
-
-            # "local": a new Ray of this machine's cores, never a cluster found through RAY_ADDRESS
-            # or a running `ray start` (joining one with num_cpus set is an error in Ray)
-            ray.init(address="local", num_cpus=read_topology().usable_cores, include_dashboard=False,
-                     log_to_driver=False)  # fmt: skip
-        else:
-            join_cluster(config.address, log_to_driver=False)
+        init_ray(config.address, log_to_driver=False, num_cpus=read_topology().usable_cores)
         started = True
     try:
         cores = _cores_per_actor(config)

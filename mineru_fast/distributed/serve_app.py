@@ -24,7 +24,7 @@ from ray.serve import Application
 
 from ..options import ParserOptions
 from ..serve.config import ServeConfig
-from . import join_cluster
+from . import init_ray
 from .job_store import RayJobStore, job_store_actor
 
 __all__ = ["ParseService", "ReplicaHeader", "build_app", "app_builder", "run"]
@@ -176,12 +176,7 @@ def run(
     Returns:
         0 after Ctrl-C (the application is deleted and Serve shut down).
     """
-    import ray
-
-    if address is None:
-        ray.init(address="local", include_dashboard=False)  # a new local Ray, never one found via RAY_ADDRESS
-    else:
-        join_cluster(address)
+    init_ray(address)
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
         serve.run(build_app(config, replicas, cores_per_replica, autoscaling), name="mineru-fast", route_prefix="/",
