@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -330,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
+    if getattr(args, "no_prepared_cache", False):  # in the environment: workers and child processes follow
+        from .engine.prepared import CACHE_ENV
+
+        os.environ[CACHE_ENV] = "off"
     if args.command in _THREAD_BINDING:
         from .threads import configure_process
 

@@ -65,6 +65,11 @@ def add_model_arguments(
     p.add_argument(
         "--offline", action="store_true", help="never download: use the local cache only (as HF_HUB_OFFLINE=1)"
     )
+    p.add_argument(
+        "--no-prepared-cache",
+        action="store_true",
+        help="neither read nor write the prepared (quantized) model cache (as MINERU_FAST_PREPARED_CACHE=off)",
+    )
 
 
 def hub_kwargs(args: argparse.Namespace) -> dict[str, Any]:

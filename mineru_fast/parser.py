@@ -190,6 +190,7 @@ class DocumentParser:
         cache_dir: str | Path | None = None,
         token: str | bool | None = None,
         local_files_only: bool | None = None,
+        prepared_cache: bool | None = None,
     ) -> DocumentParser:
         """Load a MinerU2.5 checkpoint from a local directory or a Hugging Face hub id.
 
@@ -201,6 +202,10 @@ class DocumentParser:
             cache_dir: Hugging Face hub cache; None = huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``).
             token: hub token for private or gated models; None = ``HF_TOKEN`` or the stored login.
             local_files_only: never download; None follows ``HF_HUB_OFFLINE``.
+            prepared_cache: keep the fast engine's quantized model in the package cache
+                (``hub.cache_dir() / "prepared"``, about 1.3 GB per checkpoint and settings) and load
+                it from there at the next start (see ``engine.prepared``); None = yes unless
+                ``$MINERU_FAST_PREPARED_CACHE`` is ``0``/``off``; False never reads or writes it.
 
         Returns:
             The parser; ``parser.model_info`` says which checkpoint (hub id, revision, commit) it runs.
@@ -226,7 +231,7 @@ class DocumentParser:
         info = resolve_model_info(
             path_or_id, revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only
         )
-        engine = build_engine(info.local_dir, options)
+        engine = build_engine(info.local_dir, options, prepared_cache)
         return cls(engine, options, info.local_dir, info, detector)
 
     def close(self) -> None:

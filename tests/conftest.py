@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ import pytest
 # thread. (One thread on a larger mask is left unbound by the thread policy, so these processes do
 # not all sit on the first core.) A value the user set is kept; tests that need another pass it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The package cache (synthetic models, traces, prepared models) of this test session and the
+# processes it starts: a fresh folder, so no test reads what another run left or fills the user's.
+os.environ["MINERU_FAST_CACHE"] = tempfile.mkdtemp(prefix="mineru-fast-test-cache-")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MINERU_FAST_SHARED", REPO.parent / "shared"))
@@ -51,3 +55,10 @@ def workload_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("traces")
     build_omnidocbench_traces(WORKLOAD / "annotations.json", WORKLOAD / "images", out)
     return out
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove this session's package cache (see ``MINERU_FAST_CACHE`` above)."""
+    import shutil
+
+    shutil.rmtree(os.environ["MINERU_FAST_CACHE"], ignore_errors=True)

@@ -88,6 +88,16 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert "not run | not run" in out and f"ISA class: {cls.name}" in out
     assert "- + continuous batching: fast engine, fp32; onednn: int8 weights per channel" in out
     assert "|   INT8 per token, oneDNN | int8_kernel=auto runs onednn on this class" in out
+    # start-up without the prepared cache, cold (writes it) and warm (reads it), each a fresh process
+    startup = results["startup"]
+    assert [s["prepared_from"] for s in startup] == ["checkpoint", "checkpoint", "cache"]
+    assert all(s["load_s"] > 0 and s["warmup_s"] > 0 and s["peak_rss_gb"] > 0 for s in startup)
+    assert "| warm (reads the cache) |" in out
+    # the rows ran on the warm cache; the shipped preset's memory table: its embedding is mapped
+    memory = rows[1]["memory"]
+    assert memory["prepared_from"] == "cache" and memory["embedding"]["mapped"]
+    assert memory["kv"]["reserved"] > 0 and memory["rss"] > 0 and "lm head (OneDnnInt8Linear)" in memory["weights"]
+    assert "Memory of '+ continuous batching' after its pages" in out
 
 
 def test_fidelity_runs_once_per_distinct_numerics(monkeypatch):

@@ -280,9 +280,15 @@ def test_reduced_precision_stays_close_to_fp32(tiny_model, fast_engine, precisio
     requests = page_requests(text_page()) + page_requests(text_page(seed=1)) + page_requests(text_page(seed=2))
     requests += page_requests(text_page(seed=3))
     reference = logits_of(fast_engine, requests)
-    engine = FastEngine(tiny_model, precision=precision, slots=1, max_seq_len=2048)
-    if quant is not None:
-        engine.quantize(vision=quant, lm=quant, lm_head=quant)
+    engine = FastEngine(
+        tiny_model,
+        precision=precision,
+        slots=1,
+        max_seq_len=2048,
+        vision_quant=quant,
+        lm_quant=quant,
+        lm_head_quant=quant,
+    )
     logits = logits_of(engine, requests)
     cosine = F.cosine_similarity(logits, reference, dim=-1)
     top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
@@ -310,3 +316,20 @@ def test_bf16_weight_storage_is_bit_exact_for_a_bf16_checkpoint(tiny_model, fast
     weights += [m.weight_bf16 for m in stored.lm.modules() if hasattr(m, "weight_bf16")]
     assert weights and all(w.dtype == torch.bfloat16 for w in weights)
     assert stored.lm.embed.weight.dtype == torch.bfloat16
+
+
+def test_vision_attention_gives_the_same_values_whatever_the_head_grouping(monkeypatch):
+    """Heads attend independently, so running them in groups (``ATTENTION_HEAD_GROUP``, for memory)
+    must not change a value: compared bit for bit with all heads in one call."""
+    from mineru_fast.engine import vision
+
+    torch.manual_seed(0)
+    block = vision.VisionBlock(
+        vision.VisionConfig(depth=1, embed_dim=256, num_heads=8, mlp_ratio=4, out_hidden_size=64)
+    )
+    x, cos, sin = torch.randn(300, 256), torch.randn(1, 300, 32), torch.randn(1, 300, 32)
+    monkeypatch.setattr(vision, "ATTENTION_HEAD_GROUP", 8)
+    whole = block.attention(x, cos, sin)
+    for group in (1, 3, 4):
+        monkeypatch.setattr(vision, "ATTENTION_HEAD_GROUP", group)
+        assert torch.equal(block.attention(x, cos, sin), whole)

@@ -116,6 +116,50 @@ def _roofline(rf: dict) -> list[str]:
     ]
 
 
+def _startup(rows: list[dict]) -> list[str]:
+    lines = [
+        "Start-up of the fast preset, each case a fresh process (load + warm-up; see `bench.startup`):",
+        "",
+        "| case | load s | warm-up s | start-up s | prepared from | peak RSS GB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['case']} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {r['load_s'] + r['warmup_s']:.1f} "
+            f"| {r['prepared_from']} | {r['peak_rss_gb']:.2f} |"
+        )
+    return lines
+
+
+def _memory(results: dict) -> list[str]:
+    """Where the shipped fast preset's memory is after its pages (the '+ continuous batching' row)."""
+    row = next((r for r in results["rows"] if r.get("candidate") and r.get("memory") and not r["overrides"]), None)
+    if row is None:
+        return []
+    m = row["memory"]
+
+    def mb(value: int | None) -> str:
+        return "?" if value is None else f"{value / 1e6:.0f}"
+
+    e, kv = m["embedding"], m["kv"]
+    lines = [
+        f"Memory of '{row['label']}' after its pages (MB; model {m['prepared_from']}):",
+        "",
+        "| part | MB |",
+        "|---|---|",
+        *[f"| {part} | {mb(size)} |" for part, size in m["weights"].items()],
+        f"| embedding ({e['dtype']}, {'memory-mapped' if e['mapped'] else 'in memory'}): resident of "
+        f"{mb(e['bytes'])} | {mb(e['resident'])} |",
+        f"| KV buffers: committed of {mb(kv['reserved'])} reserved | {mb(kv['committed'])} |",
+        f"| other (runtime, tokenizer, activations, allocator) | {mb(m['other'])} |",
+        f"| resident now / peak | {mb(m['rss'])} / {mb(m['peak_rss'])} |",
+    ]
+    return lines
+
+
 def markdown(results: dict) -> str:
     """All tables as Markdown."""
     h = results["header"]
@@ -151,6 +195,10 @@ def markdown(results: dict) -> str:
         "",
         *_kernel_paths(results),
     ]
+    if "startup" in results:
+        lines += ["", *_startup(results["startup"])]
+    if memory := _memory(results):
+        lines += ["", *memory]
     if "concurrency" in results:
         lines += ["", *_concurrency(results["concurrency"])]
     if "roofline" in results:

@@ -143,7 +143,9 @@ def run_row(spec: dict) -> dict:
     document = parser.parse([p.image for p in pages], replay=Trace([p.trace for p in pages]))
     wall_s = time.perf_counter() - start
     failures = [[str(e) for e in p.errors] for p in document.pages if p.status != "success"]
+    memory = parser.engine.memory_report() if hasattr(parser.engine, "memory_report") else None
     return {
+        "memory": memory,
         "label": spec["label"],
         "numerics": getattr(parser.engine, "numerics", None),
         "pages": [p.name for p in pages],

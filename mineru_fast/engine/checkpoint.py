@@ -2,6 +2,8 @@
 
 The Hugging Face tensor names are mapped once at load; q/k/v and gate/up are concatenated into
 the fused projections; the 3-D patch convolution (kernel = stride) becomes a linear layer.
+Tensors are read one at a time, and each linear layer can be prepared (quantized) as soon as its
+weights are read, so loading never holds the whole checkpoint beside the prepared model.
 Both the published layout (``visual.*``, ``model.layers.*``) and transformers 5's
 (``model.visual.*``, ``model.language_model.*``) are accepted.
 """
@@ -10,13 +12,20 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch import nn
 
 from ..errors import ModelLoadError
+from .memory import trim_heap
 from .model import Qwen2LM, TextConfig
 from .vision import VisionConfig, VisionEncoder
+
+Thunk = Callable[[], torch.Tensor]
+Prepare = Callable[[str, nn.Linear], nn.Module]
 
 
 def read_configs(model_dir: Path) -> tuple[TextConfig, VisionConfig]:
@@ -105,56 +114,119 @@ class _Tensors:
                 raise ValueError(f"{name}: {path.name} is truncated")
         return tensor
 
-    def get(self, name: str) -> torch.Tensor | None:
-        return self[name] if name in self._where else None
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def thunk(self, *names: str) -> Thunk:
+        """A call that reads ``names`` (concatenated along dim 0 when several) when it is made.
+
+        Raises:
+            KeyError: a name is not in the checkpoint (at once, not when called).
+        """
+        for name in names:
+            if name not in self._where:
+                raise KeyError(name)
+        if len(names) == 1:
+            return lambda: self[names[0]]
+        return lambda: torch.cat([self[name] for name in names])
 
 
-def _vision_state(t: _Tensors, config: VisionConfig) -> dict[str, torch.Tensor]:
-    state = {"patch_embed.weight": t["visual.patch_embed.proj.weight"].reshape(config.embed_dim, -1)}
+def _vision_state(t: _Tensors, config: VisionConfig) -> dict[str, Thunk]:
+    def patch_embed() -> torch.Tensor:
+        return t["visual.patch_embed.proj.weight"].reshape(config.embed_dim, -1)
+
+    state: dict[str, Thunk] = {"patch_embed.weight": patch_embed}
     for i in range(config.depth):
         src = f"visual.blocks.{i}."
         for ours, theirs in [
             ("norm1", "norm1"), ("norm2", "norm2"), ("qkv", "attn.qkv"), ("proj", "attn.proj"),
             ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"),
         ]:  # fmt: skip
-            state[f"blocks.{i}.{ours}.weight"] = t[src + theirs + ".weight"]
-            state[f"blocks.{i}.{ours}.bias"] = t[src + theirs + ".bias"]
+            state[f"blocks.{i}.{ours}.weight"] = t.thunk(src + theirs + ".weight")
+            state[f"blocks.{i}.{ours}.bias"] = t.thunk(src + theirs + ".bias")
     for ours, theirs in [("norm", "ln_q"), ("fc1", "mlp.0"), ("fc2", "mlp.2")]:
-        state[f"merger.{ours}.weight"] = t[f"visual.merger.{theirs}.weight"]
-        state[f"merger.{ours}.bias"] = t[f"visual.merger.{theirs}.bias"]
+        state[f"merger.{ours}.weight"] = t.thunk(f"visual.merger.{theirs}.weight")
+        state[f"merger.{ours}.bias"] = t.thunk(f"visual.merger.{theirs}.bias")
     return state
 
 
-def _text_state(t: _Tensors, config: TextConfig) -> dict[str, torch.Tensor]:
-    state = {"embed.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
-    head = t.get("lm_head.weight")
-    state["lm_head.weight"] = state["embed.weight"] if config.tie_word_embeddings or head is None else head
+def _text_state(t: _Tensors, config: TextConfig) -> dict[str, Thunk]:
+    state: dict[str, Thunk] = {"embed.weight": t.thunk("model.embed_tokens.weight")}
+    state["norm.weight"] = t.thunk("model.norm.weight")
+    tied = config.tie_word_embeddings or "lm_head.weight" not in t
+    state["lm_head.weight"] = t.thunk("model.embed_tokens.weight" if tied else "lm_head.weight")  # see load_model
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        state[dst + "attention_norm.weight"] = t[src + "input_layernorm.weight"]
-        state[dst + "ffn_norm.weight"] = t[src + "post_attention_layernorm.weight"]
+        state[dst + "attention_norm.weight"] = t.thunk(src + "input_layernorm.weight")
+        state[dst + "ffn_norm.weight"] = t.thunk(src + "post_attention_layernorm.weight")
         for kind in ("weight", "bias"):
-            state[dst + f"attention.wqkv.{kind}"] = torch.cat([t[attn + f"{p}_proj.{kind}"] for p in "qkv"])
-        state[dst + "attention.wo.weight"] = t[attn + "o_proj.weight"]
-        state[dst + "feed_forward.w_gate_up.weight"] = torch.cat(
-            [t[src + "mlp.gate_proj.weight"], t[src + "mlp.up_proj.weight"]]
-        )
-        state[dst + "feed_forward.w_down.weight"] = t[src + "mlp.down_proj.weight"]
+            state[dst + f"attention.wqkv.{kind}"] = t.thunk(*(attn + f"{p}_proj.{kind}" for p in "qkv"))
+        state[dst + "attention.wo.weight"] = t.thunk(attn + "o_proj.weight")
+        state[dst + "feed_forward.w_gate_up.weight"] = t.thunk(src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        state[dst + "feed_forward.w_down.weight"] = t.thunk(src + "mlp.down_proj.weight")
     return state
 
 
-def _cast(module: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, linear_dtype: torch.dtype):
-    """Cast a state dict: weights/biases of ``nn.Linear`` layers to ``linear_dtype``, the rest to ``dtype``."""
-    linears = {name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
-    return {k: v.to(linear_dtype if k.rpartition(".")[0] in linears else dtype) for k, v in state.items()}
+def _materialize(
+    module: nn.Module,
+    state: dict[str, Thunk],
+    dtype: torch.dtype,
+    prepare: Prepare | None,
+    tied: dict[str, str] | None = None,
+) -> None:
+    """Give the meta-device ``module`` its tensors, reading them one at a time.
+
+    Non-linear parameters come first, cast to ``dtype`` (a narrower stored embedding table keeps its
+    dtype). Then each ``nn.Linear`` takes its stored tensors and is handed at once to
+    ``prepare(name, linear)``, whose result replaces it (None: cast to ``dtype``), so at most one
+    layer's stored weights are alive beside the prepared model. ``tied`` maps a linear's tensor to
+    a non-linear one it shares (the tied LM head takes the embedding table already read, not a
+    second read of it).
+
+    Raises:
+        RuntimeError: ``state`` and the module's parameters differ.
+    """
+    expected = set(module.state_dict())
+    if expected != set(state):
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise RuntimeError(f"state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    # Largest first: the transient copies of preparing a layer then come while little else is
+    # resident (the tied LM head's: its 0.27 GB bfloat16 source plus int8 forms, ~0.7 GB).
+    linears = sorted(
+        (name for name, m in module.named_modules() if isinstance(m, nn.Linear)),
+        key=lambda name: -cast(nn.Linear, module.get_submodule(name)).weight.numel(),
+    )
+    in_linears = {f"{name}.{kind}" for name in linears for kind in ("weight", "bias")}
+    rest = {}
+    for key in [k for k in state if k not in in_linears]:
+        stored = state.pop(key)()
+        # The embedding table stays in the checkpoint's dtype when that is narrower: a lookup is
+        # then upcast row by row (exact), and a float32 run does not hold a 0.5 GB float32 table.
+        rest[key] = stored if key == "embed.weight" and stored.dtype.itemsize < dtype.itemsize else stored.to(dtype)
+    module.load_state_dict(rest, strict=False, assign=True)
+    del rest
+    for name in linears:
+        linear = cast(nn.Linear, module.get_submodule(name))
+        own = {}
+        for kind in ("weight", "bias"):
+            key = f"{name}.{kind}"
+            if key in state:
+                own[kind] = module.get_parameter(tied[key]) if tied and key in tied else state[key]()
+        linear.load_state_dict(own, strict=True, assign=True)
+        del own
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, child, prepare(name, linear) if prepare is not None else linear.to(dtype))
+        del linear
+        trim_heap()  # the stored weights just freed go back to the OS: peak RSS stays near the live model
 
 
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
-    vision_linear_dtype: torch.dtype | None = None,
-    lm_linear_dtype: torch.dtype | None = None,
+    prepare_vision: Prepare | None = None,
+    prepare_lm: Prepare | None = None,
 ) -> tuple[VisionEncoder, Qwen2LM]:
     """Build the vision encoder and language model with the checkpoint's weights.
 
@@ -162,13 +234,15 @@ def load_model(
         model_dir: checkpoint directory.
         dtype: dtype of every parameter (the embedding table keeps a narrower checkpoint dtype),
             and of activations.
-        vision_linear_dtype / lm_linear_dtype: dtype of the linear layers' weights where it
-            differs, e.g. the checkpoint's bfloat16 for layers about to be quantized, so a float32
-            copy never exists. The tied LM head is untied when its dtype differs from the
-            embedding's.
+        prepare_vision / prepare_lm: ``prepare(name, linear) -> module`` for each ``nn.Linear``
+            of the vision encoder / language model (``name`` dotted within it, e.g. ``"lm_head"``),
+            called as soon as that layer's weights are read, with the weights in the checkpoint's
+            dtype (e.g. to quantize it: no float32 copy of the model ever exists, and the stored
+            weights of only one layer are alive at a time); the returned module takes its place.
+            None: the layer is cast to ``dtype``.
 
-    Modules are built on the meta device and take the tensors without extra copies; a tied LM head
-    shares the embedding matrix when both have the same dtype.
+    A tied LM head shares the embedding matrix when both end in the same dtype; otherwise it is
+    prepared from the embedding table read once.
 
     Raises:
         ModelLoadError: missing files or tensors, or shapes that do not match ``config.json``.
@@ -179,19 +253,13 @@ def load_model(
         tensors = _Tensors(model_dir)
         with torch.device("meta"):
             vision, lm = VisionEncoder(vision_config), Qwen2LM(text_config)
-        vision_state = _cast(vision, _vision_state(tensors, vision_config), dtype, vision_linear_dtype or dtype)
-        vision.load_state_dict(vision_state, strict=True, assign=True)
-        del vision_state
-        raw_lm_state = _text_state(tensors, text_config)
-        stored = raw_lm_state.pop("embed.weight")
-        lm_state = _cast(lm, raw_lm_state, dtype, lm_linear_dtype or dtype)
-        del raw_lm_state
-        # The embedding table stays in the checkpoint's dtype when that is narrower: a lookup is
-        # then upcast row by row (exact), and a float32 run does not hold a 0.5 GB float32 table.
-        lm_state["embed.weight"] = stored if stored.dtype.itemsize < dtype.itemsize else stored.to(dtype)
-        lm.load_state_dict(lm_state, strict=True, assign=True)
+        tied = text_config.tie_word_embeddings or "lm_head.weight" not in tensors
+        _materialize(lm, _text_state(tensors, text_config), dtype, prepare_lm,
+                     {"lm_head.weight": "embed.weight"} if tied else None)  # fmt: skip
+        _materialize(vision, _vision_state(tensors, vision_config), dtype, prepare_vision)  # after the LM head
     except (KeyError, RuntimeError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model_dir} into the fast engine: {exc}") from exc
-    if text_config.tie_word_embeddings and lm.lm_head.weight.dtype == lm.embed.weight.dtype:
-        lm.lm_head.weight = lm.embed.weight
+    head = lm.lm_head
+    if tied and isinstance(head, nn.Linear) and head.weight.dtype == lm.embed.weight.dtype:
+        head.weight = lm.embed.weight  # one table for both (a float head the same dtype as the embedding)
     return vision.eval(), lm.eval()

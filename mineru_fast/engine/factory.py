@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..hub import cache_dir
 from ..options import TASKS, ParserOptions
 from ..protocol import sampling_for
 from ..threads import in_fresh_thread, set_torch_threads
 from .base import DTYPES, Engine
+from .prepared import cache_root
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
 logger = logging.getLogger(__name__)
@@ -24,20 +26,28 @@ QUANT_CONFIGS = {
 }  # "int8-dynamic": Int8DynamicConfig of the kernel choice.choose_int8_kernel resolves
 
 
-def build_engine(model_dir: Path, options: ParserOptions) -> Engine:
+def build_engine(model_dir: Path, options: ParserOptions, prepared_cache: bool | None = None) -> Engine:
     """The reference or fast engine for ``model_dir`` configured by ``options``.
 
     Loading, quantization and kernel checks run in a thread of their own that ends before this
     returns, so the calling thread never starts an OpenMP pool (``threads.in_fresh_thread``).
 
+    Args:
+        model_dir: checkpoint directory.
+        options: parser options.
+        prepared_cache: read and write the fast engine's prepared (quantized) model under
+            ``hub.cache_dir() / "prepared"`` (see ``engine.prepared``); None = yes unless
+            ``$MINERU_FAST_PREPARED_CACHE`` is ``0``/``off`` (a folder there moves the cache).
+
     Raises:
         ModelLoadError: the checkpoint cannot be loaded.
     """
     set_torch_threads(options.threads)
-    return in_fresh_thread(lambda: _build(model_dir, options))
+    root = cache_root(cache_dir() / "prepared", prepared_cache)
+    return in_fresh_thread(lambda: _build(model_dir, options, root))
 
 
-def _build(model_dir: Path, options: ParserOptions) -> Engine:
+def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> Engine:
     from ..choice import describe, warn_if_emulated_bf16
 
     warn_if_emulated_bf16(options)
@@ -76,6 +86,7 @@ def _build(model_dir: Path, options: ParserOptions) -> Engine:
         lm_quant=quant("lm"),
         lm_head_quant=quant("lm_head"),
         repetition_window=options.repetition_window,
+        prepared_cache=cache_root,
     )
     logger.info("backend: %s (%s)", choice.backend, choice.reason)
     if numerics["int8_kernel"]:

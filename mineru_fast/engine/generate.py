@@ -11,16 +11,23 @@ before it starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult, RequestHandle, generate_with_follow_ups
-from .checkpoint import load_model
+from .checkpoint import load_model, read_configs
+from .kv_cache import KVCache
+from .memory import peak_rss_bytes, resident_bytes, rss_bytes, trim_heap
+from .model import Qwen2LM
+from .prepared import PreparedCache, PreparedCacheError, cacheable, prepared_settings
 from .preprocess import Preprocessor
-from .quantize import FloatConfig, quantize_
+from .quantize import quantize_linear
 from .scheduler import Scheduler, SequenceState
+from .vision import VisionEncoder
 from .vision_runner import make_vision_runner
 
 logger = logging.getLogger(__name__)
@@ -73,20 +80,18 @@ class FastEngine:
         repetition_window: int = 0,
         admission_budget_s: float = 0.5,
         prefill_chunk_tokens: int = 512,
+        prepared_cache: Path | None = None,
     ) -> None:
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.dtype = DTYPES[precision]
         self.preprocessor = Preprocessor(model_dir)
-        # Layers about to be quantized load in the checkpoint's bfloat16: no float32 copy ever exists.
-        self.vision, self.lm = load_model(
-            model_dir,
-            self.dtype,
-            vision_linear_dtype=torch.bfloat16 if vision_quant is not None else None,  # the checkpoint's dtype
-            lm_linear_dtype=torch.bfloat16 if (lm_quant or lm_head_quant) is not None else None,
-        )
+        configs = {"vision": vision_quant, "lm": lm_quant, "lm_head": lm_head_quant}
+        self.prepared_from: str | None = None  # "cache" or "checkpoint" once loaded
+        self.cache_committed = False  # this load wrote the prepared cache's entry
+        self.vision, self.lm = self._load(Path(model_dir), configs, prepared_cache)
         self.vision_mode = vision_mode
-        self.quantize(vision_quant, lm_quant, lm_head_quant)
+        self.vision_runner = make_vision_runner(self.vision, self.vision_mode)
         if max_seq_len is None:
             max_seq_len = self.preprocessor.max_image_tokens + PROMPT_TEXT_TOKENS + max_new_tokens
         self.slots, self.max_seq_len, self.vision_pack_patches = slots, max_seq_len, vision_pack_patches
@@ -102,15 +107,84 @@ class FastEngine:
             repetition_window=repetition_window,
         )
 
-    def quantize(self, vision: object | None, lm: object | None, lm_head: object | None) -> None:
-        """Apply quantization configs (``quantize.*Config``, or None to keep float) to the vision
-        linears, the LM linears and the LM head; float linears end in the engine's dtype."""
-        keep = FloatConfig(self.dtype)
-        quantize_(self.vision, vision or keep)
-        quantize_(self.lm, lm or keep, filter_fn=lambda _, name: name != "lm_head")
-        if lm_head is not None or self.lm.lm_head.weight.dtype != self.dtype:
-            quantize_(self.lm, lm_head or keep, filter_fn=lambda _, name: name == "lm_head")
-        self.vision_runner = make_vision_runner(self.vision, self.vision_mode)
+    def _load(
+        self, model_dir: Path, configs: dict[str, object | None], cache_root: Path | None
+    ) -> tuple[VisionEncoder, Qwen2LM]:
+        """The prepared vision encoder and LM: from the prepared cache under ``cache_root`` when it
+        holds them, else from the checkpoint, each linear quantized as soon as its weights are read
+        (from the checkpoint's dtype: no float32 copy ever exists, and the stored weights of one
+        layer at a time are alive), and written to the cache on the way when caching pays."""
+        cache = None
+        if cache_root is not None and cacheable(configs.values()):
+            cache = PreparedCache(cache_root, model_dir, prepared_settings(self.dtype, configs))
+            if cache.exists():
+                text_config, vision_config = read_configs(model_dir)
+                with torch.device("meta"):
+                    vision, lm = VisionEncoder(vision_config), Qwen2LM(text_config)
+                try:
+                    cache.load(vision, lm)
+                    self.prepared_from = "cache"
+                    return vision.eval(), lm.eval()
+                except PreparedCacheError as exc:
+                    logger.warning("%s; preparing the model from the checkpoint again", exc)
+                    cache.discard()
+        writer = cache.writer() if cache is not None else None
+
+        def preparer(part: str) -> Callable[[str, nn.Linear], nn.Module]:
+            def prepare(name: str, linear: nn.Linear) -> nn.Module:
+                config = configs["lm_head" if (part, name) == ("lm", "lm_head") else part]
+                layer = linear.to(self.dtype) if config is None else quantize_linear(linear, config)
+                if writer is not None:
+                    writer.add(part, name, layer)
+                return layer
+
+            return prepare
+
+        vision, lm = load_model(model_dir, self.dtype, prepare_vision=preparer("vision"), prepare_lm=preparer("lm"))
+        self.prepared_from = "checkpoint"
+        if writer is not None and writer.commit(vision, lm) and cache is not None:
+            lm.embed.weight = cache.mapped("lm", "embed.weight")  # the in-memory table is freed
+            self.cache_committed = True
+            trim_heap()
+        return vision, lm
+
+    def memory_report(self) -> dict[str, Any]:
+        """Where this process's memory is, in bytes: the weights by role and form, the KV buffers
+        reserved and committed, the embedding table's size and resident part (memory-mapped from
+        the prepared cache, or in memory), and the process's resident size now and at its peak.
+        ``other`` is the resident size not accounted for by those: the PyTorch runtime, the
+        tokenizer, live activations and the allocator's free blocks. Values None where /proc is
+        missing."""
+        parts: dict[str, int] = {}
+        for part, module in (("vision", self.vision), ("lm", self.lm)):
+            for name, layer in module.named_modules():
+                if name == "embed" or isinstance(layer, KVCache) or any(True for _ in layer.children()):
+                    continue  # the embedding and KV buffers are reported below, containers hold nothing
+                role = f"{part} {'head' if name == 'lm_head' else 'linears' if _is_linear(layer) else 'norms'}"
+                form = _weight_form(layer)
+                key = f"{role} ({form})"
+                if size := _layer_bytes(layer):
+                    parts[key] = parts.get(key, 0) + size
+        caches = [layer.attention.kv_cache for layer in self.lm.decoder_layers]
+        kv = [t for c in caches if c is not None for t in (c.k, c.v)]
+        embed = self.lm.embed.weight
+        report: dict[str, Any] = {
+            "weights": parts,
+            "embedding": {
+                "bytes": embed.numel() * embed.element_size(),
+                "dtype": str(embed.dtype).removeprefix("torch."),
+                "mapped": self.prepared_from == "cache" or self.cache_committed,
+                "resident": resident_bytes([embed]),
+            },
+            "kv": {"reserved": sum(t.numel() * t.element_size() for t in kv), "committed": resident_bytes(kv)},
+            "rss": rss_bytes(),
+            "peak_rss": peak_rss_bytes(),
+            "prepared_from": self.prepared_from,
+        }
+        known = sum(parts.values()) + (report["kv"]["committed"] or 0)
+        known += report["embedding"]["resident"] or 0
+        report["other"] = None if report["rss"] is None else report["rss"] - known
+        return report
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -135,10 +209,19 @@ class FastEngine:
         self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
     ) -> Generator[None, None, torch.Tensor]:
         """The vision pass over packed images as a generator of steps (see
-        ``VisionEncoder.stepwise``); traced or compiled encoders run whole, in one step."""
-        if self.vision_runner is self.vision:
-            return self.vision.stepwise(pixel_values, grids)
-        return _one_step(lambda: self.vision_runner(pixel_values, grids))
+        ``VisionEncoder.stepwise``); traced or compiled encoders run whole, in one step.
+
+        Once the pass is done the heap is trimmed: a layout image's activations (~0.3 GB) are
+        freed blocks of glibc's heap, which it would keep, and a later pack of other sizes would
+        not reuse them all (measured on the full-size model: 0.28 GB resident that a trim returns)."""
+        steps = (
+            self.vision.stepwise(pixel_values, grids)
+            if self.vision_runner is self.vision
+            else _one_step(lambda: self.vision_runner(pixel_values, grids))
+        )
+        embeds = yield from steps
+        trim_heap()
+        return embeds
 
     def split_image_embeds(self, pack: list[SequenceState], embeds: torch.Tensor, elapsed: float) -> None:
         """Hand each sequence of a pack its rows of the vision output ``[patches / 4, hidden]`` and
@@ -189,6 +272,23 @@ class FastEngine:
         logits = self.lm.prefill_chunks([(seq.embeds, seq.positions, slot, 0)])[0]  # type: ignore[list-item]
         seq.embeds = None
         return logits
+
+
+def _is_linear(layer: nn.Module) -> bool:
+    return isinstance(layer, nn.Linear) or hasattr(layer, "out_features")
+
+
+def _weight_form(layer: nn.Module) -> str:
+    if isinstance(layer, nn.Linear):
+        return str(layer.weight.dtype).removeprefix("torch.")
+    return type(layer).__name__
+
+
+def _layer_bytes(layer: nn.Module) -> int:
+    """Bytes of a layer's own tensors; oneDNN's packed INT8 weight (not a buffer) as 1 byte per weight."""
+    own = sum(t.numel() * t.element_size() for t in [*layer.parameters(False), *layer.buffers(False)])
+    packed = getattr(layer, "weight_packed", None)
+    return own + (packed.numel() if packed is not None else 0)
 
 
 def _one_step(run) -> Generator[None, None, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Process memory: give freed heap memory back to the OS (glibc), and read this process's peak RSS.
+"""Process memory: give freed heap memory back to the OS (glibc); read this process's resident and
+peak sizes and how much of a tensor's memory mapping is resident.
 
 Swapping hundreds of float linears for int8 ones frees many mid-sized tensors. glibc keeps such
 freed blocks in its heap (its mmap threshold rises with each large free), so without a trim the
@@ -13,6 +14,8 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+
+import torch
 
 
 @functools.cache
@@ -41,14 +44,47 @@ def peak_rss_bytes() -> int:
     at fork time into it (a bench row spawned by a 3.6 GB parent reported 3.6 GB whatever it used).
     Elsewhere ``ru_maxrss`` (bytes on macOS, kilobytes on other systems).
     """
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource  # POSIX only: imported here so Windows can still import this module
 
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size now, in bytes (``VmRSS``); None where /proc is missing."""
+    return _status_bytes("VmRSS")
+
+
+def resident_bytes(tensors: list[torch.Tensor]) -> int | None:
+    """Bytes of the memory mappings holding ``tensors``' data that are resident now (the ``Rss``
+    of each distinct mapping in ``/proc/self/smaps``: a lazily committed KV buffer or a
+    memory-mapped embedding table counts only the pages in use). None where /proc is missing."""
+    starts = sorted({t.data_ptr() for t in tensors})
+    total, current, seen = 0, None, set()
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    low, high = (int(x, 16) for x in head.split("-"))
+                    current = (low, high) if any(low <= s < high for s in starts) else None
+                elif head == "Rss:" and current is not None and current not in seen:
+                    seen.add(current)
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return total

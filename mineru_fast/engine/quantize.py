@@ -36,7 +36,6 @@ quantized form through a handler registered for the config's type:
 - ``Bf16WeightsConfig``: keep the weight in bfloat16 and upcast it to the activation dtype at each
   call. A MinerU2.5 checkpoint is stored in bfloat16, so float32 math on upcast weights is
   bit-identical to a float32 copy, at half the memory.
-- ``FloatConfig``: cast the layer to a float dtype (e.g. keep the LM head in float32).
 
 Quantized layers take and return the activation dtype of the model around them.
 """
@@ -48,7 +47,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +60,12 @@ __all__ = [
     "Int8DynamicConfig",
     "Int8WeightOnlyConfig",
     "Bf16WeightsConfig",
-    "FloatConfig",
     "OneDnnInt8Linear",
     "IntMmInt8Linear",
     "Int8WeightOnlyLinear",
     "Bf16WeightsLinear",
     "quantize_",
+    "quantize_linear",
     "resolve_int8_backend",
     "int8_kernel_path",
     "int8_weight_max",
@@ -97,18 +96,28 @@ class Bf16WeightsConfig:
     """bfloat16 weight storage, computation in the activation dtype."""
 
 
-@dataclass(frozen=True)
-class FloatConfig:
-    """Keep the layer in floating point, cast to ``dtype``."""
-
-    dtype: torch.dtype = torch.float32
+# Output channels quantized per pass: each row's scale and rounding are its own, so chunking changes
+# no value, and the float32 temporaries stay at a few MB (whole, the 151,936-row LM head needed
+# ~1.6 GB of them: three float32 copies of a 0.27 GB bfloat16 matrix).
+QUANTIZE_CHUNK_ROWS = 4096
 
 
 def _per_channel_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel quantization to ``-qmax..qmax``: ``weight ~= q * scale[:, None]``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / qmax).clamp(min=1e-12)
-    return torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8), scale
+    """Symmetric per-output-channel quantization to ``-qmax..qmax``: ``weight ~= q * scale[:, None]``.
+
+    ``weight`` ``[out, in]`` of any float dtype -> ``q`` ``[out, in]`` int8 and ``scale`` ``[out]``
+    float32, computed ``QUANTIZE_CHUNK_ROWS`` rows at a time.
+    """
+    weight = weight.detach()
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS):
+        rows = slice(start, start + QUANTIZE_CHUNK_ROWS)
+        w = weight[rows].float()
+        s = scale[rows]
+        torch.clamp(w.abs().amax(dim=1) / qmax, min=1e-12, out=s)
+        q[rows] = torch.round(w / s[:, None]).clamp_(-qmax, qmax)
+    return q, scale
 
 
 def _onednn_matmul(qx: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -187,6 +196,40 @@ class _PerTokenInt8Linear(nn.Module):
     def _pack(self, q: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def prepared_state(self) -> dict[str, torch.Tensor]:
+        """The tensors that define this layer (``from_prepared`` rebuilds it from them): the int8
+        weight (``weight_q`` ``[out, in]`` for ``onednn``, ``weight_t`` ``[in, out]`` for
+        ``int_mm``), ``weight_scale`` ``[out]`` float32, ``weight_max`` ``[1]`` int8 and, when the
+        layer has one, ``bias`` ``[out]`` float32."""
+        state = {**self._weight_state(), "weight_scale": self.weight_scale}
+        state["weight_max"] = torch.tensor([self.weight_max], dtype=torch.int8)
+        if self.bias is not None:
+            state["bias"] = self.bias
+        return state
+
+    @classmethod
+    def from_prepared(cls, state: dict[str, torch.Tensor]) -> _PerTokenInt8Linear:
+        """The layer ``prepared_state`` described (the same outputs, bit for bit).
+
+        Raises:
+            KeyError: a tensor is missing.
+        """
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight_max = int(state["weight_max"][0])
+        layer.register_buffer("weight_scale", state["weight_scale"])
+        layer.register_buffer("bias", state.get("bias"))
+        layer.out_features = state["weight_scale"].shape[0]
+        layer.in_features = layer._load_weight(state)
+        return layer
+
+    def _weight_state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _load_weight(self, state: dict[str, torch.Tensor]) -> int:
+        """Take the weight from ``state``; returns ``in_features``."""
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=+-{self.weight_max}"
 
@@ -221,6 +264,17 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
     def _pack(self, q: torch.Tensor) -> None:
         self.weight_packed = torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN blocked layout: no buffer
 
+    def _weight_state(self) -> dict[str, torch.Tensor]:
+        # The packed weight read back ([in, out], plain layout) and stored [out, in], as quantized,
+        # to be packed again when loaded: the plain tensor as it is gives the same outputs but made
+        # decode GEMMs ~2x slower, and qlinear_prepack reads its input as contiguous [out, in]
+        # whatever its strides (a transposed view packs the wrong matrix).
+        return {"weight_q": self.weight_packed.to_dense().t().contiguous()}
+
+    def _load_weight(self, state: dict[str, torch.Tensor]) -> int:
+        self._pack(state["weight_q"].contiguous())
+        return state["weight_q"].shape[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1]).float()
@@ -246,6 +300,13 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
     def _pack(self, q: torch.Tensor) -> None:
         self.register_buffer("weight_t", q.t().contiguous())  # [in, out] for _int_mm
 
+    def _weight_state(self) -> dict[str, torch.Tensor]:
+        return {"weight_t": self.weight_t}
+
+    def _load_weight(self, state: dict[str, torch.Tensor]) -> int:
+        self.register_buffer("weight_t", state["weight_t"])
+        return state["weight_t"].shape[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1]).float()
@@ -256,7 +317,14 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
         return self._finish(y, x_scale, shape, dtype)
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class _BufferLinear(nn.Module):
+    """A linear layer whose state is all buffers (rebuilt by ``_from_buffers``)."""
+
+    in_features: int
+    out_features: int
+
+
+class Int8WeightOnlyLinear(_BufferLinear):
     """``y = x (q * scale)^T + b`` with the int8 weight dequantized to ``x``'s dtype per call."""
 
     weight_q: torch.Tensor  # buffers: [out, in] int8, [out] float32, [out] float32 or None
@@ -271,13 +339,27 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    def prepared_state(self) -> dict[str, torch.Tensor]:
+        """``weight_q`` ``[out, in]`` int8, ``weight_scale`` ``[out]`` and, if any, ``bias`` (see
+        ``from_prepared``)."""
+        return _buffers(self)
+
+    @classmethod
+    def from_prepared(cls, state: dict[str, torch.Tensor]) -> Int8WeightOnlyLinear:
+        """The layer ``prepared_state`` described.
+
+        Raises:
+            KeyError: a tensor is missing.
+        """
+        return _from_buffers(cls, state, ("weight_q", "weight_scale"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight_q.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
 
 
-class Bf16WeightsLinear(nn.Module):
+class Bf16WeightsLinear(_BufferLinear):
     """``y = x W^T + b`` with ``W`` stored in bfloat16 and cast to ``x``'s dtype per call."""
 
     weight_bf16: torch.Tensor  # buffers: [out, in] bfloat16, [out] float32 or None
@@ -289,9 +371,41 @@ class Bf16WeightsLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    def prepared_state(self) -> dict[str, torch.Tensor]:
+        """``weight_bf16`` ``[out, in]`` and, if any, ``bias`` (see ``from_prepared``)."""
+        return _buffers(self)
+
+    @classmethod
+    def from_prepared(cls, state: dict[str, torch.Tensor]) -> Bf16WeightsLinear:
+        """The layer ``prepared_state`` described.
+
+        Raises:
+            KeyError: a tensor is missing.
+        """
+        return _from_buffers(cls, state, ("weight_bf16",))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight_bf16.to(x.dtype), bias)
+
+
+def _buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in layer.named_buffers(recurse=False) if t is not None}
+
+
+M = TypeVar("M", bound=_BufferLinear)
+
+
+def _from_buffers(cls: type[M], state: dict[str, torch.Tensor], names: tuple[str, ...]) -> M:
+    """A buffer-only layer of type ``cls`` holding the tensors ``names`` of ``state`` and its
+    optional ``bias``; ``in_features`` / ``out_features`` from the ``[out, in]`` weight ``names[0]``."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    for name in names:
+        layer.register_buffer(name, state[name])
+    layer.register_buffer("bias", state.get("bias"))
+    layer.out_features, layer.in_features = state[names[0]].shape
+    return layer
 
 
 class _TorchAoDynamicLinear(nn.Module):
@@ -379,8 +493,25 @@ _HANDLERS: dict[type, Callable[[nn.Linear, object], nn.Module]] = {
     Int8DynamicConfig: _int8_dynamic,  # type: ignore[dict-item]
     Int8WeightOnlyConfig: lambda linear, _: Int8WeightOnlyLinear(linear),
     Bf16WeightsConfig: lambda linear, _: Bf16WeightsLinear(linear),
-    FloatConfig: lambda linear, config: linear.to(config.dtype),  # type: ignore[attr-defined]
 }
+
+
+def _handler(config: object) -> Callable[[nn.Linear, object], nn.Module]:
+    handler = _HANDLERS.get(type(config))
+    if handler is None:
+        raise TypeError(
+            f"no quantization handler for {type(config).__name__}; known: {[t.__name__ for t in _HANDLERS]}"
+        )
+    return handler
+
+
+def quantize_linear(linear: nn.Linear, config: object) -> nn.Module:
+    """``linear``'s replacement under ``config`` (an instance of a registered config type).
+
+    Raises:
+        TypeError: no handler is registered for ``type(config)``.
+    """
+    return _handler(config)(linear, config)
 
 
 def quantize_(model: nn.Module, config: object, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
@@ -397,11 +528,7 @@ def quantize_(model: nn.Module, config: object, filter_fn: Callable[[nn.Module, 
     Raises:
         TypeError: no handler is registered for ``type(config)``.
     """
-    handler = _HANDLERS.get(type(config))
-    if handler is None:
-        raise TypeError(
-            f"no quantization handler for {type(config).__name__}; known: {[t.__name__ for t in _HANDLERS]}"
-        )
+    handler = _handler(config)
     names = [
         name
         for name, module in model.named_modules()

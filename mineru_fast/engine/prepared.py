@@ -1,0 +1,353 @@
+"""A persistent cache of the prepared model: every layer as the fast engine runs it (INT8 weights
+with their scales, float norms and biases, the embedding table), written once, read at next start.
+
+Preparing a MinerU2.5 checkpoint (reading 2.3 GB of bfloat16, quantizing 1.1 billion weights per
+output channel, packing them for oneDNN) is most of a start-up. A prepared entry holds the result:
+one safetensors file per linear layer (the INT8 weights and scales: loading is a read and, for
+oneDNN, a repack, no arithmetic), one per module for everything else, and a ``manifest.json``.
+Loading reads each layer's file through safetensors' memory map and lets it go once the layer is
+built, so only one layer's file pages are resident at a time; the embedding table stays mapped,
+and only the rows a document uses are ever read into memory.
+
+An entry's key hashes everything its contents depend on: the checkpoint (path, and the size and
+modification time of its ``config.json`` and ``*.safetensors``), the engine's settings (dtype,
+quantization of each part, the INT8 kernel and the weight range its probe found on this CPU),
+this package's version, PyTorch's version and the CPU capability PyTorch dispatches to. Any change
+gives a new key; the entry it replaces (same checkpoint and settings) is removed when the new one
+is committed.
+
+Writes are safe against a crash and against several processes preparing the same model at once:
+an entry is written into a private temporary folder and committed by renaming it into place (a
+rename onto an existing entry fails, and the loser drops its copy). An entry that fails to load
+(a truncated or missing file, a manifest of another format) is removed and the model prepared again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .memory import trim_heap
+from .quantize import (
+    Bf16WeightsLinear,
+    Int8DynamicConfig,
+    Int8WeightOnlyConfig,
+    Int8WeightOnlyLinear,
+    IntMmInt8Linear,
+    OneDnnInt8Linear,
+    int8_weight_max,
+    resolve_int8_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # bumped whenever the files' layout or meaning changes
+# "0", "off", "false" or "no": never read or write entries; a folder path: the entries' root
+CACHE_ENV = "MINERU_FAST_PREPARED_CACHE"
+MANIFEST = "manifest.json"
+
+# Layer kinds an entry can hold, by class; a model with any other kind of layer (torch.ao's
+# quantized linear, IPEX's) is not cached.
+_KINDS: dict[type[nn.Module], str] = {
+    nn.Linear: "linear",
+    OneDnnInt8Linear: "onednn",
+    IntMmInt8Linear: "int_mm",
+    Int8WeightOnlyLinear: "int8_weight_only",
+    Bf16WeightsLinear: "bf16_weights",
+}
+_PACKED_ANEW = {"onednn": ("weight_q",)}  # tensors copied into another form when a layer is restored
+_RESTORE: dict[str, Callable[[dict[str, torch.Tensor]], nn.Module]] = {
+    "onednn": OneDnnInt8Linear.from_prepared,
+    "int_mm": IntMmInt8Linear.from_prepared,
+    "int8_weight_only": Int8WeightOnlyLinear.from_prepared,
+    "bf16_weights": Bf16WeightsLinear.from_prepared,
+}
+
+
+class PreparedCacheError(Exception):
+    """An entry cannot be read (missing or truncated file, other format); it is then rebuilt."""
+
+
+def cache_root(default: Path, enabled: bool | None = None) -> Path | None:
+    """The folder of prepared entries, or None for no cache.
+
+    ``enabled`` False: None; True or None: ``$MINERU_FAST_PREPARED_CACHE`` decides when set (``0``,
+    ``off``, ``false`` or ``no``: None unless ``enabled`` is True; otherwise it is the folder),
+    else ``default``.
+    """
+    if enabled is False:
+        return None
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return default if enabled else None
+    return Path(value).expanduser() if value else default
+
+
+def checkpoint_identity(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint part of a key: the resolved path and ``[name, size, mtime_ns]`` of its
+    ``config.json`` and ``*.safetensors`` files."""
+    model_dir = model_dir.resolve()
+    files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
+    return {
+        "path": str(model_dir),
+        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()],
+    }
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mineru-fast")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "source"
+
+
+class PreparedCache:
+    """The prepared-model entries under ``root`` (``hub.cache_dir() / "prepared"`` by default).
+
+    Args:
+        root: folder of the entries (created on first write).
+        model_dir: the checkpoint.
+        settings: the engine settings the prepared layers depend on (JSON-serializable).
+    """
+
+    def __init__(self, root: Path, model_dir: Path, settings: dict[str, Any]) -> None:
+        self.root = Path(root)
+        self.identity: dict[str, Any] = {
+            "format": FORMAT,
+            "checkpoint": checkpoint_identity(Path(model_dir)),
+            "settings": settings,
+            "mineru_fast": _package_version(),
+            "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        }
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
+        self.path = self.root / digest[:32]
+
+    def exists(self) -> bool:
+        """Whether a committed entry for this key is present."""
+        return (self.path / MANIFEST).is_file()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def load(self, vision: nn.Module, lm: nn.Module) -> None:
+        """Fill the meta-device ``vision`` and ``lm`` modules from the entry, in place.
+
+        Raises:
+            PreparedCacheError: the entry is incomplete, truncated or of another format.
+        """
+        try:
+            manifest = json.loads((self.path / MANIFEST).read_text())
+            if manifest.get("format") != FORMAT:
+                raise PreparedCacheError(f"entry format {manifest.get('format')}, expected {FORMAT}")
+            for part, module in (("vision", vision), ("lm", lm)):
+                rest = load_file(self.path / f"{part}.safetensors")
+                module.load_state_dict(rest, strict=False, assign=True)
+                del rest
+                for name, kind in manifest["layers"][part].items():
+                    if kind == "tied":  # the LM head is the embedding matrix itself
+                        weight = module.get_parameter(manifest["tied"][name])
+                        layer: nn.Module = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+                        layer.weight = weight
+                    else:
+                        mapped = load_file(self.path / f"{part}.{name}.safetensors")
+                        # Tensors the layer keeps are copied out of the map, so the file's pages
+                        # are let go with it; a weight that is packed anew is read from it once.
+                        packed = _PACKED_ANEW.get(kind, ())
+                        layer = _restore(kind, {k: v if k in packed else v.clone() for k, v in mapped.items()})
+                        del mapped
+                    _replace(module, name, layer)
+                    trim_heap()
+                _check_complete(module, part)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+            raise PreparedCacheError(f"prepared model {self.path.name} cannot be read: {exc}") from exc
+
+    def mapped(self, part: str, name: str) -> nn.Parameter:
+        """The committed entry's tensor ``name`` of ``part``'s non-linear file, memory-mapped (pages
+        are read in as they are used), as a parameter.
+
+        Raises:
+            PreparedCacheError: the entry or the tensor is missing.
+        """
+        try:
+            return nn.Parameter(load_file(self.path / f"{part}.safetensors")[name], requires_grad=False)
+        except (OSError, KeyError, SafetensorError) as exc:
+            raise PreparedCacheError(f"prepared model {self.path.name} cannot be read: {exc}") from exc
+
+    def discard(self) -> None:
+        """Remove this key's entry (a reader holding its files keeps them until it lets go)."""
+        _remove(self.path)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def writer(self) -> PreparedWriter:
+        """A writer for this key's entry (see ``PreparedWriter``)."""
+        return PreparedWriter(self)
+
+
+class PreparedWriter:
+    """Collects a model's layers as they are prepared and commits them as one entry.
+
+    ``add(part, name, layer)`` writes a prepared linear at once (so nothing extra stays in memory);
+    ``commit(vision, lm)`` writes the remaining tensors and the manifest and moves the entry into
+    place. An unsupported layer abandons the entry (``ok`` turns False) without failing the load.
+    """
+
+    def __init__(self, cache: PreparedCache) -> None:
+        self.cache = cache
+        self.tmp = cache.root / f".tmp-{cache.path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.layers: dict[str, dict[str, str]] = {"vision": {}, "lm": {}}
+        self.ok = True
+        try:
+            self.tmp.mkdir(parents=True)
+        except OSError as exc:
+            self._abandon(f"cannot create {self.tmp}: {exc}")
+
+    def _abandon(self, why: str) -> None:
+        if self.ok:
+            logger.info("prepared model not cached: %s", why)
+        self.ok = False
+        _remove(self.tmp)
+
+    def add(self, part: str, name: str, layer: nn.Module) -> None:
+        """Write one prepared linear of ``part`` (``"vision"`` or ``"lm"``) named ``name``."""
+        if not self.ok:
+            return
+        kind = _KINDS.get(type(layer))
+        if kind is None:
+            self._abandon(f"{part}.{name} is a {type(layer).__name__}, which the cache does not store")
+            return
+        if isinstance(layer, nn.Linear):
+            state = {"weight": layer.weight, **({"bias": layer.bias} if layer.bias is not None else {})}
+        else:
+            state = cast(Any, layer).prepared_state()
+        try:
+            save_file({k: v.detach().contiguous() for k, v in state.items()}, self.tmp / f"{part}.{name}.safetensors")
+        except OSError as exc:
+            self._abandon(f"cannot write {self.tmp}: {exc}")
+            return
+        self.layers[part][name] = kind
+
+    def commit(self, vision: nn.Module, lm: nn.Module) -> bool:
+        """Write the non-linear tensors and the manifest, then move the entry into place.
+
+        A tied LM head (the same tensor as the embedding) is recorded as tied, not written twice.
+
+        Returns:
+            Whether this call committed the entry (False: abandoned, or another process was first).
+        """
+        if not self.ok:
+            return False
+        tied: dict[str, str] = {}
+        try:
+            for part, module in (("vision", vision), ("lm", lm)):
+                linears = self.layers[part]
+                rest = {k: v.detach().contiguous() for k, v in module.state_dict().items()
+                        if k.rpartition(".")[0] not in linears}  # fmt: skip
+                save_file(rest, self.tmp / f"{part}.safetensors")
+                del rest
+                head = getattr(module, "lm_head", None)
+                if isinstance(head, nn.Linear) and head.weight is module.get_parameter("embed.weight"):
+                    self.layers[part]["lm_head"] = "tied"
+                    tied["lm_head"] = "embed.weight"
+                    (self.tmp / f"{part}.lm_head.safetensors").unlink(missing_ok=True)
+            manifest = {"format": FORMAT, "identity": self.cache.identity, "layers": self.layers, "tied": tied}
+            (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            os.rename(self.tmp, self.cache.path)
+        except OSError as exc:
+            # ENOTEMPTY / EEXIST: another process committed the same entry first; ours is redundant
+            self._abandon(f"{self.cache.path.name} not committed ({exc.strerror or exc})")
+            return False
+        self._remove_stale()
+        logger.info("prepared model cached in %s", self.cache.path)
+        return True
+
+    def _remove_stale(self) -> None:
+        """Drop committed entries of the same checkpoint path and settings under other keys (an
+        older package, torch or checkpoint file): they can never be used again."""
+        mine = self.cache.identity
+        for manifest_path in self.cache.root.glob(f"*/{MANIFEST}"):
+            entry = manifest_path.parent
+            if entry == self.cache.path:
+                continue
+            try:
+                other = json.loads(manifest_path.read_text())["identity"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            same = other.get("settings") == mine["settings"]
+            if same and other.get("checkpoint", {}).get("path") == mine["checkpoint"]["path"]:
+                _remove(entry)
+
+
+def _config_setting(config: object | None) -> str:
+    if config is None:
+        return "float"
+    if isinstance(config, Int8DynamicConfig):
+        backend = resolve_int8_backend(config.backend)
+        weights = f":+-{int8_weight_max(backend)}" if backend != "torch_ao" else ""
+        return f"int8-dynamic:{backend}{weights}"  # the weight range follows the CPU's int8 products
+    return type(config).__name__
+
+
+def prepared_settings(dtype: torch.dtype, configs: dict[str, object | None]) -> dict[str, str]:
+    """The engine settings a prepared model depends on: the activation dtype and each part's
+    quantization (for dynamic INT8 the kernel and the weight range its probe found here)."""
+    return {"dtype": str(dtype), **{part: _config_setting(config) for part, config in configs.items()}}
+
+
+def cacheable(configs: Iterable[object | None]) -> bool:
+    """Whether a model prepared with ``configs`` (each part's quantization config, None = float)
+    is worth caching and can be: some part is INT8 (quantization is the work a cache saves) and
+    no part uses ``torch.ao``'s kernel, whose packed weights the cache does not store."""
+    configs = list(configs)
+    if any(isinstance(c, Int8DynamicConfig) and resolve_int8_backend(c.backend) == "torch_ao" for c in configs):
+        return False
+    return any(isinstance(c, Int8DynamicConfig | Int8WeightOnlyConfig) for c in configs)
+
+
+def _restore(kind: str, state: dict[str, torch.Tensor]) -> nn.Module:
+    if kind == "linear":
+        weight = state["weight"]
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in state, device="meta")
+        layer.load_state_dict(state, strict=True, assign=True)
+        return layer
+    if kind not in _RESTORE:
+        raise PreparedCacheError(f"unknown layer kind {kind!r}")
+    return _RESTORE[kind](state)
+
+
+def _replace(module: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(module.get_submodule(parent_name) if parent_name else module, child, layer)
+
+
+def _check_complete(module: nn.Module, part: str) -> None:
+    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left:
+        raise PreparedCacheError(f"{part} tensors missing from the entry: {left[:5]}")
+
+
+def _remove(path: Path) -> None:
+    """Remove an entry or temporary folder: renamed aside first, so a half-removed entry is never
+    seen under its key."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)

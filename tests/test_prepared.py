@@ -1,0 +1,156 @@
+"""The prepared-model cache: reuse, invalidation, a truncated entry, concurrent writers, bypass."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from samples import text_page
+from test_fast_engine import page_requests
+from torch import nn
+
+from mineru_fast import ParserOptions
+from mineru_fast.engine.factory import build_engine
+from mineru_fast.engine.generate import FastEngine
+from mineru_fast.engine.prepared import CACHE_ENV, MANIFEST, PreparedCache, cacheable, prepared_settings
+from mineru_fast.engine.quantize import (
+    Bf16WeightsConfig,
+    Bf16WeightsLinear,
+    Int8DynamicConfig,
+    Int8WeightOnlyConfig,
+    Int8WeightOnlyLinear,
+    IntMmInt8Linear,
+    OneDnnInt8Linear,
+)
+
+INT8 = Int8DynamicConfig()
+
+
+def make_engine(model: Path, root: Path | None, **quant: object) -> FastEngine:
+    configs = {"vision_quant": INT8, "lm_quant": INT8, "lm_head_quant": INT8, **quant}
+    return FastEngine(model, precision="fp32", slots=4, max_seq_len=2048, prepared_cache=root, **configs)
+
+
+def outputs(engine: FastEngine) -> list[tuple[list[int], list[float]]]:
+    """Tokens and log-probabilities of a page's layout request and three crops, greedy."""
+    try:
+        results = engine.generate(page_requests(text_page()))
+    finally:
+        engine.close()
+    return [(r.token_ids, r.logprobs) for r in results]
+
+
+def entries(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.glob(f"*/{MANIFEST}"))
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_model: Path) -> list[tuple[list[int], list[float]]]:
+    return outputs(make_engine(tiny_model, None))
+
+
+@pytest.fixture
+def model(tiny_model: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny model (tests change its files' times)."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "model"))
+
+
+def test_warm_start_reads_the_entry_and_decodes_the_same_tokens(model, tmp_path, uncached):
+    root = tmp_path / "prepared"
+    cold = make_engine(model, root)
+    assert cold.prepared_from == "checkpoint" and len(entries(root)) == 1
+    assert outputs(cold) == uncached  # the embedding now read from the entry's memory map
+    warm = make_engine(model, root)
+    assert warm.prepared_from == "cache"
+    assert isinstance(warm.lm.layers[0].attention.wqkv, OneDnnInt8Linear)
+    assert outputs(warm) == uncached  # same tokens and the same log-probabilities, bit for bit
+    assert not list(root.glob(".tmp-*")) and not list(root.glob(".trash-*"))
+
+
+def test_a_changed_checkpoint_or_setting_gets_a_new_entry_and_the_stale_one_goes(model, tmp_path):
+    root = tmp_path / "prepared"
+    make_engine(model, root).close()
+    (first,) = entries(root)
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new file in its place
+    changed = make_engine(model, root)
+    changed.close()
+    assert changed.prepared_from == "checkpoint"
+    (second,) = entries(root)  # the entry of the old file is gone: it can never be used again
+    assert second != first
+    other = make_engine(model, root, lm_head_quant=None)  # other settings: their own entry
+    other.close()
+    assert other.prepared_from == "checkpoint" and second in entries(root) and len(entries(root)) == 2
+    assert make_engine(model, root, lm_head_quant=None).prepared_from == "cache"
+
+
+def test_a_truncated_entry_is_discarded_and_prepared_again(model, tmp_path, uncached, caplog):
+    root = tmp_path / "prepared"
+    make_engine(model, root).close()
+    (entry,) = entries(root)
+    layer_file = entry / "lm.layers.0.feed_forward.w_gate_up.safetensors"
+    layer_file.write_bytes(layer_file.read_bytes()[: layer_file.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="mineru_fast.engine.generate"):
+        again = make_engine(model, root)
+    assert again.prepared_from == "checkpoint"
+    assert any("cannot be read" in r.getMessage() for r in caplog.records)
+    assert outputs(again) == uncached
+    assert make_engine(model, root).prepared_from == "cache"  # committed anew, whole
+
+
+def test_of_two_writers_of_one_entry_one_commits_and_the_other_drops_its_copy(model, tmp_path):
+    root = tmp_path / "prepared"
+    first = make_engine(model, None)
+    first.close()
+    cache = PreparedCache(root, model, prepared_settings(torch.float32, {"vision": INT8, "lm": INT8, "lm_head": INT8}))
+    writers = [cache.writer(), cache.writer()]
+    for writer in writers:  # both prepared the model at the same time
+        for part, module in (("vision", first.vision), ("lm", first.lm)):
+            for name, layer in module.named_modules():
+                if isinstance(layer, OneDnnInt8Linear):
+                    writer.add(part, name, layer)
+    assert [w.commit(first.vision, first.lm) for w in writers] == [True, False]
+    assert entries(root) == [cache.path] and not list(root.glob(".tmp-*"))
+    assert make_engine(model, root).prepared_from == "cache"
+
+
+def test_the_environment_variable_and_the_flag_bypass_the_cache(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINERU_FAST_CACHE", str(tmp_path / "cache"))
+    options = ParserOptions(threads=1, slots=2, max_seq_len=2048)
+    monkeypatch.setenv(CACHE_ENV, "off")
+    build_engine(model, options).close()
+    assert not (tmp_path / "cache" / "prepared").exists()
+    monkeypatch.delenv(CACHE_ENV)
+    build_engine(model, options, prepared_cache=False).close()
+    assert not (tmp_path / "cache" / "prepared").exists()
+    engine = build_engine(model, options)
+    engine.close()
+    assert len(entries(tmp_path / "cache" / "prepared")) == 1
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))  # a folder moves the cache
+    build_engine(model, options).close()
+    assert len(entries(tmp_path / "elsewhere")) == 1
+    from mineru_fast.cli import build_argparser
+
+    assert build_argparser().parse_args(["serve", "--no-prepared-cache"]).no_prepared_cache
+
+
+def test_only_int8_models_without_torch_ao_are_cached():
+    assert cacheable([INT8, None, None]) and cacheable([Int8WeightOnlyConfig(), None, None])
+    assert not cacheable([Bf16WeightsConfig(), Bf16WeightsConfig(), None])  # the checkpoint is the prepared form
+    assert not cacheable([Int8DynamicConfig("torch_ao"), INT8, INT8])
+
+
+@pytest.mark.parametrize("kind", [OneDnnInt8Linear, IntMmInt8Linear, Int8WeightOnlyLinear, Bf16WeightsLinear])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_layer_rebuilt_from_its_prepared_state_gives_the_same_outputs(kind, bias):
+    torch.manual_seed(0)
+    layer = kind(nn.Linear(96, 40, bias=bias))
+    rebuilt = kind.from_prepared({k: v.clone() for k, v in layer.prepared_state().items()})
+    x = torch.randn(7, 96)
+    assert (rebuilt.in_features, rebuilt.out_features) == (96, 40)
+    assert torch.equal(rebuilt(x), layer(x))
