@@ -200,6 +200,8 @@ class Scheduler:
                     f"prompt of {len(encoded.input_ids)} tokens + max_new_tokens {request.sampling.max_new_tokens} "
                     f"exceeds the KV buffer length {self.max_seq_len}"
                 )
+            if "" in request.stop:
+                raise ValueError("a stop string must not be empty")
             self._validate(encoded)
         except Exception as exc:  # a bad request fails alone, with its reason
             handle.set_result(GenerationResult.failed(exc))
@@ -590,6 +592,8 @@ class Scheduler:
     def _finish_reason(self, seq: SequenceState) -> FinishReason | None:
         if seq.tokens[-1] in self.runner.preprocessor.end_ids:
             return "stop"
+        if seq.request.stop and self._holds_stop(seq):
+            return "stop"
         if len(seq.tokens) >= seq.request.sampling.max_new_tokens:
             return "length"
         window = self.repetition_window
@@ -601,6 +605,14 @@ class Scheduler:
         ):
             return "repetition"
         return None
+
+    def _holds_stop(self, seq: SequenceState) -> bool:
+        """Whether the text of ``seq``'s last tokens holds one of its stop strings. Checked after
+        every token, so a new stop string ends in the last one; every token is at least one byte
+        and a character at most 4 (UTF-8), so ``4 * len(stop) + 1`` tokens cover it."""
+        longest = max(len(s) for s in seq.request.stop)
+        tail = self.runner.preprocessor.decode(seq.tokens[-(4 * longest + 1) :])
+        return any(s in tail for s in seq.request.stop)
 
     # -- results -------------------------------------------------------------------------------
 
