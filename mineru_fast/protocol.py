@@ -49,6 +49,10 @@ MINERU_TOKENS: list[str] = ["<|ref_start|>", "<|ref_end|>", *ROTATE_TOKENS, *OTS
 
 END_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
 SYSTEM_PROMPT = "You are a helpful assistant."
+# IEEE 754 binary32's largest finite value and smallest normal one (numpy.finfo(numpy.float32).max / .tiny):
+# the decoding rules hold penalties in float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 # Qwen2-VL ChatML; an image part becomes IMAGE_PLACEHOLDER (the processor expands the pad token).
@@ -96,6 +100,10 @@ class SamplingParams:
         max_new_tokens: hard bound on generated tokens, the end token included.
         min_new_tokens: the end tokens are banned until this many tokens are generated (vLLM's
             ``min_tokens``); 0 (MinerU's value) disables it.
+
+    Raises:
+        ValueError: a bound out of range, a penalty that is not finite or not within float32's
+            range (``FLOAT32_MAX``), a repetition penalty below ``FLOAT32_TINY``.
     """
 
     presence_penalty: float = 0.0
@@ -106,12 +114,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                raise ValueError(f"{name} must be a finite number within float32's range, got {value}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in 0..max_new_tokens, got {self.min_new_tokens}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < FLOAT32_TINY:
+            raise ValueError(f"repetition_penalty must be >= float32's smallest normal, got {self.repetition_penalty}")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 

@@ -46,6 +46,8 @@ class GenerationRequest:
             ``finish_reason="timeout"`` (its tokens so far are kept); None = no deadline.
         priority: lower values are admitted first among waiting requests (vLLM's convention);
             equal priorities keep submission order.
+        stop: strings that end the output when it comes to hold one (``finish_reason="stop"``;
+            the text is kept whole, stop string included: cutting it is the caller's choice).
     """
 
     image: Image.Image
@@ -56,6 +58,7 @@ class GenerationRequest:
     text_before_image: bool = False
     deadline: float | None = None
     priority: int = 0
+    stop: tuple[str, ...] = ()
 
 
 @dataclass

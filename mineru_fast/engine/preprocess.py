@@ -7,6 +7,13 @@ repeated to 2 frames) and prompts through its tokenizer, so all engines see iden
 processor, which needs torchvision, and no torchvision release installs beside the CPU build of
 torch 2.13. The single ``<|image_pad|>`` of the prompt is expanded to
 ``t * h * w / merge_size**2`` copies, as the processor does.
+
+Text is text: the template's control tokens are inserted as ids, and the text between them (the
+system prompt, the user's text) is tokenized with special tokens treated as plain text (vLLM's and
+llama.cpp's default for chat content), so ``<|image_pad|>`` or ``<|im_start|>`` typed by a caller are
+characters, never an image pad or a forged turn. The tokenizer splits a text at its special tokens
+and tokenizes the pieces independently, so text without special tokens gets the ids of the rendered
+template (``chat_prompt``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import torch
 from ..errors import ModelLoadError
 from ..protocol import END_TOKENS, IMAGE_PLACEHOLDER, SYSTEM_PROMPT
 from .base import GenerationRequest
+
+CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # of chat_prompt
 
 
 def chat_prompt(request: GenerationRequest) -> str:
@@ -76,6 +85,7 @@ class Preprocessor:
             hf_logging.set_verbosity(verbosity)
         self.end_ids: list[int] = [self._token_id(t, model_dir) for t in END_TOKENS]
         self.image_token_id = self._token_id("<|image_pad|>", model_dir)
+        self._control_ids = {t: self._token_id(t, model_dir) for t in CONTROL_TOKENS}
         self.merge_size = self.image_processor.merge_size
         # The image processor resizes every image to at most size["longest_edge"] pixels (Qwen2-VL's
         # max_pixels; 2048 * 28 * 28 for MinerU2.5), i.e. this many LM tokens after the 2x2 merge.
@@ -88,16 +98,51 @@ class Preprocessor:
             raise ModelLoadError(f"the tokenizer of {model_dir} has no {token} token")
         return token_id
 
-    def encode(self, request: GenerationRequest) -> EncodedRequest:
-        """Prompt ids and pixels of a request (raises the image processor's ValueError on images it
-        refuses, e.g. an edge ratio above 200)."""
+    def encode(self, request: GenerationRequest, max_prompt_tokens: int | None = None) -> EncodedRequest:
+        """Prompt ids and pixels of a request.
+
+        Args:
+            max_prompt_tokens: refuse a prompt whose text alone (image tokens not counted) has more
+                tokens than this, before the image is processed.
+
+        Raises:
+            ValueError: the text is over ``max_prompt_tokens``; the image processor's refusals
+                (e.g. an edge ratio above 200).
+        """
+        pieces = self._template_pieces(request)
+        texts = [p for p in pieces if isinstance(p, str)]
+        tokenized = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        text_ids = [p if not isinstance(p, str) else next(tokenized) for p in pieces]
+        text_tokens = sum(len(p) for p in text_ids if p is not None)
+        if max_prompt_tokens is not None and text_tokens > max_prompt_tokens:
+            raise ValueError(f"the prompt's text has {text_tokens} tokens, more than the {max_prompt_tokens} allowed")
         image = self.image_processor(images=[request.image], return_tensors="pt")
         grid = tuple(int(v) for v in image["image_grid_thw"][0])
         n_image_tokens = grid[0] * grid[1] * grid[2] // self.merge_size**2
-        text = chat_prompt(request).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
-        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        ids = [t for p in text_ids for t in (p if p is not None else [self.image_token_id] * n_image_tokens)]
         forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
-        return EncodedRequest(ids, image["pixel_values"], grid, forced)  # type: ignore[arg-type]
+        return EncodedRequest(torch.tensor(ids, dtype=torch.long), image["pixel_values"], grid, forced)  # type: ignore[arg-type]
+
+    def _template_pieces(self, request: GenerationRequest) -> list[str | list[int] | None]:
+        """``chat_prompt(request)`` as control-token ids (lists), the place of the image pads
+        (None) and the text between them (strings, to be tokenized as plain text)."""
+        start, end = self._control_ids["<|im_start|>"], self._control_ids["<|im_end|>"]
+        image = [[self._control_ids["<|vision_start|>"]], None, [self._control_ids["<|vision_end|>"]]]
+        before, after = (request.prompt, "") if request.text_before_image else ("", request.prompt)
+        return [
+            [start],
+            f"system\n{request.system or SYSTEM_PROMPT}",
+            [end],
+            "\n",
+            [start],
+            f"user\n{before}",
+            *image,
+            after,
+            [end],
+            "\n",
+            [start],
+            "assistant\n",
+        ]
 
     def forced_ids(self, text: str) -> list[int]:
         """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""

@@ -18,7 +18,15 @@ submitting thread). The loop, on its own thread, repeats one *step*:
 
 Prefill goes before vision (it puts sequences into the decode batch); vision runs ahead only while
 fewer than ``slots`` sequences wait for a slot. Lower ``priority`` values are admitted first.
-Failures stay local: a unit that raises ends the requests it carried with ``"error"`` results.
+
+One request cannot break a step. ``submit`` validates it before it reaches the loop (prompt and
+forced token ids within the vocabulary, exactly the image's pads, prompt + bound within a slot;
+sampling values are checked by ``SamplingParams``). Failures stay with their sequence: a
+per-sequence stage (prompt embeddings, decoding rules) that raises ends that sequence alone with an
+``"error"`` result; a batched unit (a vision pack, a prefill forward, a decode step) that raises is
+run again one sequence at a time, so only the sequences that fail alone end with ``"error"`` and the
+others go on with the tokens they get alone. When the loop goes idle (no work for a second) freed
+heap memory is returned to the OS (``memory.trim_heap``).
 
 ``max_decode_wait_s`` is the longest admission wait between two decode steps so far and
 ``max_decode_wait_cpu_s`` the loop thread's CPU seconds during that wait: a wait much longer than
@@ -45,6 +53,7 @@ import torch
 from ..protocol import SamplingParams
 from ..threads import one_torch_thread
 from .base import FinishReason, GenerationRequest, GenerationResult, RequestHandle
+from .memory import trim_heap
 from .preprocess import EncodedRequest
 from .repetition import loop_period
 from .sampling import BatchLogitsProcessor
@@ -86,6 +95,7 @@ class SequenceState:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ended: FinishReason | None = None  # set when cancelled / timed out outside the decode batch
+    alone: bool = False  # its vision pack failed: it is encoded in a pack of its own
 
     @property
     def order(self) -> tuple[int, int]:
@@ -176,14 +186,23 @@ class Scheduler:
             handle.set_result(GenerationResult("", [], "cancelled", error="the engine is closed"))
             return handle
         try:
+            room = self.max_seq_len - request.sampling.max_new_tokens  # prompt tokens a slot can hold
+            if room < 1:
+                raise ValueError(
+                    f"max_new_tokens {request.sampling.max_new_tokens} exceeds the KV buffer length {self.max_seq_len}"
+                )
             with one_torch_thread():  # the engine thread alone runs multi-threaded ops (see threads)
-                encoded = self.runner.preprocessor.encode(request)
+                # the text is counted before the image is processed: an oversize prompt costs little
+                encoded = self.runner.preprocessor.encode(request, max_prompt_tokens=room)
             needed = len(encoded.input_ids) + request.sampling.max_new_tokens
             if needed > self.max_seq_len:
                 raise ValueError(
                     f"prompt of {len(encoded.input_ids)} tokens + max_new_tokens {request.sampling.max_new_tokens} "
                     f"exceeds the KV buffer length {self.max_seq_len}"
                 )
+            if "" in request.stop:
+                raise ValueError("a stop string must not be empty")
+            self._validate(encoded)
         except Exception as exc:  # a bad request fails alone, with its reason
             handle.set_result(GenerationResult.failed(exc))
             return handle
@@ -191,6 +210,20 @@ class Scheduler:
         if start:
             self._ensure_thread()
         return handle
+
+    def _validate(self, encoded: EncodedRequest) -> None:
+        """Refuse model inputs the loop's shared tensors cannot take (ValueError): token ids outside
+        the vocabulary (prompt or forced), image pads that do not match the image's embeddings."""
+        vocab = self.runner.vocab_size
+        ids = encoded.input_ids
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if encoded.forced is not None and not all(0 <= t < vocab for t in encoded.forced):
+            raise ValueError(f"forced token ids must be in 0..{vocab - 1}")
+        t, h, w = encoded.grid_thw
+        pads = int((ids == self.runner.preprocessor.image_token_id).sum())
+        if pads != t * h * w // self.runner.preprocessor.merge_size**2:
+            raise ValueError(f"the prompt has {pads} image pads for an image of {t}x{h}x{w} patches")
 
     def _ensure_thread(self) -> None:
         with self._thread_lock:
@@ -217,16 +250,21 @@ class Scheduler:
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
+        untrimmed = False  # work was done since the heap was last trimmed
         with torch.inference_mode():
             while not self._closed:
                 if not self.has_work():
                     try:
                         item = self.inbox.get(timeout=1.0)
-                    except queue.Empty:
+                    except queue.Empty:  # idle for a second: give a burst's freed memory back
+                        if untrimmed:
+                            trim_heap()
+                            untrimmed = False
                         continue
                     if item is None:
                         break
                     self._admit(item)
+                untrimmed = True
                 try:
                     self.step()
                 except Exception:  # a bug in the loop must not strand callers: fail what is in flight
@@ -320,34 +358,31 @@ class Scheduler:
 
     def _pack_patches(self) -> int:
         """Patches of the current vision pack, or of the one the next vision unit will form."""
-        if self.vision_job is not None:
-            return sum(s.encoded.pixel_values.shape[0] for s in self.vision_pack)
-        patches = 0
+        pack = self.vision_pack if self.vision_job is not None else self.waiting[: self._next_pack_size()]
+        return sum(s.encoded.pixel_values.shape[0] for s in pack)
+
+    def _next_pack_size(self) -> int:
+        """How many of ``waiting`` the next vision pack takes: in order, up to
+        ``vision_pack_patches`` patches (at least one sequence); a sequence marked ``alone`` only
+        in a pack of its own."""
+        count = patches = 0
         for seq in self.waiting:
             n = seq.encoded.pixel_values.shape[0]
-            if patches and patches + n > self.vision_pack_patches:
+            if count and (patches + n > self.vision_pack_patches or seq.alone or self.waiting[0].alone):
                 break
-            patches += n
-        return patches
+            count, patches = count + 1, patches + n
+        return count
 
     def _vision_unit(self) -> None:
-        if self.vision_job is None:
-            pack: list[SequenceState] = []
-            patches = 0
-            while self.waiting:
-                n = self.waiting[0].encoded.pixel_values.shape[0]
-                if pack and patches + n > self.vision_pack_patches:
-                    break
-                pack.append(self.waiting.pop(0))
-                patches += n
-            pixels = torch.cat([s.encoded.pixel_values for s in pack])
-            self.vision_pack, self.vision_job_s = pack, 0.0
-            self.vision_job = self.runner.vision_steps(pixels, [s.encoded.grid_thw for s in pack])
-            first = True  # the patch embedding: no block, no rate
-        else:
-            first = False
+        first = self.vision_job is None  # the patch embedding: no block, no rate
         start = self.clock()
         try:
+            if self.vision_job is None:
+                size = self._next_pack_size()
+                self.vision_pack, self.waiting = self.waiting[:size], self.waiting[size:]
+                self.vision_job_s = 0.0
+                pixels = torch.cat([s.encoded.pixel_values for s in self.vision_pack])
+                self.vision_job = self.runner.vision_steps(pixels, [s.encoded.grid_thw for s in self.vision_pack])
             next(self.vision_job)
             elapsed = self.clock() - start
             self.vision_job_s += elapsed
@@ -357,20 +392,36 @@ class Scheduler:
         except StopIteration as stop:
             self.vision_job_s += self.clock() - start
             embeds: torch.Tensor = stop.value
-        except Exception as exc:
-            logger.exception("vision encoder failed on a pack of %d images", len(self.vision_pack))
             pack, self.vision_pack, self.vision_job = self.vision_pack, [], None
-            for seq in pack:
-                self._end(seq, "error", f"{type(exc).__name__}: {exc}")
+            try:
+                self.runner.split_image_embeds(pack, embeds, self.vision_job_s)
+            except Exception as exc:
+                self._vision_failed(pack, exc)
+                return
+        except Exception as exc:
+            pack, self.vision_pack, self.vision_job = self.vision_pack, [], None
+            self._vision_failed(pack, exc)
             return
-        pack, self.vision_pack, self.vision_job = self.vision_pack, [], None
-        self.runner.split_image_embeds(pack, embeds, self.vision_job_s)
         for seq in pack:
             seq.encoded.pixel_values = seq.encoded.pixel_values[:0]  # the pixels are no longer needed
             if seq.ended is not None:
                 self._end(seq, seq.ended)
             else:
                 bisect.insort(self.ready, seq, key=lambda s: s.order)
+
+    def _vision_failed(self, pack: list[SequenceState], exc: Exception) -> None:
+        """A pack's vision pass raised: its one sequence ends with ``"error"``; a pack of several
+        goes back to ``waiting``, each sequence to be encoded alone."""
+        if len(pack) == 1:
+            self._fail(pack[0], "vision", exc)
+            return
+        logger.warning("vision failed on a pack of %d images (%s); encoding them one by one", len(pack), exc)
+        for seq in pack:
+            if seq.ended is not None:
+                self._end(seq, seq.ended)
+            else:
+                seq.alone = True
+                bisect.insort(self.waiting, seq, key=lambda s: s.order)
 
     def _prefill_unit(self) -> None:
         budget = self.prefill_chunk_tokens
@@ -383,36 +434,59 @@ class Scheduler:
             budget -= n
         free = [s for s in range(self.slots) if s not in self.live and s not in self.prefilling]
         while budget > 0 and self.ready and free:
-            seq, slot = self.ready.pop(0), free.pop(0)
-            self.runner.start_prefill(seq)
+            seq = self.ready.pop(0)
+            try:
+                self.runner.start_prefill(seq)
+            except Exception as exc:
+                self._fail(seq, "prefill", exc)
+                continue
+            slot = free.pop(0)
             self.prefilling[slot] = seq
             n = min(budget, seq.prompt_len)
             chunks.append((seq, slot, n))
             budget -= n
+        if not chunks:
+            return
         start = self.clock()
         try:
-            logits = self.runner.lm.prefill_chunks([_chunk(seq, slot, n) for seq, slot, n in chunks])
+            rows = list(self.runner.lm.prefill_chunks([_chunk(seq, slot, n) for seq, slot, n in chunks]))
         except Exception as exc:
-            logger.exception("prefill failed for %d sequences", len(chunks))
-            for seq, _, _ in chunks:
-                self._end(seq, "error", f"{type(exc).__name__}: {exc}")
-            return
+            if len(chunks) == 1:
+                self._fail(chunks[0][0], "prefill", exc)
+                return
+            logger.warning("prefill failed for %d sequences (%s); running them one by one", len(chunks), exc)
+            rows = [self._prefill_alone(seq, slot, n) for seq, slot, n in chunks]
         elapsed = self.clock() - start
         total = sum(n for _, _, n in chunks)
         self._rate["prefill"] = elapsed / max(1, total)
         completed: list[tuple[int, torch.Tensor]] = []  # (slot, logits of its first new token)
-        for (seq, slot, n), row in zip(chunks, logits, strict=True):
+        for (seq, slot, n), row in zip(chunks, rows, strict=True):
+            if row is None:  # failed alone: ended
+                continue
             seq.prefilled += n
             seq.prefill_s += elapsed * n / total
             if seq.prefilled < seq.prompt_len:
                 continue
             del self.prefilling[slot]
             seq.embeds = seq.image_embeds = None
-            self.rules.reset_row(slot, seq.request.sampling, seq.encoded.forced, seq.encoded.input_ids)
+            try:
+                self.rules.reset_row(slot, seq.request.sampling, seq.encoded.forced, seq.encoded.input_ids)
+            except Exception as exc:
+                self._fail(seq, "decoding rules", exc)
+                continue
             self.live[slot] = seq
             completed.append((slot, row))
         if completed:
             self._choose([slot for slot, _ in completed], torch.stack([row for _, row in completed]))
+
+    def _prefill_alone(self, seq: SequenceState, slot: int, n: int) -> torch.Tensor | None:
+        """One sequence's chunk in a forward of its own (it writes only its own slot's positions,
+        so running it again is harmless): the logits row, or None when it fails (then it is ended)."""
+        try:
+            return self.runner.lm.prefill_chunks([_chunk(seq, slot, n)])[0]
+        except Exception as exc:
+            self._fail(seq, "prefill", exc)
+            return None
 
     # -- decode --------------------------------------------------------------------------------
 
@@ -430,38 +504,80 @@ class Scheduler:
             self.rules.move_row(top, free)
             self.live[free] = seq
 
-    def _decode_step(self) -> None:
-        start = self.clock()
-        self._compact()
+    def _decode_inputs(self, rows: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token, M-RoPE position and cache position ``[width]`` (int64) of a decode step over
+        slots ``0..max(live)``, with the live sequences of ``rows`` decoding. Every other row is
+        padding that writes where its slot writes next: a prefilling slot's next chunk, a live
+        slot's next token (one beyond this step's, which stays as it is). A live sequence never
+        holds its whole slot (prompt + bound fits), so that position exists."""
         width = max(self.live) + 1
         tokens = torch.zeros(width, dtype=torch.long)
         rope = torch.zeros(width, dtype=torch.long)
         cache = torch.zeros(width, dtype=torch.long)
         for slot in range(width):
             seq = self.live.get(slot)
-            if seq is not None:
+            if seq is not None and slot in rows:
                 tokens[slot] = seq.tokens[-1]
                 rope[slot] = seq.rope_next - 1
                 cache[slot] = seq.prompt_len + len(seq.tokens) - 1
-            elif slot in self.prefilling:  # a padding row writes where the next chunk will write
+            elif seq is not None:
+                cache[slot] = seq.prompt_len + len(seq.tokens)
+            elif slot in self.prefilling:
                 cache[slot] = self.prefilling[slot].prefilled
+        return tokens, rope, cache
+
+    def _decode_step(self) -> None:
+        start = self.clock()
+        self._compact()
         try:
-            logits = self.runner.lm.decode(tokens, rope, cache)
+            logits = self.runner.lm.decode(*self._decode_inputs(set(self.live)))
         except Exception as exc:
-            logger.exception("decode step failed for %d sequences", len(self.live))
-            for seq in list(self.live.values()):
-                self._end(seq, "error", f"{type(exc).__name__}: {exc}")
-            return
+            if len(self.live) == 1:
+                (seq,) = self.live.values()
+                self._fail(seq, "decode", exc)
+                return
+            logger.warning("decode step failed for %d sequences (%s); running them one by one", len(self.live), exc)
+            logits = self._decode_alone()
         slots = sorted(self.live)
+        if not slots:
+            return
         share = (self.clock() - start) / len(slots)
         for slot in slots:
             self.live[slot].decode_s += share
         self._choose(slots, logits[slots])
 
+    def _decode_alone(self) -> torch.Tensor:
+        """The decode step run once per live sequence (the others padding, see ``_decode_inputs``):
+        logits ``[width, vocab]`` with each sequence's row from its own run; a sequence whose run
+        fails is ended."""
+        rows: dict[int, torch.Tensor] = {}
+        for slot, seq in sorted(self.live.items()):
+            try:
+                rows[slot] = self.runner.lm.decode(*self._decode_inputs({slot}))[slot]
+            except Exception as exc:
+                self._fail(seq, "decode", exc)
+        if not rows:
+            return torch.empty(0)
+        logits = torch.zeros(max(rows) + 1, next(iter(rows.values())).shape[-1])
+        for slot, row in rows.items():
+            logits[slot] = row
+        return logits
+
     def _choose(self, slots: list[int], logits: torch.Tensor) -> None:
-        """Pick each row's token (rules applied), record it with its log-probability, finish rows."""
+        """Pick each row's token (rules applied), record it with its log-probability, finish rows.
+
+        If the rules raise for the batch, each row is chosen alone: a row that fails alone ends
+        its sequence with ``"error"``."""
         log_norm = torch.logsumexp(logits, dim=-1)
-        chosen = self.rules(logits.clone(), rows=slots).argmax(dim=-1)
+        try:
+            chosen = self.rules(logits.clone(), rows=slots).argmax(dim=-1)
+        except Exception as exc:
+            if len(slots) == 1:
+                self._fail(self.live[slots[0]], "decoding rules", exc)
+                return
+            for i, slot in enumerate(slots):
+                self._choose([slot], logits[i : i + 1])
+            return
         logprobs = (logits.gather(1, chosen[:, None])[:, 0] - log_norm).tolist()
         for slot, token, logprob in zip(slots, chosen.tolist(), logprobs, strict=True):
             seq = self.live[slot]
@@ -476,6 +592,8 @@ class Scheduler:
     def _finish_reason(self, seq: SequenceState) -> FinishReason | None:
         if seq.tokens[-1] in self.runner.preprocessor.end_ids:
             return "stop"
+        if seq.request.stop and self._holds_stop(seq):
+            return "stop"
         if len(seq.tokens) >= seq.request.sampling.max_new_tokens:
             return "length"
         window = self.repetition_window
@@ -488,7 +606,20 @@ class Scheduler:
             return "repetition"
         return None
 
+    def _holds_stop(self, seq: SequenceState) -> bool:
+        """Whether the text of ``seq``'s last tokens holds one of its stop strings. Checked after
+        every token, so a new stop string ends in the last one; every token is at least one byte
+        and a character at most 4 (UTF-8), so ``4 * len(stop) + 1`` tokens cover it."""
+        longest = max(len(s) for s in seq.request.stop)
+        tail = self.runner.preprocessor.decode(seq.tokens[-(4 * longest + 1) :])
+        return any(s in tail for s in seq.request.stop)
+
     # -- results -------------------------------------------------------------------------------
+
+    def _fail(self, seq: SequenceState, stage: str, exc: Exception) -> None:
+        """End ``seq`` alone with an ``"error"`` result for ``exc`` raised in ``stage``."""
+        logger.error("%s failed for request %d", stage, seq.index, exc_info=exc)
+        self._end(seq, "error", f"{stage} failed: {type(exc).__name__}: {exc}")
 
     def _end(self, seq: SequenceState, reason: FinishReason, error: str | None = None) -> None:
         """Publish ``seq``'s result and remove it from wherever it is."""

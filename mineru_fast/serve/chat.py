@@ -12,6 +12,11 @@ the model's name with ``GET {server}/v1/models``. This module turns such a reque
 
 Decoding is greedy, with the same rules (``engine.sampling``) as the parser's own requests: the
 request must ask for greedy decoding (``temperature`` 0, or ``top_k`` 1; MinerU sends both).
+``stop`` strings end the output (the answer stops before the first one, as on vLLM). What this
+server cannot do is refused with ``400 unsupported_parameter``, never ignored: ``logprobs`` /
+``top_logprobs``, ``tools`` / ``tool_choice`` / ``functions``, ``logit_bias``, a
+``response_format`` other than text. Message text is text: control tokens typed in it
+(``<|im_start|>``, ``<|image_pad|>``) are characters (see ``engine.preprocess``).
 """
 
 from __future__ import annotations
@@ -23,23 +28,32 @@ import json
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.base import GenerationRequest, GenerationResult, RequestHandle
 from ..errors import InputError
 from ..inputs import open_document
-from ..protocol import SYSTEM_PROMPT, SamplingParams
+from ..protocol import FLOAT32_MAX, SYSTEM_PROMPT, SamplingParams
 from .errors import ApiError
 
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["ChatRequest", "to_generation_request", "completion_body", "stream_chunks", "models_body", "add_chat_routes"]
+__all__ = [
+    "ChatRequest",
+    "ChatSlots",
+    "to_generation_request",
+    "completion_body",
+    "stream_chunks",
+    "models_body",
+    "add_chat_routes",
+]
 
 
 class _Part(BaseModel):
@@ -55,18 +69,22 @@ class _Message(BaseModel):
     content: str | list[_Part] | None = None
 
 
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings per request (OpenAI's bound) and characters in one
+_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class ChatRequest(BaseModel):
     """The body of ``POST /v1/chat/completions`` (fields MinerU's clients send; others ignored)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     messages: list[_Message] = Field(min_length=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=FLOAT32_MAX, allow_inf_nan=False)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)
@@ -75,6 +93,27 @@ class ChatRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     priority: int = 0
     vllm_xargs: dict[str, Any] | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (empty when unset)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+# Parameters of the OpenAI chat API this server does not implement, and the values that mean "off".
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 def _text_of(content: str | list[_Part] | None) -> str:
@@ -99,6 +138,8 @@ def _image_from_url(url: str, max_pixels: int):
         raise ApiError(400, "bad_image_url", "image_url holds invalid base64") from None
     try:
         with open_document(data, max_pixels=max_pixels) as opened:
+            if opened.format == "pdf":
+                raise ApiError(400, "bad_image", "image_url holds a PDF, not an image (send the page as PNG or JPEG)")
             if opened.page_count != 1:
                 raise ApiError(400, "bad_image", f"the image must have one frame, it has {opened.page_count}")
             return opened.render(0)
@@ -117,8 +158,13 @@ def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: in
 
     Raises:
         ApiError: 400 for anything this server cannot do as asked (not exactly one image, a
-            remote image URL, sampling other than greedy, a bound above the server's).
+            remote image URL, sampling other than greedy, a bound above the server's, a parameter
+            it does not implement, sampling values the engine cannot hold).
     """
+    extra = body.model_extra or {}
+    for name, off in _UNSUPPORTED.items():
+        if extra.get(name) not in off:
+            raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server")
     system = "".join(_text_of(m.content) for m in body.messages if m.role in ("system", "developer"))
     users = [m for m in body.messages if m.role == "user"]
     if len(users) != 1 or any(m.role == "assistant" for m in body.messages):
@@ -142,14 +188,17 @@ def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: in
     ngram = (body.vllm_xargs or {}).get("no_repeat_ngram_size") or 0
     if not isinstance(ngram, int) or ngram < 0:
         raise ApiError(400, "bad_request", "vllm_xargs.no_repeat_ngram_size must be an integer >= 0")
-    sampling = SamplingParams(
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        no_repeat_ngram_size=ngram,
-        max_new_tokens=bound,
-        min_new_tokens=min(body.min_tokens, bound),
-    )
+    try:
+        sampling = SamplingParams(
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            no_repeat_ngram_size=ngram,
+            max_new_tokens=bound,
+            min_new_tokens=min(body.min_tokens, bound),
+        )
+    except ValueError as exc:
+        raise ApiError(400, "bad_request", str(exc)) from None
     text_parts = [p.text or "" for p in parts if p.type == "text"]
     text_before = any(p.type == "text" for p in parts[: images[0]])
     return GenerationRequest(
@@ -159,6 +208,7 @@ def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: in
         system=system or SYSTEM_PROMPT,
         text_before_image=text_before,
         priority=body.priority,
+        stop=body.stop_strings,
     )
 
 
@@ -217,14 +267,52 @@ def models_body(model: str) -> dict:
     }
 
 
+class ChatSlots:
+    """The chat door's bound on requests in flight: ``acquire`` never waits.
+
+    Args:
+        limit: requests in flight at most (``ServeConfig.max_chat_requests``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        """Take a slot; False when all ``limit`` are taken."""
+        with self._lock:
+            if self.in_use >= self.limit:
+                return False
+            self.in_use += 1
+            return True
+
+    def release(self) -> None:
+        """Give a slot back (once per successful ``acquire``).
+
+        Raises:
+            RuntimeError: no slot is taken.
+        """
+        with self._lock:
+            if self.in_use == 0:
+                raise RuntimeError("chat slot released more often than acquired")
+            self.in_use -= 1
+
+
 def add_chat_routes(app: FastAPI, service: Service) -> None:
     """``POST /v1/chat/completions`` and ``GET /v1/models`` on the service's shared engine.
 
     Requests skip the job queue (as on a vLLM server): each is one engine request, batched with
-    the parse jobs' requests; at most ``max_chat_requests`` are in flight (``429`` beyond). A client
-    that disconnects has its request cancelled. Keys, limits, metrics and errors are the service's.
+    the parse jobs' requests; at most ``max_chat_requests`` are in flight (``429`` beyond; the slots
+    are ``app.state.chat_slots``, exported as ``mineru_fast_chat_requests_in_flight``). A slot is
+    given back on every path (answer, refusal, engine error, disconnect, cancellation); a client
+    that disconnects, or a handler cancelled, has its engine request cancelled. Keys, limits,
+    metrics and errors are the service's.
     """
-    in_flight = threading.BoundedSemaphore(service.config.max_chat_requests)
+    slots = app.state.chat_slots = ChatSlots(service.config.max_chat_requests)
+    registry = service.metrics.registry
+    gauge = Gauge("mineru_fast_chat_requests_in_flight", "Chat completions in flight", registry=registry)
+    gauge.set_function(lambda: float(slots.in_use))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -236,7 +324,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
     async def chat_completions(request: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
         """One image + prompt decoded greedily by the shared engine (OpenAI chat format)."""
         parser = service.require_parser()
-        if not in_flight.acquire(blocking=False):
+        if not slots.acquire():
             raise ApiError(429, "too_many_chat_requests", "too many chat requests in flight", {"Retry-After": "1"})
         try:
             options = parser.options
@@ -245,12 +333,13 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
             handle = await run_in_threadpool(parser.engine.submit, engine_request)
             result = await _wait_or_cancel(request, handle)
         finally:
-            in_flight.release()
+            slots.release()
         if result.finish_reason == "error":
             raise ApiError(400, "bad_request", f"the request cannot be run: {result.error}")
         if result.finish_reason in ("cancelled", "timeout"):
             raise ApiError(503, "request_ended", f"the request ended early: {result.finish_reason}")
         text = parser.engine.preprocessor.decode(result.token_ids, skip_special_tokens=body.skip_special_tokens)
+        text = _before_stop(text, body.stop_strings)
         model = service.info["model"]
         if not body.stream:
             return JSONResponse(completion_body(result, text, model))
@@ -258,12 +347,22 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
         return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream")
 
 
+def _before_stop(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` up to the first of the ``stop`` strings (all of it when none occurs)."""
+    return text[: min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))]
+
+
 async def _wait_or_cancel(request: Request, handle: RequestHandle) -> GenerationResult:
-    """Wait for the engine without blocking the event loop; cancel if the client goes away."""
+    """Wait for the engine without blocking the event loop; cancel the engine request if the
+    client goes away or this task is cancelled (the engine answers every request, so the wait ends)."""
     future = asyncio.wrap_future(handle.future)
-    while True:
-        done, _ = await asyncio.wait({future}, timeout=1.0)
-        if done:
-            return future.result()
-        if await request.is_disconnected():
-            handle.cancel()
+    try:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=1.0)
+            if done:
+                return future.result()
+            if await request.is_disconnected():
+                handle.cancel()
+    except asyncio.CancelledError:
+        handle.cancel()
+        raise
