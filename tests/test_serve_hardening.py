@@ -8,6 +8,7 @@ deadlines below are timeouts meant to be reached, or generous bounds on a hang).
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import socket
@@ -488,3 +489,48 @@ def test_sigterm_before_the_server_runs_exits_cleanly(tiny_model, tmp_path):
     assert "stopped before start" in messages or "stopped" in messages
     with pytest.raises(RuntimeError):
         wait_ready(server, 1)
+
+
+@pytest.mark.slow
+def test_a_sync_parse_still_running_when_the_drain_runs_out_gets_a_json_503(tiny_model, tmp_path):
+    """When --drain-timeout ran out, uvicorn cancelled the waiting request: a plain-text 500 and a
+    traceback in the log."""
+    args = ["--workers", "1", "--drain-timeout", "0", "--max-new-tokens", BOUNDS, "--page-window", "1"]
+    server = start_server(tiny_model, tmp_path, *args)
+    try:
+        wait_ready(server, 180)
+        blocker = httpx.post(f"{server.url}/v1/jobs", files={"file": ("b.pdf", pdf_bytes(30))}, timeout=120)
+        assert blocker.status_code == 202, blocker.text
+        answer: dict = {}
+
+        def parse() -> None:
+            response = httpx.post(
+                f"{server.url}/v1/document/parse",
+                headers={"X-Request-ID": "sync-at-drain"},
+                files={"file": ("s.pdf", pdf_bytes(2))},
+                timeout=300,
+            )
+            answer["status"], answer["type"], answer["text"] = (
+                response.status_code,
+                response.headers.get("content-type"),
+                response.text,
+            )
+
+        thread = threading.Thread(target=parse)
+        thread.start()
+        queued = lambda: any(  # noqa: E731
+            r["message"] == "job queued" and r.get("request_id") == "sync-at-drain" for r in server.log_records()
+        )
+        assert wait_for(queued, 120)
+        server.process.send_signal(signal.SIGTERM)  # the sync job waits behind 30 pages: the drain (0 s) runs out
+        thread.join(300)
+        code = server.process.wait(timeout=300)
+    finally:
+        server.stop()
+    assert answer["status"] == 503 and answer["type"] == "application/json", answer
+    body = json.loads(answer["text"])
+    assert body["error"]["code"] == "shutting_down" and body["error"]["request_id"] == "sync-at-drain"
+    assert code == 0
+    lines = server.log_lines()
+    assert all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")][:5]
+    assert "drain timed out" in [r["message"] for r in server.log_records()]

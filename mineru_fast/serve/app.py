@@ -74,6 +74,9 @@ IdempotencyKeyHeader = Annotated[
 # The field's convention (IETF draft "The Idempotency-Key HTTP Header Field"; Stripe's API): an
 # opaque client-chosen string, typically a UUID. The bound is this service's.
 _IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
+# How often a waiting synchronous parse checks the drain's deadline: well within the 1 s that
+# uvicorn gives open requests once a drain has run out (``server.DrainingServer``).
+_DRAIN_POLL_SECONDS = 0.2
 
 
 def _request_id(request: Request) -> str | None:
@@ -342,8 +345,14 @@ async def _submit_once(
     return stored, False
 
 
-async def _wait(job: Job) -> None:
-    """Wait, without blocking the event loop, until a worker has finished the job."""
+async def _wait(job: Job, service: Service) -> None:
+    """Wait, without blocking the event loop, until a worker has finished the job.
+
+    Raises:
+        ApiError: 503 ``shutting_down`` when the server's drain ran out first (the client gets a
+            JSON answer before uvicorn's own grace period ends and it cancels the request, which
+            would answer a plain-text ``500``); the worker finishes the page it is on regardless.
+    """
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
 
@@ -355,7 +364,10 @@ async def _wait(job: Job) -> None:
         loop.call_soon_threadsafe(finish)
 
     job.add_done_callback(wake)
-    await finished
+    while not finished.done():
+        await asyncio.wait({finished}, timeout=_DRAIN_POLL_SECONDS)
+        if not finished.done() and service.drain_expired():
+            raise ApiError(503, "shutting_down", "the server shut down before the parse finished; submit it again")
 
 
 async def _job_or_404(service: Service, request: Request, job_id: str, with_result: bool = False) -> JobRecord:
@@ -411,7 +423,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """Parse a document and wait for the result."""
         parse_request = await _read_request(service, file, pages, password, formats, replay)
         job = await _check_and_submit(service, request, parse_request, retain=False)
-        await _wait(job)
+        await _wait(job, service)
         if job.status != "done" or job.result is None:
             raise job.error or ApiError(500, "internal_error", "the job ended without a result")
         return JSONResponse({"request_id": _request_id(request), **job.result})

@@ -39,8 +39,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument(
         "--drain-timeout",
         type=float,
-        default=60.0,
-        help="seconds a SIGTERM waits for jobs to finish and be fetched (default: 60)",
+        default=300.0,
+        help="seconds a SIGTERM waits for jobs to finish and be fetched (default: 300, above one "
+        "full-size page on 2 cores)",
     )
     v.add_argument(
         "--header-timeout", type=float, default=10.0, help="seconds a request's headers may take (default: 10)"

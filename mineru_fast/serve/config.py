@@ -32,7 +32,9 @@ class ServeConfig:
         max_upload_mb: largest request body in MiB, enforced while it streams in.
         result_ttl: seconds a finished job's result is kept, then deleted.
         drain_timeout: seconds a SIGTERM waits for queued and running jobs to finish and their
-            results to be fetched (new jobs are refused meanwhile) before the server stops.
+            results to be fetched (new jobs are refused meanwhile) before the server stops; a
+            synchronous parse still waiting then is answered ``503 shutting_down``. The default,
+            300, is above one full-size page (about 127 s on 2 cores).
         header_timeout: seconds a connection may take to send a request's line and headers
             (from connecting, or from the previous response); then it is closed.
         body_timeout: longest pause, in seconds, while a request body is read; then ``408``.
@@ -63,7 +65,7 @@ class ServeConfig:
     rate_burst: int = 10
     max_upload_mb: float = 50.0
     result_ttl: float = 600.0
-    drain_timeout: float = 60.0
+    drain_timeout: float = 300.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     min_body_rate: float = 1024.0

@@ -157,6 +157,13 @@ class Service:
             return self.config.drain_timeout
         return max(0.0, self._drain_deadline - time.monotonic())
 
+    def drain_expired(self) -> bool:
+        """True once a drain has used up ``drain_timeout``, or the service is stopping: requests
+        still waiting for a job must be answered now."""
+        if self.state == "stopping":
+            return True
+        return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+
     def wait_drained(self) -> bool:
         """Wait, until the drain's deadline, for every job to finish and be collected; returns whether so."""
         jobs = self.jobs
