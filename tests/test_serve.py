@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import WORKLOAD, need
-from samples import pdf_bytes, sample_trace
+from PIL import Image
+from samples import pdf_bytes, sample_trace, text_page, tiff_with_frame_size
 from serve_helpers import BOUNDS, running_server, workload_page_with_text
 
 from mineru_fast.errors import CorruptDocument, PageRangeError
@@ -105,6 +106,17 @@ def test_api_key_file_grammar_is_strict(tmp_path):
         with pytest.raises(ValueError, match=message) as info:
             load_api_keys(path)
         assert "zqxw" not in str(info.value) and "remark" not in str(info.value)  # no line text echoed
+
+
+def test_api_key_file_with_a_utf8_bom_is_read(tmp_path):
+    """A file saved by an editor that writes a byte order mark (Windows Notepad) was refused with
+    'line 1: NAME must be ...' for a name that is right."""
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"\xef\xbb\xbfalpha:alpha-secret-0123\nbeta:beta-secret-4567:30\n")
+    alpha, beta = load_api_keys(path)
+    assert (alpha.name, alpha.digest, beta.rate) == ("alpha", hashlib.sha256(ALPHA.encode()).digest(), 30.0)
+    path.write_bytes(b"\xef\xbb\xbf# keys\nalpha:alpha-secret-0123\n")  # a comment first: still a comment
+    assert [k.name for k in load_api_keys(path)] == ["alpha"]
 
 
 def test_serve_settings_refuse_non_finite_numbers(tmp_path):
@@ -393,6 +405,21 @@ def test_broken_or_unsupported_documents_are_422(server, client, endpoint):
     bad_trace = client.post(endpoint, files={"file": ("a.pdf", pdf_bytes(1)), **trace})
     assert_error(bad_trace, 422, "bad_replay_trace")
     assert sum(r["message"] == "job queued" for r in server.log_records()) == queued_before  # refused up front
+
+
+def test_an_oversized_later_tiff_frame_fails_alone_like_the_sdk(client):
+    """serve refused the whole TIFF with 422 when a later frame's header was over the pixel limit,
+    where the SDK and the CLI fail that page alone."""
+    frames = [text_page(size=(300, 400)), Image.new("1", (64, 64), 1)]
+    bomb = tiff_with_frame_size(frames, 1, (20000, 20000), compression="tiff_deflate")
+    response = client.post("/v1/document/parse", **upload(bomb, "scan.tiff", replay=2))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["status"] == "partial"
+    first, second = result["pages"]
+    assert (first["status"], first["size"]) == ("success", [300, 400])
+    assert second["status"] == "failure" and second["errors"][0]["code"] == "image_too_large"
+    assert "frame 2 is 20000x20000" in second["errors"][0]["message"]
 
 
 def test_sync_parse_returns_markdown_content_list_and_layout(client):

@@ -21,8 +21,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..document import Document, Page, layout_overlay
 from ..engine.memory import trim_heap
-from ..errors import TraceError
-from ..inputs import PageLimits, open_document
+from ..errors import CorruptDocument, ImageTooLarge, TraceError
+from ..inputs import OpenedDocument, PageLimits, open_document
 from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..parser import DocumentParser
@@ -155,11 +155,22 @@ def decode_cost(sizes: list[tuple[int, int]], page_window: int, max_side: int) -
     return int(full + (min(page_window, len(sizes)) - 1) * kept)
 
 
+def _decoded_size(opened: OpenedDocument, index: int) -> tuple[int, int] | None:
+    """``opened.page_size(index)``, or None for a page whose header is damaged or over the pixel
+    limit: the worker fails that page alone, from the same header, without decoding it (as
+    ``DocumentParser`` does), so it costs nothing."""
+    try:
+        return opened.page_size(index)
+    except (CorruptDocument, ImageTooLarge):
+        return None
+
+
 def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_pages: int) -> DocumentInfo:
     """Read a document's headers: format, page count, selected pages, and what decoding will cost.
 
     No page is rendered or decoded, so this is cheap whatever the upload holds; every selected page
-    is checked against ``max_image_pixels`` from its header.
+    is checked against ``max_image_pixels`` from its header. A page after the first that fails
+    that check (or whose header is damaged) is not an error here: the parse fails that page alone.
 
     Args:
         request: the upload and its options.
@@ -168,7 +179,8 @@ def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_p
 
     Raises:
         InputError: unsupported format, corrupt headers, encrypted without the right password, a
-            page over the pixel limit, or a bad page range (the ``mineru_fast.errors`` subclasses).
+            first page over the pixel limit, or a bad page range (the ``mineru_fast.errors``
+            subclasses).
         TraceError: the replay trace has fewer pages than the document.
         ApiError: 422 ``too_many_pages`` when more than ``max_pages`` pages are selected.
     """
@@ -181,7 +193,7 @@ def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_p
             raise ApiError(
                 422, "too_many_pages", f"{len(selected)} pages selected; this server parses at most {max_pages}"
             )
-        sizes = [opened.page_size(index) for index in selected]
+        sizes = [size for index in selected if (size := _decoded_size(opened, index)) is not None]
         page_count, format_name = opened.page_count, opened.format
     if request.trace is not None and len(request.trace.pages) < page_count:
         raise TraceError(f"the replay trace has {len(request.trace.pages)} pages, the document {page_count}")
