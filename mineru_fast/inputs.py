@@ -42,6 +42,18 @@ _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
 MAX_PAGE_RANGE_CHARS = 4096
 MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
+# Peak bytes per pixel that ``OpenedDocument.render`` holds at once for one page, by source: the
+# decoded frame, ``to_rgb``'s conversions (an alpha frame is converted to RGBA, composited on a
+# white canvas and made RGB, all alive together) and the RGB result, which Pillow stores in 4
+# bytes a pixel. Measured with ``benchmarks/decode_memory.py --side 8000`` (peak RSS growth):
+# RGBA and LA 24.0, I;16 30.1, I 28.1, F 24.1, RGB and CMYK 12.0, L and P 6.0, a PDF page 8.0.
+_ALPHA_BYTES_PER_PIXEL = 24
+_WIDE_BYTES_PER_PIXEL = 31  # I, I;16, F: numpy's float64 scaling
+_IMAGE_BYTES_PER_PIXEL = 12  # every other Pillow mode (the largest of them, RGB and CMYK)
+_PDF_BYTES_PER_PIXEL = 8  # PDFium's bitmap, its PIL copy, the RGB result
+RGB_BYTES_PER_PIXEL = 4
+"""Bytes a rendered page holds per pixel (Pillow keeps RGB in 4 bytes a pixel)."""
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _RANGE_PART = re.compile(r"(\d{1,9})?\s*(?:(-)\s*(\d{1,9})?)?")
 
 
@@ -120,7 +132,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I", "F") or image.mode.startswith("I;16"):
         return _wide_gray_to_rgb(image)
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
         return _white_background(image)
     return image.convert("RGB")
 
@@ -201,6 +213,31 @@ class OpenedDocument:
                 size = self._image.size  # type: ignore[union-attr]
         self._check_pixels(size, index)
         return size
+
+    def page_cost(self, index: int) -> tuple[int, int]:
+        """Memory that rendering page ``index`` takes, estimated from headers only (nothing decoded).
+
+        Returns:
+            ``(peak, kept)`` in bytes: the most ``render`` holds at once (the page's pixels at
+            full resolution times its source's measured bytes per pixel, plus the downscaled copy
+            when the long side is capped), and the rendered RGB page it returns.
+
+        Raises:
+            CorruptDocument / ImageTooLarge: as ``page_size``.
+        """
+        width, height = self.page_size(index)
+        if self._pdf is not None:
+            return width * height * _PDF_BYTES_PER_PIXEL, width * height * RGB_BYTES_PER_PIXEL
+        image = self._image  # page_size left it on frame ``index``
+        if image.mode in ("I", "F") or image.mode.startswith("I;16"):  # type: ignore[union-attr]
+            per_pixel = _WIDE_BYTES_PER_PIXEL
+        elif image.mode in _ALPHA_MODES or "transparency" in image.info:  # type: ignore[union-attr]
+            per_pixel = _ALPHA_BYTES_PER_PIXEL
+        else:
+            per_pixel = _IMAGE_BYTES_PER_PIXEL
+        scale = min(1.0, self.max_side / max(width, height))
+        kept = max(1, round(width * scale)) * max(1, round(height * scale)) * RGB_BYTES_PER_PIXEL
+        return width * height * per_pixel + (kept if scale < 1.0 else 0), kept
 
     def text_layer_mode(self, ocr_mode: str) -> tuple[str, str]:
         """Whether this document's text layer is used (``pdftext.resolve_ocr_mode``).

@@ -123,7 +123,7 @@ def test_serve_settings_refuse_non_finite_numbers(tmp_path):
     from mineru_fast.serve.config import ServeConfig
 
     names = ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "min_body_rate")
-    for name in (*names, "pixel_budget", "body_timeout"):
+    for name in (*names, "decode_budget_mb", "body_timeout"):
         for value in (float("nan"), float("inf"), -1.0):
             with pytest.raises(ValueError, match=name):
                 ServeConfig(**{name: value})

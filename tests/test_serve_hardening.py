@@ -8,10 +8,12 @@ deadlines below are timeouts meant to be reached, or generous bounds on a hang).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import signal
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,13 +40,64 @@ def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
 # -- parts, in process -----------------------------------------------------------------------------
 
 
-def test_decode_cost_is_the_largest_page_plus_the_rest_of_a_window():
-    assert decode_cost([], 4, 3500) == 0
-    assert decode_cost([(1700, 2200)], 4, 3500) == 1700 * 2200  # one page: the window holds only it
-    letter = 1700 * 2200
-    assert decode_cost([(1700, 2200)] * 10, 4, 3500) == 4 * letter
-    # A 12000x12000 frame decodes at full size, then is kept at 3500x3500.
-    assert decode_cost([(12000, 12000), (100, 100)], 2, 3500) == 12000 * 12000 + 3500 * 3500
+def test_decode_cost_is_the_largest_peak_plus_the_rest_of_a_window():
+    assert decode_cost([], 4) == 0
+    assert decode_cost([(30, 15)], 4) == 30  # one page: the window holds only it
+    assert decode_cost([(30, 15)] * 10, 4) == 30 + 3 * 15
+    assert decode_cost([(1000, 49), (30, 15)], 2) == 1000 + 49  # the largest peak, the largest kept page
+
+
+def test_page_costs_count_the_measured_bytes_of_each_source_from_headers_only():
+    """The budget counted 1 per pixel (its README: 4-8 bytes); an RGBA frame really takes ~24
+    bytes per pixel while it is decoded, converted, composited on white and made RGB."""
+    from PIL import Image
+
+    from mineru_fast.inputs import open_document
+
+    kept_3500 = 3500 * 3500 * 4  # a frame over the 3500-pixel long side is kept downscaled, as RGB
+    with open_document(blank_png(12000, 12000), decode_first=False) as opened:  # 0.6 MB of file
+        assert opened.page_cost(0) == (12000 * 12000 * 24 + kept_3500, kept_3500)
+    with open_document(image_bytes(Image.new("RGB", (400, 300)), "PNG"), decode_first=False) as opened:
+        assert opened.page_cost(0) == (400 * 300 * 12, 400 * 300 * 4)
+    with open_document(image_bytes(Image.new("L", (400, 300)), "PNG"), decode_first=False) as opened:
+        assert opened.page_cost(0) == (400 * 300 * 12, 400 * 300 * 4)
+    with open_document(image_bytes(Image.new("I;16", (400, 300)), "PNG"), decode_first=False) as opened:
+        assert opened.page_cost(0)[0] == 400 * 300 * 31
+    with open_document(pdf_bytes(1), decode_first=False) as opened:
+        width, height = opened.page_size(0)
+        assert opened.page_cost(0) == (width * height * 8, width * height * 4)
+
+
+def test_a_chat_image_holds_its_decode_cost_then_its_kept_image_until_released(monkeypatch):
+    from PIL import Image, ImageFile
+
+    from mineru_fast.serve.chat import ChatImageDecoder
+    from mineru_fast.serve.errors import ApiError
+    from mineru_fast.serve.jobs import CostBudget
+
+    decoded = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or load(self))
+    budget = CostBudget(400 * 300 * 12)  # one 400x300 RGB image's peak exactly
+    seen = []
+    monkeypatch.setattr(budget, "release", lambda cost, release=budget.release: seen.append(cost) or release(cost))
+    decoder = ChatImageDecoder(budget, max_pixels=10**8)
+    image = decoder(image_bytes(Image.new("RGB", (400, 300)), "PNG"))
+    assert image.size == (400, 300) and budget.used == 400 * 300 * 4  # the kept RGB image
+    assert seen == [400 * 300 * 8]  # the decode's extra given back once decoded
+    other = ChatImageDecoder(budget, max_pixels=10**8)
+    with pytest.raises(ApiError) as busy:
+        other(image_bytes(Image.new("RGB", (400, 300)), "PNG"))
+    assert (busy.value.status, busy.value.code, busy.value.headers) == (429, "over_capacity", {"Retry-After": "1"})
+    decoder.release()
+    decoder.release()  # idempotent
+    assert budget.used == 0
+    decoded.clear()
+    with pytest.raises(ApiError) as large:
+        other(image_bytes(Image.new("RGB", (401, 300)), "PNG"))
+    assert (large.value.status, large.value.code) == (413, "image_too_large") and decoded == []  # never decoded
+    other.release()
+    assert budget.used == 0
 
 
 def test_job_manager_admits_by_cost_and_keeps_only_retained_jobs():
@@ -258,8 +311,8 @@ def open_server(tiny_model, tmp_path_factory):
     args = [
         "--workers-queue",
         "2",
-        "--pixel-budget",
-        "60",
+        "--decode-budget-mb",
+        "1200",
         "--header-timeout",
         "20",  # long enough to hold the connections of the cap test open while they are counted
         "--body-timeout",
@@ -440,13 +493,13 @@ def test_uploads_are_admitted_by_decoded_pixels_without_decoding_them(open_serve
             )
         )
     grown = _server_peak_rss(open_server) - before
-    for response in burst:  # 144 megapixels alone exceed --pixel-budget 60
+    for response in burst:  # 144 megapixels of RGBA (~3.3 GiB while decoded) alone exceed --decode-budget-mb 1200
         assert response.status_code == 413, response.text
         assert response.json()["error"]["code"] == "document_too_large"
-        assert "144 megapixels" in response.json()["error"]["message"]
+        assert "needs 3,343 MiB of decoded pages" in response.json()["error"]["message"]
     assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"  # one decode alone is 549 MiB
 
-    medium = blank_png(6000, 6000)  # 36 megapixels: fits the budget once, not twice
+    medium = blank_png(6000, 6000)  # 36 megapixels of RGBA, 871 MiB: fits the budget once, not twice
     first = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
     assert first.status_code == 202, first.text
     second = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
@@ -456,6 +509,65 @@ def test_uploads_are_admitted_by_decoded_pixels_without_decoding_them(open_serve
         assert wait_for(lambda job=job: httpx.get(f"{url}{job['status_url']}").json()["status"] == "done", 300)
     again = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
     assert again.status_code == 202  # the budget is free again
+
+
+def _idle(url: str) -> bool:
+    """No job queued or running on the server (its gauges in ``/metrics``)."""
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    gauges = ("mineru_fast_queue_length ", "mineru_fast_jobs_in_flight ")
+    return all(float(line.split()[-1]) == 0 for line in lines if line.startswith(gauges))
+
+
+def jpeg_claiming(width: int, height: int) -> bytes:
+    """A 16x16 baseline JPEG (well under 1 KB) whose frame header claims ``width`` x ``height``."""
+    from PIL import Image
+
+    data = bytearray(image_bytes(Image.new("RGB", (16, 16), "white"), "JPEG"))
+    sof = data.index(b"\xff\xc0")  # SOF0: length (2), precision (1), height (2), width (2)
+    struct.pack_into(">HH", data, sof + 5, height, width)
+    return bytes(data)
+
+
+def chat_body(image: bytes, media_type: str = "image/png") -> dict:
+    url = f"data:{media_type};base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "\nText Recognition:"}]
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 4}
+
+
+@pytest.mark.slow
+def test_chat_images_are_admitted_by_the_same_budget_before_they_are_decoded(open_server, huge_png):
+    """A 560 KB PNG of 12000x12000 cost +3.2 GB per chat request and a 631-byte JPEG header
+    claiming that size 1.7 GB: chat images had no budget, and up to 40 decoded at once."""
+    url = open_server.url
+    assert wait_for(lambda: _idle(url), 300)  # an earlier test's job would grow the server meanwhile
+    tiny_header = jpeg_claiming(12000, 12000)
+    assert len(tiny_header) < 1000
+    _reset_server_peak_rss(open_server)
+    before = _server_peak_rss(open_server)
+    with ThreadPoolExecutor(4) as pool:
+        bodies = [chat_body(huge_png)] * 3 + [chat_body(tiny_header, "image/jpeg")]
+        burst = list(pool.map(lambda b: httpx.post(f"{url}/v1/chat/completions", json=b, timeout=120), bodies))
+    grown = _server_peak_rss(open_server) - before
+    for response in burst:
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "image_too_large"
+    assert "needs 3,343 MiB" in burst[0].json()["error"]["message"]  # RGBA: 24 bytes a pixel, + the kept copy
+    assert "needs 1,695 MiB" in burst[3].json()["error"]["message"]  # RGB: 12 bytes a pixel, + the kept copy
+    assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"
+
+    blocker = httpx.post(f"{url}/v1/jobs", files={"file": ("b.pdf", pdf_bytes(6))}, timeout=60).json()
+    assert wait_for(lambda: httpx.get(f"{url}{blocker['status_url']}").json()["status"] == "running", 300)
+    medium = blank_png(6000, 6000)  # 871 MiB: the budget (1200) holds one
+    queued = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
+    assert queued.status_code == 202, queued.text
+    busy = httpx.post(f"{url}/v1/chat/completions", json=chat_body(medium), timeout=120)
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "over_capacity", busy.text
+    assert int(busy.headers["retry-after"]) >= 1
+    for job in (blocker, queued.json()):
+        assert wait_for(lambda job=job: httpx.get(f"{url}{job['status_url']}").json()["status"] == "done", 300)
+    small = image_bytes(text_page(size=(400, 300)), "PNG")
+    answered = httpx.post(f"{url}/v1/chat/completions", json=chat_body(small), timeout=300)
+    assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 # -- signals at any moment -------------------------------------------------------------------------

@@ -13,8 +13,9 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
 
 Uploads are checked from their headers (format sniffed from the content, page range, password,
 each page's size) before they are queued, so a broken document is answered ``422`` at once and
-never takes a worker; admission counts jobs (``--workers-queue``) and their decoded pixels
-(``--pixel-budget``). Pixels are decoded only in the workers.
+never takes a worker; admission counts jobs (``--workers-queue``) and the memory their pages
+take decoded (``--decode-budget-mb``, shared with the chat images). Pixels are decoded only in
+the workers.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ async def _check_and_submit(
 
     Raises:
         ApiError: 422 for a broken or unsupported document, 413 ``document_too_large`` when its
-            decoded pixels alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
+            decoded pages alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
             ``Retry-After``, 503 when not ready or shutting down.
         AlreadySubmitted: the store holds a job of this API key with this ``Idempotency-Key``.
     """
@@ -249,14 +250,14 @@ async def _check_and_submit(
         if error.status >= 500:
             logger.exception("document check failed", extra={"request_id": _request_id(request)})
         raise error from exc
-    budget = service.config.pixel_budget_pixels
+    budget = service.config.decode_budget_bytes
     if info.cost > budget:
         service.metrics.observe_job("rejected", None, None, [])
         raise ApiError(
             413,
             "document_too_large",
-            f"parsing needs {info.cost / 1e6:,.0f} megapixels decoded at once; this server's budget is "
-            f"{budget / 1e6:,.0f}",
+            f"parsing needs {info.cost / 2**20:,.0f} MiB of decoded pages at once; this server's budget is "
+            f"{budget / 2**20:,.0f} MiB",
         )
     job = Job(
         payload=parse_request,
@@ -274,7 +275,7 @@ async def _check_and_submit(
         service.metrics.observe_job("rejected", None, None, [])
         retry = str(exc.retry_after)
         code, what = (
-            ("over_capacity", "the server's pixel budget is in use")
+            ("over_capacity", "the server's decode budget is in use")
             if isinstance(exc, OverBudget)
             else ("queue_full", "the job queue is full")
         )
@@ -289,7 +290,7 @@ async def _check_and_submit(
             "format": info.format,
             "page_count": len(info.selected),
             "bytes_in": len(parse_request.data),
-            "pixels": info.cost,
+            "bytes_decoded": info.cost,
             "queue_length": jobs.queue_length,
         },
     )

@@ -58,11 +58,11 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--max-connections", type=int, default=128, help="open connections at most (default: 128)")
     v.add_argument(
-        "--pixel-budget",
+        "--decode-budget-mb",
         type=float,
-        default=600.0,
-        metavar="MEGAPIXELS",
-        help="decoded pixels of queued and running jobs at most; beyond it 429 (default: 600)",
+        default=4096.0,
+        metavar="MIB",
+        help="page and image memory of queued and running jobs and chat images at most; beyond it 429 (default: 4096)",
     )
     v.add_argument(
         "--allowed-hosts",
@@ -119,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             body_timeout=args.body_timeout,
             min_body_rate=args.min_body_rate,
             max_connections=args.max_connections,
-            pixel_budget=args.pixel_budget,
+            decode_budget_mb=args.decode_budget_mb,
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,
             max_pages=args.max_pages,

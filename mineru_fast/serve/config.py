@@ -42,8 +42,11 @@ class ServeConfig:
             have passed since the request began; slower bodies get ``408``.
         max_connections: open connections at most; more are answered ``503`` and closed at once
             (also kept below the process's open-file limit).
-        pixel_budget: megapixels that admitted jobs (queued and running) may decode at once, each
-            costed from its headers (see ``parsing.inspect_document``); beyond it ``429``.
+        decode_budget_mb: MiB of page and image memory that admitted work may hold at once: the
+            jobs queued and running (synchronous parses included) and the chat images being
+            decoded or answered, each costed from its headers at the measured bytes per pixel of
+            its source (``inputs.OpenedDocument.page_cost``); beyond it ``429``, and one that
+            alone needs more ``413``.
         allowed_hosts: host names a request's ``Host`` header may carry (``"*"`` = any); None =
             the default: without API keys, the loopback names and ``host`` (any host when
             listening on all interfaces), with API keys no check. When checked, a browser's
@@ -70,7 +73,7 @@ class ServeConfig:
     body_timeout: float = 30.0
     min_body_rate: float = 1024.0
     max_connections: int = 128
-    pixel_budget: float = 600.0
+    decode_budget_mb: float = 4096.0
     allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
     max_pages: int = 500
@@ -83,7 +86,14 @@ class ServeConfig:
         for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections", "max_chat_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        positive = ("max_upload_mb", "result_ttl", "header_timeout", "body_timeout", "min_body_rate", "pixel_budget")
+        positive = (
+            "max_upload_mb",
+            "result_ttl",
+            "header_timeout",
+            "body_timeout",
+            "min_body_rate",
+            "decode_budget_mb",
+        )
         for name in positive:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -99,9 +109,9 @@ class ServeConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
     @property
-    def pixel_budget_pixels(self) -> int:
-        """``pixel_budget`` in pixels."""
-        return int(self.pixel_budget * 1_000_000)
+    def decode_budget_bytes(self) -> int:
+        """``decode_budget_mb`` in bytes."""
+        return int(self.decode_budget_mb * 1024 * 1024)
 
     def host_allow_list(self) -> tuple[str, ...] | None:
         """The ``Host`` names accepted, lower-case (``("*",)`` = any), or None when nothing is checked."""

@@ -105,7 +105,7 @@ class Service:
                 max_queued=self.config.queue_size,
                 store=self.job_store,
                 replica=self.replica,
-                max_cost=self.config.pixel_budget_pixels,
+                max_cost=self.config.decode_budget_bytes,
                 on_finish=self._job_finished,
                 # expiry runs with the heartbeat: a short result_ttl needs shorter rounds
                 heartbeat=max(0.2, min(HEARTBEAT_INTERVAL, self.config.result_ttl / 4)),
