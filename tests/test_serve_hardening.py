@@ -570,6 +570,61 @@ def test_chat_images_are_admitted_by_the_same_budget_before_they_are_decoded(ope
     assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.slow
+def test_clients_that_stop_reading_large_results_are_cut_off_and_free_their_slots(tiny_model, tmp_path):
+    """128 clients that never read a large result held every connection slot for good (no write
+    timeout; /health answered 503 while they stayed) and +1.6 GB of buffered responses."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from samples import sample_trace
+
+    slots = 6
+    args = ["--max-connections", str(slots), "--write-timeout", "3", "--max-response-buffer-mb", "1"]
+    args += ["--allow-replay", "--max-new-tokens", BOUNDS, "--page-window", "1"]
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, (1400, 1400, 3), dtype=np.uint8)) for _ in range(5)]
+    # Each frame's layout overlay is ~2 MB of base64: a result the loopback's kernel buffers (~3 MB
+    # a connection here) do not absorb.
+    pages = image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:], compression="jpeg")
+    trace = json.dumps(sample_trace(5).to_dict()).encode()
+    with running_server(tiny_model, tmp_path, *args) as server:
+        files = {"file": ("noise.tiff", pages), "replay": ("t.json", trace, "application/json")}
+        job = httpx.post(f"{server.url}/v1/jobs", files=files, data={"formats": "layout"}, timeout=120).json()
+        assert wait_for(lambda: httpx.get(f"{server.url}{job['status_url']}").json()["status"] == "done", 300)
+        size = len(httpx.get(f"{server.url}{job['result_url']}", timeout=120).content)
+        assert size > 9_000_000, size
+        request = f"GET {job['result_url']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        readers = []
+        for _ in range(slots):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel absorbs little of it
+            sock.connect(("127.0.0.1", _port(server)))
+            sock.sendall(request)  # ... and never reads
+            readers.append(sock)
+        try:
+
+            def health_ok() -> bool:
+                try:
+                    return httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            def cut(message: str) -> bool:
+                return any(r["message"] == message for r in server.log_records())
+
+            assert wait_for(lambda: cut("connection closed: unread responses over the buffer cap"), 120)
+            assert wait_for(lambda: cut("connection closed: the client stopped reading its response"), 120)
+            assert wait_for(health_ok, 120)  # every slot the readers held is free again
+            for sock in readers:  # each was closed by the server: reading now ends, not hangs
+                received = _read_until_closed(sock, 60)
+                assert received.startswith(b"HTTP/1.1 200") and len(received) < size
+        finally:
+            for sock in readers:
+                sock.close()
+
+
 # -- signals at any moment -------------------------------------------------------------------------
 
 

@@ -58,6 +58,19 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--max-connections", type=int, default=128, help="open connections at most (default: 128)")
     v.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may leave a response unread (under --min-body-rate) before it is cut off (default: 30)",
+    )
+    v.add_argument(
+        "--max-response-buffer-mb",
+        type=float,
+        default=256.0,
+        metavar="MIB",
+        help="unread response bytes held for slow clients at most (default: 256)",
+    )
+    v.add_argument(
         "--decode-budget-mb",
         type=float,
         default=4096.0,
@@ -119,6 +132,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             body_timeout=args.body_timeout,
             min_body_rate=args.min_body_rate,
             max_connections=args.max_connections,
+            write_timeout=args.write_timeout,
+            max_response_buffer_mb=args.max_response_buffer_mb,
             decode_budget_mb=args.decode_budget_mb,
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,

@@ -42,6 +42,11 @@ class ServeConfig:
             have passed since the request began; slower bodies get ``408``.
         max_connections: open connections at most; more are answered ``503`` and closed at once
             (also kept below the process's open-file limit).
+        write_timeout: seconds a connection holding more unread response bytes than the
+            transport's high-water mark (64 KiB) may go without its client reading
+            ``min_body_rate`` bytes per second of them; then it is closed and the bytes freed.
+        max_response_buffer_mb: MiB of unread response bytes such connections may hold together;
+            beyond it those waiting longest are closed (never the last one).
         decode_budget_mb: MiB of page and image memory that admitted work may hold at once: the
             jobs queued and running (synchronous parses included) and the chat images being
             decoded or answered, each costed from its headers at the measured bytes per pixel of
@@ -73,6 +78,8 @@ class ServeConfig:
     body_timeout: float = 30.0
     min_body_rate: float = 1024.0
     max_connections: int = 128
+    write_timeout: float = 30.0
+    max_response_buffer_mb: float = 256.0
     decode_budget_mb: float = 4096.0
     allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
@@ -122,6 +129,11 @@ class ServeConfig:
         if self.host in ("0.0.0.0", "::", ""):
             return ("*",)
         return tuple(dict.fromkeys(("localhost", "127.0.0.1", "::1", self.host.lower().strip("[]"))))
+
+    @property
+    def max_response_buffer_bytes(self) -> int:
+        """``max_response_buffer_mb`` in bytes."""
+        return int(self.max_response_buffer_mb * 1024 * 1024)
 
     @property
     def max_upload_bytes(self) -> int:
