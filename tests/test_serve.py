@@ -255,6 +255,8 @@ def server(tiny_model, tmp_path_factory):
         "120",
         "--drain-timeout",
         "600",  # the drain test waits on states: a bound on a hang, not a wait
+        "--render-timeout",
+        "10",  # a normal page renders in well under a second; the bomb below needs minutes
     ]
     with running_server(tiny_model, work, *args) as running:
         yield running
@@ -530,6 +532,21 @@ def test_oversize_upload_is_413_before_it_is_read(server):
             reply += data
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert httpx.get(f"{server.url}/health").status_code == 200  # the server is fine
+
+
+@pytest.mark.slow
+def test_a_render_bomb_page_fails_alone_with_render_timeout(client):
+    """A small PDF of stroked lines rendered for minutes under the process-wide PDFium lock."""
+    from samples import stroked_lines_pdf
+
+    bomb = stroked_lines_pdf([1_000_000, 10])
+    response = client.post("/v1/document/parse", **upload(bomb, replay=2))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    first, second = result["pages"]
+    assert first["status"] == "failure" and first["errors"][0]["code"] == "render_timeout"
+    assert "took longer than 10 s to render" in first["errors"][0]["message"]
+    assert second["status"] == "success" and result["status"] == "partial"
 
 
 @pytest.mark.slow

@@ -66,6 +66,8 @@ def test_page_costs_count_the_measured_bytes_of_each_source_from_headers_only():
     with open_document(pdf_bytes(1), decode_first=False) as opened:
         width, height = opened.page_size(0)
         assert opened.page_cost(0) == (width * height * 8, width * height * 4)
+    with open_document(pdf_bytes(1), decode_first=False, render_timeout=60) as opened:  # + a render process
+        assert opened.page_cost(0) == (width * height * 17, width * height * 4)
 
 
 def test_a_chat_image_holds_its_decode_cost_then_its_kept_image_until_released(monkeypatch):

@@ -83,6 +83,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         help="Host header names accepted ('*' = any); default without keys: loopback names and --host",
     )
     v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
+    v.add_argument(
+        "--render-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a PDF page may take to render, in its own process; then that page fails (default: 60)",
+    )
     v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument(
@@ -113,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """
     from .security import load_api_keys
 
-    options = options_from_args(args, progress=False)
+    options = options_from_args(args, progress=False, render_timeout=args.render_timeout)
     try:
         config = ServeConfig(
             model=args.model,

@@ -129,7 +129,10 @@ def trace_from_json(data: bytes) -> Trace:
 
 def _limits(parser_options: ParserOptions) -> PageLimits:
     return PageLimits(
-        dpi=parser_options.dpi, max_side=parser_options.max_side, max_pixels=parser_options.max_image_pixels
+        dpi=parser_options.dpi,
+        max_side=parser_options.max_side,
+        max_pixels=parser_options.max_image_pixels,
+        render_timeout=parser_options.render_timeout,
     )
 
 
