@@ -493,7 +493,7 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, l
     except PageRangeError:
         pdf.close()
         raise
-    return OpenedDocument(name, "pdf", page_count, indices, _pdf=pdf, _source=(data, password), **limits)
+    return OpenedDocument(name, "pdf", page_count, indices, _pdf=pdf, **limits)
 
 
 def _open_image(
@@ -587,6 +587,7 @@ def open_document(
     if b"%PDF-" in data[:1024]:
         opened = _open_pdf(name, data, password, pages, limits)
         opened.sha256 = hashlib.sha256(data).hexdigest()
+        opened._source = (data, password)  # for a render process
         return opened
     try:
         with warnings.catch_warnings():
