@@ -184,7 +184,13 @@ def _report_error(mode: str, source: Path, code: str, message: str) -> None:
     elif code == OUTPUT_CLASH:
         print(f"mineru-fast: {message}", file=sys.stderr)
     else:
-        print(f"mineru-fast: {source}: {message}", file=sys.stderr)
+        print(f"mineru-fast: {_shown(source)}: {message}", file=sys.stderr)
+
+
+def _shown(path: str | Path) -> str:
+    """A path as one line shows it: control characters (a newline in a file name) escaped as
+    Python writes them, so one report stays one line."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(path))
 
 
 def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: argparse.Namespace, mode: str) -> int:
@@ -209,14 +215,14 @@ def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: 
             print(json.dumps(event), file=sys.stderr, flush=True)
             continue
         for error in page.errors:
-            print(f"mineru-fast: {source}: page {page.index + 1}: {error.message}", file=sys.stderr)
+            print(f"mineru-fast: {_shown(source)}: page {page.index + 1}: {error.message}", file=sys.stderr)
         if page.status == "partial":
             for warning in page.warnings:
-                print(f"mineru-fast: {source}: page {page.index + 1}: {warning}", file=sys.stderr)
+                print(f"mineru-fast: {_shown(source)}: page {page.index + 1}: {warning}", file=sys.stderr)
         if mode == "lines":
             eta = elapsed / done * (n_pages - done)
             print(
-                f"mineru-fast: {source.name}: page {page.index + 1} {page.status} ({done}/{n_pages}, "
+                f"mineru-fast: {_shown(source.name)}: page {page.index + 1} {page.status} ({done}/{n_pages}, "
                 f"{60 * done / elapsed:.2f} pages/min, ETA {eta:.0f} s)",
                 file=sys.stderr,
                 flush=True,

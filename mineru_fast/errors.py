@@ -20,6 +20,7 @@ __all__ = [
     "PasswordRequired",
     "ImageTooLarge",
     "PageRangeError",
+    "RenderTimeout",
     "SourceError",
     "ModelLoadError",
     "ModelNotCached",
@@ -78,6 +79,13 @@ class ImageTooLarge(InputError):
     """An image or rendered page exceeds the configured pixel limit (decompression-bomb guard)."""
 
     code = "image_too_large"
+
+
+class RenderTimeout(InputError):
+    """A PDF page took longer than ``render_timeout`` seconds to render (its render process was
+    killed; the page fails alone)."""
+
+    code = "render_timeout"
 
 
 class PageRangeError(InputError):

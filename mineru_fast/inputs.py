@@ -14,18 +14,29 @@ import hashlib
 import io
 import logging
 import math
+import multiprocessing
 import re
 import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .errors import CorruptDocument, ImageTooLarge, InputError, PageRangeError, PasswordRequired, UnsupportedFormat
+from .errors import (
+    CorruptDocument,
+    ImageTooLarge,
+    InputError,
+    PageRangeError,
+    PasswordRequired,
+    RenderTimeout,
+    UnsupportedFormat,
+)
 
 if TYPE_CHECKING:
     from .pdftext import PageText
@@ -42,15 +53,31 @@ _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
 MAX_PAGE_RANGE_CHARS = 4096
 MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
+# Peak bytes per pixel that ``OpenedDocument.render`` holds at once for one page, by source: the
+# decoded frame, ``to_rgb``'s conversions (an alpha frame is converted to RGBA, composited on a
+# white canvas and made RGB, all alive together) and the RGB result, which Pillow stores in 4
+# bytes a pixel. Measured with ``benchmarks/decode_memory.py --side 8000`` (peak RSS growth):
+# RGBA and LA 24.0, I;16 30.1, I 28.1, F 24.1, RGB and CMYK 12.0, L and P 6.0, a PDF page 8.0, a
+# PDF page in a render process (``render_timeout``) 17.0, the child's and this process's together.
+_ALPHA_BYTES_PER_PIXEL = 24
+_WIDE_BYTES_PER_PIXEL = 31  # I, I;16, F: numpy's float64 scaling
+_IMAGE_BYTES_PER_PIXEL = 12  # every other Pillow mode (the largest of them, RGB and CMYK)
+_PDF_BYTES_PER_PIXEL = 8  # PDFium's bitmap, its PIL copy, the RGB result
+_PDF_PROCESS_BYTES_PER_PIXEL = 17  # the same in the render process, the RGB bytes sent, the image rebuilt here
+RGB_BYTES_PER_PIXEL = 4
+"""Bytes a rendered page holds per pixel (Pillow keeps RGB in 4 bytes a pixel)."""
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _RANGE_PART = re.compile(r"(\d{1,9})?\s*(?:(-)\s*(\d{1,9})?)?")
 
 
 class PageLimits(TypedDict):
-    """Rendering limits of ``open_document`` (its ``dpi``, ``max_side`` and ``max_pixels`` arguments)."""
+    """Rendering limits of ``open_document`` (its ``dpi``, ``max_side``, ``max_pixels`` and
+    ``render_timeout`` arguments)."""
 
     dpi: int
     max_side: int
     max_pixels: int
+    render_timeout: float | None
 
 
 def parse_page_range(spec: str | None, page_count: int) -> list[int]:
@@ -120,7 +147,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I", "F") or image.mode.startswith("I;16"):
         return _wide_gray_to_rgb(image)
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
         return _white_background(image)
     return image.convert("RGB")
 
@@ -153,7 +180,10 @@ class OpenedDocument:
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_pixels: int = DEFAULT_MAX_PIXELS
+    render_timeout: float | None = None
     _pdf: object | None = field(default=None, repr=False)
+    _source: tuple[bytes, str | None] | None = field(default=None, repr=False)  # a PDF's bytes and password
+    _renderer: _PdfRenderer | None = field(default=None, repr=False)
     _image: Image.Image | None = field(default=None, repr=False)
     _owns_image: bool = field(default=True, repr=False)  # a caller's PIL image is never closed
 
@@ -201,6 +231,32 @@ class OpenedDocument:
                 size = self._image.size  # type: ignore[union-attr]
         self._check_pixels(size, index)
         return size
+
+    def page_cost(self, index: int) -> tuple[int, int]:
+        """Memory that rendering page ``index`` takes, estimated from headers only (nothing decoded).
+
+        Returns:
+            ``(peak, kept)`` in bytes: the most ``render`` holds at once (the page's pixels at
+            full resolution times its source's measured bytes per pixel, plus the downscaled copy
+            when the long side is capped), and the rendered RGB page it returns.
+
+        Raises:
+            CorruptDocument / ImageTooLarge: as ``page_size``.
+        """
+        width, height = self.page_size(index)
+        if self._pdf is not None:
+            per_pixel = _PDF_BYTES_PER_PIXEL if self.render_timeout is None else _PDF_PROCESS_BYTES_PER_PIXEL
+            return width * height * per_pixel, width * height * RGB_BYTES_PER_PIXEL
+        image = self._image  # page_size left it on frame ``index``
+        if image.mode in ("I", "F") or image.mode.startswith("I;16"):  # type: ignore[union-attr]
+            per_pixel = _WIDE_BYTES_PER_PIXEL
+        elif image.mode in _ALPHA_MODES or "transparency" in image.info:  # type: ignore[union-attr]
+            per_pixel = _ALPHA_BYTES_PER_PIXEL
+        else:
+            per_pixel = _IMAGE_BYTES_PER_PIXEL
+        scale = min(1.0, self.max_side / max(width, height))
+        kept = max(1, round(width * scale)) * max(1, round(height * scale)) * RGB_BYTES_PER_PIXEL
+        return width * height * per_pixel + (kept if scale < 1.0 else 0), kept
 
     def text_layer_mode(self, ocr_mode: str) -> tuple[str, str]:
         """Whether this document's text layer is used (``pdftext.resolve_ocr_mode``).
@@ -285,13 +341,30 @@ class OpenedDocument:
                 width_pt, height_pt = page.get_size()  # displayed size, /Rotate applied
                 self._check_pixels(self._pdf_render_size(width_pt, height_pt, index), index)
                 scale = min(self.dpi / 72.0, self.max_side / max(width_pt, height_pt))
-                image = page.render(scale=scale, may_draw_forms=True).to_pil()
+                if self.render_timeout is None:
+                    image = page.render(scale=scale, may_draw_forms=True).to_pil()
             except pdfium.PdfiumError as exc:
                 raise CorruptDocument(f"{self.name}: cannot render page {index + 1}: {exc}") from exc
+        if self.render_timeout is not None:  # out of process, outside the lock
+            if self._renderer is None:
+                self._renderer = _PdfRenderer(*self._source)  # type: ignore[misc]
+            try:
+                return self._renderer.render(index, scale, self.render_timeout)
+            except RenderTimeout:
+                self._renderer = None  # killed: the next page gets a fresh process
+                raise RenderTimeout(
+                    f"{self.name}: page {index + 1} took longer than {self.render_timeout:g} s to render "
+                    "(render_timeout option)"
+                ) from None
+            except CorruptDocument as exc:
+                raise CorruptDocument(f"{self.name}: cannot render page {index + 1}: {exc}") from None
         return image.convert("RGB")
 
     def close(self) -> None:
-        """Release the underlying PDF or image handle (idempotent)."""
+        """Release the underlying PDF or image handle and the render process (idempotent)."""
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
         if self._pdf is not None:
             with _PDFIUM_LOCK:
                 self._pdf.close()  # type: ignore[attr-defined]
@@ -306,6 +379,81 @@ class OpenedDocument:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _render_worker(conn: Connection, data: bytes, password: str | None) -> None:
+    """The render process: opens the PDF once, then renders ``(index, scale)`` requests until
+    the pipe closes, answering ``("ok", (width, height), rgb_bytes)`` or ``("error", message)``."""
+    import pypdfium2 as pdfium
+
+    try:
+        pdf = pdfium.PdfDocument(data, password=password)
+    except pdfium.PdfiumError as exc:
+        conn.send(("error", str(exc)))
+        return
+    while True:
+        try:
+            index, scale = conn.recv()
+        except EOFError:
+            return
+        try:
+            image = pdf[index].render(scale=scale, may_draw_forms=True).to_pil().convert("RGB")
+        except pdfium.PdfiumError as exc:
+            conn.send(("error", str(exc)))
+            continue
+        conn.send(("ok", image.size, image.tobytes()))
+
+
+class _PdfRenderer:
+    """Renders a PDF's pages in a child process (multiprocessing's ``forkserver``, or ``spawn``
+    where there is none), so a page that PDFium needs too long for can be stopped: PDFium cannot
+    be interrupted, and in this process it holds the process-wide lock while it renders.
+
+    Args:
+        data: the PDF's bytes (sent to the process once).
+        password: its user password, if any.
+    """
+
+    def __init__(self, data: bytes, password: str | None) -> None:
+        context: BaseContext
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload([__name__, "pypdfium2"])  # a render process starts warm
+        else:
+            context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_render_worker, args=(child, data, password), daemon=True)
+        self._process.start()
+        child.close()
+
+    def render(self, index: int, scale: float, timeout: float) -> Image.Image:
+        """Page ``index`` at ``scale`` as RGB, or the process is killed after ``timeout`` seconds.
+
+        Raises:
+            RenderTimeout: no answer within ``timeout`` (the process is killed; use a new renderer).
+            CorruptDocument: PDFium failed, or the process died.
+        """
+        try:
+            self._conn.send((index, scale))
+            answered = self._conn.poll(timeout)
+            reply = self._conn.recv() if answered else None
+        except (EOFError, OSError) as exc:
+            self.close()
+            raise CorruptDocument(f"the render process ended ({exc or type(exc).__name__})") from None
+        if reply is None:
+            self.close()
+            raise RenderTimeout(f"no page after {timeout:g} s")
+        if reply[0] == "error":
+            raise CorruptDocument(reply[1])
+        _, size, pixels = reply
+        return Image.frombytes("RGB", size, pixels)
+
+    def close(self) -> None:
+        """Stop the process (killed: it may be inside a render that never ends)."""
+        self._conn.close()
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(timeout=10)
 
 
 def _read_source(source: str | Path | bytes | bytearray) -> tuple[str, bytes]:
@@ -402,6 +550,7 @@ def open_document(
     max_side: int = DEFAULT_MAX_SIDE,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     decode_first: bool = True,
+    render_timeout: float | None = None,
 ) -> OpenedDocument:
     """Open a PDF or image from a path, bytes or a PIL image.
 
@@ -415,6 +564,10 @@ def open_document(
             than this; each is checked from its header before it is decoded.
         decode_first: decode an image's first frame now, so that a truncated file fails here;
             False reads headers only (then nothing is decoded before ``render``).
+        render_timeout: seconds a PDF page may take to render; None renders in this process
+            with no bound (PDFium holds a process-wide lock meanwhile). With a bound, a PDF's
+            pages are rendered in a child process, killed when a page takes longer: that page
+            fails alone (``RenderTimeout``).
 
     Returns:
         An ``OpenedDocument``; close it (or use it as a context manager) when done.
@@ -425,7 +578,7 @@ def open_document(
         ImageTooLarge: the first frame is over ``max_pixels`` (later frames fail at ``render``).
         PageRangeError: bad ``pages``.
     """
-    limits = PageLimits(dpi=dpi, max_side=max_side, max_pixels=max_pixels)
+    limits = PageLimits(dpi=dpi, max_side=max_side, max_pixels=max_pixels, render_timeout=render_timeout)
     if isinstance(source, Image.Image):
         return _open_image("document", source, pages, limits, owned=False)
     name, data = _read_source(source)
@@ -434,6 +587,7 @@ def open_document(
     if b"%PDF-" in data[:1024]:
         opened = _open_pdf(name, data, password, pages, limits)
         opened.sha256 = hashlib.sha256(data).hexdigest()
+        opened._source = (data, password)  # for a render process
         return opened
     try:
         with warnings.catch_warnings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -90,6 +91,9 @@ class ParserOptions:
             ``engine.backends``).
         threads: intra-op threads; None = the physical cores available to the process.
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
+        render_timeout: seconds a PDF page may take to render; None = no bound, in this process
+            (with a bound pages render in a child process, killed when one takes longer: that
+            page fails alone with ``render_timeout``; see ``inputs.open_document``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
             ``"text"``, ``"table"``, ``"equation"``. Any mapping is accepted and stored as an
             immutable ``TokenBounds``.
@@ -137,6 +141,7 @@ class ParserOptions:
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_image_pixels: int = DEFAULT_MAX_PIXELS
+    render_timeout: float | None = None
     max_new_tokens: Mapping[str, int] = field(default_factory=TokenBounds)
     progress: bool = False
     model_version: str = "auto"
@@ -183,6 +188,8 @@ class ParserOptions:
         for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.render_timeout is not None and not (math.isfinite(self.render_timeout) and self.render_timeout > 0):
+            raise ValueError(f"render_timeout must be a finite number > 0 or None, got {self.render_timeout}")
         for task, bound in self.max_new_tokens.items():
             if task not in TASKS:
                 raise ValueError(f"max_new_tokens keys must be in {TASKS}, got {task!r}")

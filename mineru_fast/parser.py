@@ -345,7 +345,9 @@ class DocumentParser:
         if layouts is not None and self.tier != "standard":
             raise TraceError("a layout replay applies to tier 'standard' (PP-DocLayoutV2 detections)")
         o = self.options
-        limits = PageLimits(dpi=o.dpi, max_side=o.max_side, max_pixels=o.max_image_pixels)
+        limits = PageLimits(
+            dpi=o.dpi, max_side=o.max_side, max_pixels=o.max_image_pixels, render_timeout=o.render_timeout
+        )
         opened: _ImagePages | OpenedDocument
         if isinstance(source, list):
             opened = _ImagePages(source, limits)

@@ -199,3 +199,27 @@ def scan_with_hidden_text_pdf(n_pages: int = 2) -> bytes:
             _pdfium_text(pdf, page, font, 11, 72, 700 - 14 * line, text, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
         page.gen_content()
     return _saved(pdf)
+
+
+def stroked_lines_pdf(lines_per_page: list[int]) -> bytes:
+    """A Letter PDF whose page ``i`` strokes ``lines_per_page[i]`` long diagonal lines (raw PDF
+    objects). The content streams repeat one line, so they compress about 400-fold (a million lines:
+    64 KB), while PDFium rasterizes each: about 4.4 s per 20,000 lines at 200 DPI on this
+    project's 2-core machine (a render-time bomb)."""
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>"]
+    kids = " ".join(f"{3 + 2 * i} 0 R" for i in range(len(lines_per_page))).encode()
+    objects.append(b"<< /Type /Pages /Kids [%s] /Count %d >>" % (kids, len(lines_per_page)))
+    for i, lines in enumerate(lines_per_page):
+        stream = zlib.compress(b"0.5 w 10 10 m 600 780 l S\n" * lines, 9)
+        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R >>" % (4 + 2 * i))
+        objects.append(b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(stream), stream))
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)

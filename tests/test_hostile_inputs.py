@@ -91,3 +91,57 @@ def test_fuzzed_documents_parse_or_fail_with_a_typed_error(parser, rng):
     description, data = mutate(_SEEDS, rng)
     note(description)
     check_parse(parser, data)
+
+
+RENDER_BOMB_LINES = 1_000_000  # minutes for PDFium at 200 DPI (4.4 s per 20,000 lines here); a 64 KB file
+
+
+@pytest.mark.slow
+def test_a_render_bomb_page_fails_alone_within_the_render_timeout(tiny_model):
+    """A 13.6 KB PDF of 300,000 stroked lines rendered for 133 s, unbounded."""
+    import multiprocessing
+
+    from samples import stroked_lines_pdf
+
+    bomb = stroked_lines_pdf([RENDER_BOMB_LINES, 10])
+    assert len(bomb) < 100_000
+    options = ParserOptions.preset("exact", max_side=1024, render_timeout=1.0)  # unbounded: replayed in full
+    parser = DocumentParser.from_pretrained(tiny_model, options)
+    document = parser.parse(bomb, replay=sample_trace(2))
+    first, second = document.pages
+    assert first.status == "failure" and first.errors[0].code == "render_timeout"
+    assert first.errors[0].message == "document: page 1 took longer than 1 s to render (render_timeout option)"
+    assert (second.status, second.size) == ("success", (792, 1024))  # the next page: a fresh process
+    assert document.status == "partial"
+    assert not multiprocessing.active_children()  # the render processes were stopped, the killed one too
+
+
+@pytest.mark.slow
+def test_a_long_render_does_not_hold_the_pdfium_lock(tmp_path):
+    """While the bomb rendered, the process-wide PDFium lock was held: another client's 2-page PDF
+    waited 137 s."""
+    import threading
+
+    from samples import pdf_bytes, stroked_lines_pdf
+
+    from mineru_fast.errors import RenderTimeout
+
+    outcome: list[BaseException] = []
+
+    def render_bomb() -> None:
+        with open_document(stroked_lines_pdf([RENDER_BOMB_LINES]), render_timeout=10.0) as opened:
+            try:
+                opened.render(0)
+            except RenderTimeout as exc:
+                outcome.append(exc)
+
+    bomb = threading.Thread(target=render_bomb)
+    bomb.start()
+    try:
+        with open_document(pdf_bytes(2)) as opened:  # in this process: it needs the lock
+            sizes = [opened.render(i).size for i in opened.page_indices]
+        assert bomb.is_alive()  # the other page came out while the bomb was still rendering
+    finally:
+        bomb.join(60)
+    assert sizes == [(1700, 2200)] * 2
+    assert len(outcome) == 1 and "took longer than 10 s" in str(outcome[0])

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import WORKLOAD, need
-from samples import pdf_bytes, sample_trace
+from PIL import Image
+from samples import pdf_bytes, sample_trace, text_page, tiff_with_frame_size
 from serve_helpers import BOUNDS, running_server, workload_page_with_text
 
 from mineru_fast.errors import CorruptDocument, PageRangeError
@@ -107,11 +108,22 @@ def test_api_key_file_grammar_is_strict(tmp_path):
         assert "zqxw" not in str(info.value) and "remark" not in str(info.value)  # no line text echoed
 
 
+def test_api_key_file_with_a_utf8_bom_is_read(tmp_path):
+    """A file saved by an editor that writes a byte order mark (Windows Notepad) was refused with
+    'line 1: NAME must be ...' for a name that is right."""
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"\xef\xbb\xbfalpha:alpha-secret-0123\nbeta:beta-secret-4567:30\n")
+    alpha, beta = load_api_keys(path)
+    assert (alpha.name, alpha.digest, beta.rate) == ("alpha", hashlib.sha256(ALPHA.encode()).digest(), 30.0)
+    path.write_bytes(b"\xef\xbb\xbf# keys\nalpha:alpha-secret-0123\n")  # a comment first: still a comment
+    assert [k.name for k in load_api_keys(path)] == ["alpha"]
+
+
 def test_serve_settings_refuse_non_finite_numbers(tmp_path):
     from mineru_fast.serve.config import ServeConfig
 
     names = ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "min_body_rate")
-    for name in (*names, "pixel_budget", "body_timeout"):
+    for name in (*names, "decode_budget_mb", "body_timeout"):
         for value in (float("nan"), float("inf"), -1.0):
             with pytest.raises(ValueError, match=name):
                 ServeConfig(**{name: value})
@@ -242,7 +254,9 @@ def server(tiny_model, tmp_path_factory):
         "--result-ttl",
         "120",
         "--drain-timeout",
-        "60",
+        "600",  # the drain test waits on states: a bound on a hang, not a wait
+        "--render-timeout",
+        "10",  # a normal page renders in well under a second; the bomb below needs minutes
     ]
     with running_server(tiny_model, work, *args) as running:
         yield running
@@ -250,7 +264,7 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=60) as c:
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=300) as c:
         yield c
 
 
@@ -395,6 +409,21 @@ def test_broken_or_unsupported_documents_are_422(server, client, endpoint):
     assert sum(r["message"] == "job queued" for r in server.log_records()) == queued_before  # refused up front
 
 
+def test_an_oversized_later_tiff_frame_fails_alone_like_the_sdk(client):
+    """serve refused the whole TIFF with 422 when a later frame's header was over the pixel limit,
+    where the SDK and the CLI fail that page alone."""
+    frames = [text_page(size=(300, 400)), Image.new("1", (64, 64), 1)]
+    bomb = tiff_with_frame_size(frames, 1, (20000, 20000), compression="tiff_deflate")
+    response = client.post("/v1/document/parse", **upload(bomb, "scan.tiff", replay=2))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["status"] == "partial"
+    first, second = result["pages"]
+    assert (first["status"], first["size"]) == ("success", [300, 400])
+    assert second["status"] == "failure" and second["errors"][0]["code"] == "image_too_large"
+    assert "frame 2 is 20000x20000" in second["errors"][0]["message"]
+
+
 def test_sync_parse_returns_markdown_content_list_and_layout(client):
     response = client.post(
         "/v1/document/parse", **upload(pdf_bytes(1), replay=1, formats="markdown,content_list,json,layout")
@@ -506,17 +535,32 @@ def test_oversize_upload_is_413_before_it_is_read(server):
 
 
 @pytest.mark.slow
+def test_a_render_bomb_page_fails_alone_with_render_timeout(client):
+    """A small PDF of stroked lines rendered for minutes under the process-wide PDFium lock."""
+    from samples import stroked_lines_pdf
+
+    bomb = stroked_lines_pdf([1_000_000, 10])
+    response = client.post("/v1/document/parse", **upload(bomb, replay=2))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    first, second = result["pages"]
+    assert first["status"] == "failure" and first["errors"][0]["code"] == "render_timeout"
+    assert "took longer than 10 s to render" in first["errors"][0]["message"]
+    assert second["status"] == "success" and result["status"] == "partial"
+
+
+@pytest.mark.slow
 def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client):
     blocker = client.post("/v1/jobs", **upload(pdf_bytes(4), replay=4)).json()  # keeps the one worker busy
-    assert wait_for(lambda: client.get(blocker["status_url"]).json()["status"] == "running", 30)
+    assert wait_for(lambda: client.get(blocker["status_url"]).json()["status"] == "running", 300)
     before = metrics(client)
     burst = 10
     document = pdf_bytes(1)
     barrier = threading.Barrier(burst)
 
     def submit(_: int):
-        with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=60) as c:
-            barrier.wait(timeout=30)
+        with httpx.Client(base_url=server.url, headers={"X-API-Key": ALPHA}, timeout=300) as c:
+            barrier.wait(timeout=300)
             return c.post("/v1/jobs", **upload(document, "doc.pdf", replay=1))
 
     with ThreadPoolExecutor(burst) as pool:
@@ -531,7 +575,7 @@ def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client
     assert 1 <= metric(during, "mineru_fast_queue_length") <= 2  # the queue holds at most --workers-queue 2
     assert metric(during, "mineru_fast_jobs_in_flight") <= 1  # one worker
 
-    pending, deadline = {*accepted, blocker["job_id"]}, time.monotonic() + 120
+    pending, deadline = {*accepted, blocker["job_id"]}, time.monotonic() + 600  # a bound on a hang (load 18: ~150 s)
     while pending and time.monotonic() < deadline:
         for job_id in list(pending):
             state = client.get(f"/v1/jobs/{job_id}").json()
@@ -567,7 +611,7 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
         response = httpx.post(
             f"{server.url}/v1/document/parse",
             headers={"X-Request-ID": "shutdown-sync-1", "X-API-Key": ALPHA},
-            timeout=120,
+            timeout=600,
             **upload(pdf_bytes(1), replay=1, password=PASSWORD),
         )
         sync_result["status"] = response.status_code
@@ -582,9 +626,9 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
             for r in server.log_records()
         )
 
-    assert wait_for(lambda: logged("job queued", "shutdown-sync-1"), 30)
+    assert wait_for(lambda: logged("job queued", "shutdown-sync-1"), 300)
     server.process.send_signal(signal.SIGTERM)  # while both jobs are queued or running
-    assert wait_for(lambda: logged("draining"), 30)
+    assert wait_for(lambda: logged("draining"), 300)
 
     assert_error(client.post("/v1/jobs", **upload(pdf_bytes(1))), 503, "shutting_down")  # no new work
     assert_error(client.post("/v1/document/parse", **upload(pdf_bytes(1))), 503, "shutting_down")
@@ -594,12 +638,12 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
     def queued_job_done() -> bool:
         return client.get(queued["status_url"]).json()["status"] == "done"  # status served while draining
 
-    assert wait_for(queued_job_done, 120, interval=0.1)
+    assert wait_for(queued_job_done, 600, interval=0.1)
     assert server.process.poll() is None  # its result has not been fetched yet: still serving
     result = client.get(queued["result_url"])
     assert result.status_code == 200 and result.json()["status"] == "success"
-    code = server.process.wait(timeout=120)  # all collected: the server stops by itself
-    thread.join(timeout=120)
+    code = server.process.wait(timeout=600)  # all collected: the server stops by itself
+    thread.join(timeout=600)
     assert code == 0
     assert sync_result.get("status") == 200 and sync_result["body"]["status"] == "success"
 

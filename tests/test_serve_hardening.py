@@ -8,9 +8,12 @@ deadlines below are timeouts meant to be reached, or generous bounds on a hang).
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import signal
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +40,66 @@ def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
 # -- parts, in process -----------------------------------------------------------------------------
 
 
-def test_decode_cost_is_the_largest_page_plus_the_rest_of_a_window():
-    assert decode_cost([], 4, 3500) == 0
-    assert decode_cost([(1700, 2200)], 4, 3500) == 1700 * 2200  # one page: the window holds only it
-    letter = 1700 * 2200
-    assert decode_cost([(1700, 2200)] * 10, 4, 3500) == 4 * letter
-    # A 12000x12000 frame decodes at full size, then is kept at 3500x3500.
-    assert decode_cost([(12000, 12000), (100, 100)], 2, 3500) == 12000 * 12000 + 3500 * 3500
+def test_decode_cost_is_the_largest_peak_plus_the_rest_of_a_window():
+    assert decode_cost([], 4) == 0
+    assert decode_cost([(30, 15)], 4) == 30  # one page: the window holds only it
+    assert decode_cost([(30, 15)] * 10, 4) == 30 + 3 * 15
+    assert decode_cost([(1000, 49), (30, 15)], 2) == 1000 + 49  # the largest peak, the largest kept page
+
+
+def test_page_costs_count_the_measured_bytes_of_each_source_from_headers_only():
+    """The budget counted 1 per pixel (its README: 4-8 bytes); an RGBA frame really takes ~24
+    bytes per pixel while it is decoded, converted, composited on white and made RGB."""
+    from PIL import Image
+
+    from mineru_fast.inputs import open_document
+
+    kept_3500 = 3500 * 3500 * 4  # a frame over the 3500-pixel long side is kept downscaled, as RGB
+    with open_document(blank_png(12000, 12000), decode_first=False) as opened:  # 0.6 MB of file
+        assert opened.page_cost(0) == (12000 * 12000 * 24 + kept_3500, kept_3500)
+    with open_document(image_bytes(Image.new("RGB", (400, 300)), "PNG"), decode_first=False) as opened:
+        assert opened.page_cost(0) == (400 * 300 * 12, 400 * 300 * 4)
+    with open_document(image_bytes(Image.new("L", (400, 300)), "PNG"), decode_first=False) as opened:
+        assert opened.page_cost(0) == (400 * 300 * 12, 400 * 300 * 4)
+    with open_document(image_bytes(Image.new("I;16", (400, 300)), "PNG"), decode_first=False) as opened:
+        assert opened.page_cost(0)[0] == 400 * 300 * 31
+    with open_document(pdf_bytes(1), decode_first=False) as opened:
+        width, height = opened.page_size(0)
+        assert opened.page_cost(0) == (width * height * 8, width * height * 4)
+    with open_document(pdf_bytes(1), decode_first=False, render_timeout=60) as opened:  # + a render process
+        assert opened.page_cost(0) == (width * height * 17, width * height * 4)
+
+
+def test_a_chat_image_holds_its_decode_cost_then_its_kept_image_until_released(monkeypatch):
+    from PIL import Image, ImageFile
+
+    from mineru_fast.serve.chat import ChatImageDecoder
+    from mineru_fast.serve.errors import ApiError
+    from mineru_fast.serve.jobs import CostBudget
+
+    decoded = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or load(self))
+    budget = CostBudget(400 * 300 * 12)  # one 400x300 RGB image's peak exactly
+    seen = []
+    monkeypatch.setattr(budget, "release", lambda cost, release=budget.release: seen.append(cost) or release(cost))
+    decoder = ChatImageDecoder(budget, max_pixels=10**8)
+    image = decoder(image_bytes(Image.new("RGB", (400, 300)), "PNG"))
+    assert image.size == (400, 300) and budget.used == 400 * 300 * 4  # the kept RGB image
+    assert seen == [400 * 300 * 8]  # the decode's extra given back once decoded
+    other = ChatImageDecoder(budget, max_pixels=10**8)
+    with pytest.raises(ApiError) as busy:
+        other(image_bytes(Image.new("RGB", (400, 300)), "PNG"))
+    assert (busy.value.status, busy.value.code, busy.value.headers) == (429, "over_capacity", {"Retry-After": "1"})
+    decoder.release()
+    decoder.release()  # idempotent
+    assert budget.used == 0
+    decoded.clear()
+    with pytest.raises(ApiError) as large:
+        other(image_bytes(Image.new("RGB", (401, 300)), "PNG"))
+    assert (large.value.status, large.value.code) == (413, "image_too_large") and decoded == []  # never decoded
+    other.release()
+    assert budget.used == 0
 
 
 def test_job_manager_admits_by_cost_and_keeps_only_retained_jobs():
@@ -257,8 +313,8 @@ def open_server(tiny_model, tmp_path_factory):
     args = [
         "--workers-queue",
         "2",
-        "--pixel-budget",
-        "60",
+        "--decode-budget-mb",
+        "1200",
         "--header-timeout",
         "20",  # long enough to hold the connections of the cap test open while they are counted
         "--body-timeout",
@@ -439,13 +495,13 @@ def test_uploads_are_admitted_by_decoded_pixels_without_decoding_them(open_serve
             )
         )
     grown = _server_peak_rss(open_server) - before
-    for response in burst:  # 144 megapixels alone exceed --pixel-budget 60
+    for response in burst:  # 144 megapixels of RGBA (~3.3 GiB while decoded) alone exceed --decode-budget-mb 1200
         assert response.status_code == 413, response.text
         assert response.json()["error"]["code"] == "document_too_large"
-        assert "144 megapixels" in response.json()["error"]["message"]
+        assert "needs 3,343 MiB of decoded pages" in response.json()["error"]["message"]
     assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"  # one decode alone is 549 MiB
 
-    medium = blank_png(6000, 6000)  # 36 megapixels: fits the budget once, not twice
+    medium = blank_png(6000, 6000)  # 36 megapixels of RGBA, 871 MiB: fits the budget once, not twice
     first = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
     assert first.status_code == 202, first.text
     second = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
@@ -455,6 +511,120 @@ def test_uploads_are_admitted_by_decoded_pixels_without_decoding_them(open_serve
         assert wait_for(lambda job=job: httpx.get(f"{url}{job['status_url']}").json()["status"] == "done", 300)
     again = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
     assert again.status_code == 202  # the budget is free again
+
+
+def _idle(url: str) -> bool:
+    """No job queued or running on the server (its gauges in ``/metrics``)."""
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    gauges = ("mineru_fast_queue_length ", "mineru_fast_jobs_in_flight ")
+    return all(float(line.split()[-1]) == 0 for line in lines if line.startswith(gauges))
+
+
+def jpeg_claiming(width: int, height: int) -> bytes:
+    """A 16x16 baseline JPEG (well under 1 KB) whose frame header claims ``width`` x ``height``."""
+    from PIL import Image
+
+    data = bytearray(image_bytes(Image.new("RGB", (16, 16), "white"), "JPEG"))
+    sof = data.index(b"\xff\xc0")  # SOF0: length (2), precision (1), height (2), width (2)
+    struct.pack_into(">HH", data, sof + 5, height, width)
+    return bytes(data)
+
+
+def chat_body(image: bytes, media_type: str = "image/png") -> dict:
+    url = f"data:{media_type};base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "\nText Recognition:"}]
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 4}
+
+
+@pytest.mark.slow
+def test_chat_images_are_admitted_by_the_same_budget_before_they_are_decoded(open_server, huge_png):
+    """A 560 KB PNG of 12000x12000 cost +3.2 GB per chat request and a 631-byte JPEG header
+    claiming that size 1.7 GB: chat images had no budget, and up to 40 decoded at once."""
+    url = open_server.url
+    assert wait_for(lambda: _idle(url), 300)  # an earlier test's job would grow the server meanwhile
+    tiny_header = jpeg_claiming(12000, 12000)
+    assert len(tiny_header) < 1000
+    _reset_server_peak_rss(open_server)
+    before = _server_peak_rss(open_server)
+    with ThreadPoolExecutor(4) as pool:
+        bodies = [chat_body(huge_png)] * 3 + [chat_body(tiny_header, "image/jpeg")]
+        burst = list(pool.map(lambda b: httpx.post(f"{url}/v1/chat/completions", json=b, timeout=120), bodies))
+    grown = _server_peak_rss(open_server) - before
+    for response in burst:
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "image_too_large"
+    assert "needs 3,343 MiB" in burst[0].json()["error"]["message"]  # RGBA: 24 bytes a pixel, + the kept copy
+    assert "needs 1,695 MiB" in burst[3].json()["error"]["message"]  # RGB: 12 bytes a pixel, + the kept copy
+    assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"
+
+    blocker = httpx.post(f"{url}/v1/jobs", files={"file": ("b.pdf", pdf_bytes(6))}, timeout=60).json()
+    assert wait_for(lambda: httpx.get(f"{url}{blocker['status_url']}").json()["status"] == "running", 300)
+    medium = blank_png(6000, 6000)  # 871 MiB: the budget (1200) holds one
+    queued = httpx.post(f"{url}/v1/jobs", files={"file": ("m.png", medium)}, timeout=60)
+    assert queued.status_code == 202, queued.text
+    busy = httpx.post(f"{url}/v1/chat/completions", json=chat_body(medium), timeout=120)
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "over_capacity", busy.text
+    assert int(busy.headers["retry-after"]) >= 1
+    for job in (blocker, queued.json()):
+        assert wait_for(lambda job=job: httpx.get(f"{url}{job['status_url']}").json()["status"] == "done", 300)
+    small = image_bytes(text_page(size=(400, 300)), "PNG")
+    answered = httpx.post(f"{url}/v1/chat/completions", json=chat_body(small), timeout=300)
+    assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_clients_that_stop_reading_large_results_are_cut_off_and_free_their_slots(tiny_model, tmp_path):
+    """128 clients that never read a large result held every connection slot for good (no write
+    timeout; /health answered 503 while they stayed) and +1.6 GB of buffered responses."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from samples import sample_trace
+
+    slots = 6
+    args = ["--max-connections", str(slots), "--write-timeout", "3", "--max-response-buffer-mb", "1"]
+    args += ["--allow-replay", "--max-new-tokens", BOUNDS, "--page-window", "1"]
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, (1400, 1400, 3), dtype=np.uint8)) for _ in range(5)]
+    # Each frame's layout overlay is ~2 MB of base64: a result the loopback's kernel buffers (~3 MB
+    # a connection here) do not absorb.
+    pages = image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:], compression="jpeg")
+    trace = json.dumps(sample_trace(5).to_dict()).encode()
+    with running_server(tiny_model, tmp_path, *args) as server:
+        files = {"file": ("noise.tiff", pages), "replay": ("t.json", trace, "application/json")}
+        job = httpx.post(f"{server.url}/v1/jobs", files=files, data={"formats": "layout"}, timeout=120).json()
+        assert wait_for(lambda: httpx.get(f"{server.url}{job['status_url']}").json()["status"] == "done", 300)
+        size = len(httpx.get(f"{server.url}{job['result_url']}", timeout=120).content)
+        assert size > 9_000_000, size
+        request = f"GET {job['result_url']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        readers = []
+        for _ in range(slots):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel absorbs little of it
+            sock.connect(("127.0.0.1", _port(server)))
+            sock.sendall(request)  # ... and never reads
+            readers.append(sock)
+        try:
+
+            def health_ok() -> bool:
+                try:
+                    return httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            def cut(message: str) -> bool:
+                return any(r["message"] == message for r in server.log_records())
+
+            assert wait_for(lambda: cut("connection closed: unread responses over the buffer cap"), 120)
+            assert wait_for(lambda: cut("connection closed: the client stopped reading its response"), 120)
+            assert wait_for(health_ok, 120)  # every slot the readers held is free again
+            for sock in readers:  # each was closed by the server: reading now ends, not hangs
+                received = _read_until_closed(sock, 60)
+                assert received.startswith(b"HTTP/1.1 200") and len(received) < size
+        finally:
+            for sock in readers:
+                sock.close()
 
 
 # -- signals at any moment -------------------------------------------------------------------------
@@ -488,3 +658,48 @@ def test_sigterm_before_the_server_runs_exits_cleanly(tiny_model, tmp_path):
     assert "stopped before start" in messages or "stopped" in messages
     with pytest.raises(RuntimeError):
         wait_ready(server, 1)
+
+
+@pytest.mark.slow
+def test_a_sync_parse_still_running_when_the_drain_runs_out_gets_a_json_503(tiny_model, tmp_path):
+    """When --drain-timeout ran out, uvicorn cancelled the waiting request: a plain-text 500 and a
+    traceback in the log."""
+    args = ["--workers", "1", "--drain-timeout", "0", "--max-new-tokens", BOUNDS, "--page-window", "1"]
+    server = start_server(tiny_model, tmp_path, *args)
+    try:
+        wait_ready(server, 180)
+        blocker = httpx.post(f"{server.url}/v1/jobs", files={"file": ("b.pdf", pdf_bytes(30))}, timeout=120)
+        assert blocker.status_code == 202, blocker.text
+        answer: dict = {}
+
+        def parse() -> None:
+            response = httpx.post(
+                f"{server.url}/v1/document/parse",
+                headers={"X-Request-ID": "sync-at-drain"},
+                files={"file": ("s.pdf", pdf_bytes(2))},
+                timeout=300,
+            )
+            answer["status"], answer["type"], answer["text"] = (
+                response.status_code,
+                response.headers.get("content-type"),
+                response.text,
+            )
+
+        thread = threading.Thread(target=parse)
+        thread.start()
+        queued = lambda: any(  # noqa: E731
+            r["message"] == "job queued" and r.get("request_id") == "sync-at-drain" for r in server.log_records()
+        )
+        assert wait_for(queued, 120)
+        server.process.send_signal(signal.SIGTERM)  # the sync job waits behind 30 pages: the drain (0 s) runs out
+        thread.join(300)
+        code = server.process.wait(timeout=300)
+    finally:
+        server.stop()
+    assert answer["status"] == 503 and answer["type"] == "application/json", answer
+    body = json.loads(answer["text"])
+    assert body["error"]["code"] == "shutting_down" and body["error"]["request_id"] == "sync-at-drain"
+    assert code == 0
+    lines = server.log_lines()
+    assert all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")][:5]
+    assert "drain timed out" in [r["message"] for r in server.log_records()]

@@ -13,8 +13,9 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
 
 Uploads are checked from their headers (format sniffed from the content, page range, password,
 each page's size) before they are queued, so a broken document is answered ``422`` at once and
-never takes a worker; admission counts jobs (``--workers-queue``) and their decoded pixels
-(``--pixel-budget``). Pixels are decoded only in the workers.
+never takes a worker; admission counts jobs (``--workers-queue``) and the memory their pages
+take decoded (``--decode-budget-mb``, shared with the chat images). Pixels are decoded only in
+the workers.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ IdempotencyKeyHeader = Annotated[
 # The field's convention (IETF draft "The Idempotency-Key HTTP Header Field"; Stripe's API): an
 # opaque client-chosen string, typically a UUID. The bound is this service's.
 _IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
+# How often a waiting synchronous parse checks the drain's deadline: well within the 1 s that
+# uvicorn gives open requests once a drain has run out (``server.DrainingServer``).
+_DRAIN_POLL_SECONDS = 0.2
 
 
 def _request_id(request: Request) -> str | None:
@@ -232,7 +236,7 @@ async def _check_and_submit(
 
     Raises:
         ApiError: 422 for a broken or unsupported document, 413 ``document_too_large`` when its
-            decoded pixels alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
+            decoded pages alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
             ``Retry-After``, 503 when not ready or shutting down.
         AlreadySubmitted: the store holds a job of this API key with this ``Idempotency-Key``.
     """
@@ -246,14 +250,14 @@ async def _check_and_submit(
         if error.status >= 500:
             logger.exception("document check failed", extra={"request_id": _request_id(request)})
         raise error from exc
-    budget = service.config.pixel_budget_pixels
+    budget = service.config.decode_budget_bytes
     if info.cost > budget:
         service.metrics.observe_job("rejected", None, None, [])
         raise ApiError(
             413,
             "document_too_large",
-            f"parsing needs {info.cost / 1e6:,.0f} megapixels decoded at once; this server's budget is "
-            f"{budget / 1e6:,.0f}",
+            f"parsing needs {info.cost / 2**20:,.0f} MiB of decoded pages at once; this server's budget is "
+            f"{budget / 2**20:,.0f} MiB",
         )
     job = Job(
         payload=parse_request,
@@ -271,7 +275,7 @@ async def _check_and_submit(
         service.metrics.observe_job("rejected", None, None, [])
         retry = str(exc.retry_after)
         code, what = (
-            ("over_capacity", "the server's pixel budget is in use")
+            ("over_capacity", "the server's decode budget is in use")
             if isinstance(exc, OverBudget)
             else ("queue_full", "the job queue is full")
         )
@@ -286,7 +290,7 @@ async def _check_and_submit(
             "format": info.format,
             "page_count": len(info.selected),
             "bytes_in": len(parse_request.data),
-            "pixels": info.cost,
+            "bytes_decoded": info.cost,
             "queue_length": jobs.queue_length,
         },
     )
@@ -342,8 +346,14 @@ async def _submit_once(
     return stored, False
 
 
-async def _wait(job: Job) -> None:
-    """Wait, without blocking the event loop, until a worker has finished the job."""
+async def _wait(job: Job, service: Service) -> None:
+    """Wait, without blocking the event loop, until a worker has finished the job.
+
+    Raises:
+        ApiError: 503 ``shutting_down`` when the server's drain ran out first (the client gets a
+            JSON answer before uvicorn's own grace period ends and it cancels the request, which
+            would answer a plain-text ``500``); the worker finishes the page it is on regardless.
+    """
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
 
@@ -355,7 +365,10 @@ async def _wait(job: Job) -> None:
         loop.call_soon_threadsafe(finish)
 
     job.add_done_callback(wake)
-    await finished
+    while not finished.done():
+        await asyncio.wait({finished}, timeout=_DRAIN_POLL_SECONDS)
+        if not finished.done() and service.drain_expired():
+            raise ApiError(503, "shutting_down", "the server shut down before the parse finished; submit it again")
 
 
 async def _job_or_404(service: Service, request: Request, job_id: str, with_result: bool = False) -> JobRecord:
@@ -411,7 +424,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """Parse a document and wait for the result."""
         parse_request = await _read_request(service, file, pages, password, formats, replay)
         job = await _check_and_submit(service, request, parse_request, retain=False)
-        await _wait(job)
+        await _wait(job, service)
         if job.status != "done" or job.result is None:
             raise job.error or ApiError(500, "internal_error", "the job ended without a result")
         return JSONResponse({"request_id": _request_id(request), **job.result})

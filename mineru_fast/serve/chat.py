@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from PIL import Image
 from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -41,12 +42,14 @@ from ..errors import InputError
 from ..inputs import open_document
 from ..protocol import FLOAT32_MAX, SYSTEM_PROMPT, SamplingParams
 from .errors import ApiError
+from .jobs import CostBudget
 
 if TYPE_CHECKING:
     from .service import Service
 
 __all__ = [
     "ChatRequest",
+    "ChatImageDecoder",
     "ChatSlots",
     "to_generation_request",
     "completion_body",
@@ -122,11 +125,83 @@ def _text_of(content: str | list[_Part] | None) -> str:
     return "".join(p.text or "" for p in content or [] if p.type == "text")
 
 
-def _image_from_url(url: str, max_pixels: int):
-    """Decode a ``data:image/...;base64,`` URL into an RGB image within the pixel limit.
+class ChatImageDecoder:
+    """Decodes a chat request's image within the service's decode budget (the one the jobs use).
+
+    The image's header is read first, nothing decoded: its cost (``OpenedDocument.page_cost``:
+    the peak bytes of decoding it) is taken from the budget before a pixel is decoded, and after
+    decoding only the rendered RGB image's bytes stay taken, until ``release`` (called when the
+    request has ended, whatever the outcome).
+
+    Args:
+        budget: the service's ``CostBudget`` (bytes).
+        max_pixels: the largest image accepted (``ParserOptions.max_image_pixels``).
+    """
+
+    def __init__(self, budget: CostBudget, max_pixels: int) -> None:
+        self.budget, self.max_pixels = budget, max_pixels
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, data: bytes) -> Image.Image:
+        """The RGB image in ``data`` (long side at most ``inputs.DEFAULT_MAX_SIDE``).
+
+        Raises:
+            ApiError: 400 ``bad_image`` for a PDF or more than one frame, 413 ``image_too_large`` when it
+                alone needs more than the budget, 429 ``over_capacity`` (``Retry-After``) when the
+                budget is in use; 422 ``bad_image`` for an undecodable image.
+        """
+        try:
+            with open_document(data, max_pixels=self.max_pixels, decode_first=False) as opened:
+                if opened.format == "pdf":
+                    raise ApiError(
+                        400, "bad_image", "image_url holds a PDF, not an image (send the page as PNG or JPEG)"
+                    )
+                if opened.page_count != 1:
+                    raise ApiError(400, "bad_image", f"the image must have one frame, it has {opened.page_count}")
+                peak, kept = opened.page_cost(0)
+                self._take(peak)
+                try:
+                    image = opened.render(0)
+                finally:
+                    self._give_back(peak - kept)
+                return image
+        except InputError as exc:
+            raise ApiError(422, "bad_image", f"the image cannot be used: {exc}") from exc
+
+    def _take(self, cost: int) -> None:
+        limit = self.budget.limit
+        if limit is not None and cost > limit:
+            raise ApiError(
+                413,
+                "image_too_large",
+                f"decoding the image needs {cost / 2**20:,.0f} MiB; this server's budget is {limit / 2**20:,.0f} MiB",
+            )
+        if not self.budget.take(cost):
+            raise ApiError(
+                429, "over_capacity", "the server's decode budget is in use; retry in 1 s", {"Retry-After": "1"}
+            )
+        with self._lock:
+            self._held += cost
+
+    def _give_back(self, cost: int) -> None:
+        with self._lock:
+            cost = min(cost, self._held)
+            self._held -= cost
+        self.budget.release(cost)
+
+    def release(self) -> None:
+        """Give back what this request still holds (idempotent)."""
+        with self._lock:
+            held, self._held = self._held, 0
+        self.budget.release(held)
+
+
+def _image_from_url(url: str, decode: ChatImageDecoder) -> Image.Image:
+    """Decode a ``data:image/...;base64,`` URL into an RGB image (``decode``).
 
     Raises:
-        ApiError: 400 for another URL scheme or bad base64; 422 for an undecodable image.
+        ApiError: 400 for another URL scheme or bad base64; as ``ChatImageDecoder`` for the image.
     """
     if not url.startswith("data:") or ";base64," not in url[:100]:
         raise ApiError(
@@ -136,25 +211,17 @@ def _image_from_url(url: str, max_pixels: int):
         data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "bad_image_url", "image_url holds invalid base64") from None
-    try:
-        with open_document(data, max_pixels=max_pixels) as opened:
-            if opened.format == "pdf":
-                raise ApiError(400, "bad_image", "image_url holds a PDF, not an image (send the page as PNG or JPEG)")
-            if opened.page_count != 1:
-                raise ApiError(400, "bad_image", f"the image must have one frame, it has {opened.page_count}")
-            return opened.render(0)
-    except InputError as exc:
-        raise ApiError(422, "bad_image", f"the image cannot be used: {exc}") from exc
+    return decode(data)
 
 
-def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: int) -> GenerationRequest:
+def to_generation_request(body: ChatRequest, max_new_tokens: int, decode: ChatImageDecoder) -> GenerationRequest:
     """The engine request of a chat request.
 
     Args:
         body: the validated request.
         max_new_tokens: the server's bound on generated tokens; used when the request sets none,
             and a larger request is refused.
-        max_pixels: the largest image accepted (``ParserOptions.max_image_pixels``).
+        decode: decodes the image within the service's budget (last, once the rest is checked).
 
     Raises:
         ApiError: 400 for anything this server cannot do as asked (not exactly one image, a
@@ -202,7 +269,7 @@ def to_generation_request(body: ChatRequest, max_new_tokens: int, max_pixels: in
     text_parts = [p.text or "" for p in parts if p.type == "text"]
     text_before = any(p.type == "text" for p in parts[: images[0]])
     return GenerationRequest(
-        image=_image_from_url(url, max_pixels),
+        image=_image_from_url(url, decode),
         prompt="".join(text_parts),
         sampling=sampling,
         system=system or SYSTEM_PROMPT,
@@ -313,6 +380,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
     registry = service.metrics.registry
     gauge = Gauge("mineru_fast_chat_requests_in_flight", "Chat completions in flight", registry=registry)
     gauge.set_function(lambda: float(slots.in_use))
+    decoding = asyncio.Semaphore(service.config.workers)  # images decoded at once (CPU), each within the budget
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -324,15 +392,18 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
     async def chat_completions(request: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
         """One image + prompt decoded greedily by the shared engine (OpenAI chat format)."""
         parser = service.require_parser()
+        decoder = ChatImageDecoder(service.require_ready().budget, parser.options.max_image_pixels)
         if not slots.acquire():
             raise ApiError(429, "too_many_chat_requests", "too many chat requests in flight", {"Retry-After": "1"})
         try:
             options = parser.options
             bound = max(options.sampling(task).max_new_tokens for task in ("layout", "text", "table", "equation"))
-            engine_request = await run_in_threadpool(to_generation_request, body, bound, options.max_image_pixels)
+            async with decoding:
+                engine_request = await run_in_threadpool(to_generation_request, body, bound, decoder)
             handle = await run_in_threadpool(parser.engine.submit, engine_request)
             result = await _wait_or_cancel(request, handle)
         finally:
+            decoder.release()
             slots.release()
         if result.finish_reason == "error":
             raise ApiError(400, "bad_request", f"the request cannot be run: {result.error}")

@@ -39,8 +39,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument(
         "--drain-timeout",
         type=float,
-        default=60.0,
-        help="seconds a SIGTERM waits for jobs to finish and be fetched (default: 60)",
+        default=300.0,
+        help="seconds a SIGTERM waits for jobs to finish and be fetched (default: 300, above one "
+        "full-size page on 2 cores)",
     )
     v.add_argument(
         "--header-timeout", type=float, default=10.0, help="seconds a request's headers may take (default: 10)"
@@ -57,11 +58,24 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--max-connections", type=int, default=128, help="open connections at most (default: 128)")
     v.add_argument(
-        "--pixel-budget",
+        "--write-timeout",
         type=float,
-        default=600.0,
-        metavar="MEGAPIXELS",
-        help="decoded pixels of queued and running jobs at most; beyond it 429 (default: 600)",
+        default=30.0,
+        help="seconds a client may leave a response unread (under --min-body-rate) before it is cut off (default: 30)",
+    )
+    v.add_argument(
+        "--max-response-buffer-mb",
+        type=float,
+        default=256.0,
+        metavar="MIB",
+        help="unread response bytes held for slow clients at most (default: 256)",
+    )
+    v.add_argument(
+        "--decode-budget-mb",
+        type=float,
+        default=4096.0,
+        metavar="MIB",
+        help="page and image memory of queued and running jobs and chat images at most; beyond it 429 (default: 4096)",
     )
     v.add_argument(
         "--allowed-hosts",
@@ -69,6 +83,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         help="Host header names accepted ('*' = any); default without keys: loopback names and --host",
     )
     v.add_argument("--max-pages", type=int, default=500, help="most pages per request (default: 500)")
+    v.add_argument(
+        "--render-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a PDF page may take to render, in its own process; then that page fails (default: 60)",
+    )
     v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument(
@@ -99,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """
     from .security import load_api_keys
 
-    options = options_from_args(args, progress=False)
+    options = options_from_args(args, progress=False, render_timeout=args.render_timeout)
     try:
         config = ServeConfig(
             model=args.model,
@@ -118,7 +138,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             body_timeout=args.body_timeout,
             min_body_rate=args.min_body_rate,
             max_connections=args.max_connections,
-            pixel_budget=args.pixel_budget,
+            write_timeout=args.write_timeout,
+            max_response_buffer_mb=args.max_response_buffer_mb,
+            decode_budget_mb=args.decode_budget_mb,
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,
             max_pages=args.max_pages,

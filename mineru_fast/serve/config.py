@@ -32,7 +32,9 @@ class ServeConfig:
         max_upload_mb: largest request body in MiB, enforced while it streams in.
         result_ttl: seconds a finished job's result is kept, then deleted.
         drain_timeout: seconds a SIGTERM waits for queued and running jobs to finish and their
-            results to be fetched (new jobs are refused meanwhile) before the server stops.
+            results to be fetched (new jobs are refused meanwhile) before the server stops; a
+            synchronous parse still waiting then is answered ``503 shutting_down``. The default,
+            300, is above one full-size page (about 127 s on 2 cores).
         header_timeout: seconds a connection may take to send a request's line and headers
             (from connecting, or from the previous response); then it is closed.
         body_timeout: longest pause, in seconds, while a request body is read; then ``408``.
@@ -40,8 +42,16 @@ class ServeConfig:
             have passed since the request began; slower bodies get ``408``.
         max_connections: open connections at most; more are answered ``503`` and closed at once
             (also kept below the process's open-file limit).
-        pixel_budget: megapixels that admitted jobs (queued and running) may decode at once, each
-            costed from its headers (see ``parsing.inspect_document``); beyond it ``429``.
+        write_timeout: seconds a connection holding more unread response bytes than the
+            transport's high-water mark (64 KiB) may go without its client reading
+            ``min_body_rate`` bytes per second of them; then it is closed and the bytes freed.
+        max_response_buffer_mb: MiB of unread response bytes such connections may hold together;
+            beyond it those waiting longest are closed (never the last one).
+        decode_budget_mb: MiB of page and image memory that admitted work may hold at once: the
+            jobs queued and running (synchronous parses included) and the chat images being
+            decoded or answered, each costed from its headers at the measured bytes per pixel of
+            its source (``inputs.OpenedDocument.page_cost``); beyond it ``429``, and one that
+            alone needs more ``413``.
         allowed_hosts: host names a request's ``Host`` header may carry (``"*"`` = any); None =
             the default: without API keys, the loopback names and ``host`` (any host when
             listening on all interfaces), with API keys no check. When checked, a browser's
@@ -63,12 +73,14 @@ class ServeConfig:
     rate_burst: int = 10
     max_upload_mb: float = 50.0
     result_ttl: float = 600.0
-    drain_timeout: float = 60.0
+    drain_timeout: float = 300.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     min_body_rate: float = 1024.0
     max_connections: int = 128
-    pixel_budget: float = 600.0
+    write_timeout: float = 30.0
+    max_response_buffer_mb: float = 256.0
+    decode_budget_mb: float = 4096.0
     allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
     max_pages: int = 500
@@ -81,7 +93,14 @@ class ServeConfig:
         for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections", "max_chat_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        positive = ("max_upload_mb", "result_ttl", "header_timeout", "body_timeout", "min_body_rate", "pixel_budget")
+        positive = (
+            "max_upload_mb",
+            "result_ttl",
+            "header_timeout",
+            "body_timeout",
+            "min_body_rate",
+            "decode_budget_mb",
+        )
         for name in positive:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -97,9 +116,9 @@ class ServeConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
     @property
-    def pixel_budget_pixels(self) -> int:
-        """``pixel_budget`` in pixels."""
-        return int(self.pixel_budget * 1_000_000)
+    def decode_budget_bytes(self) -> int:
+        """``decode_budget_mb`` in bytes."""
+        return int(self.decode_budget_mb * 1024 * 1024)
 
     def host_allow_list(self) -> tuple[str, ...] | None:
         """The ``Host`` names accepted, lower-case (``("*",)`` = any), or None when nothing is checked."""
@@ -110,6 +129,11 @@ class ServeConfig:
         if self.host in ("0.0.0.0", "::", ""):
             return ("*",)
         return tuple(dict.fromkeys(("localhost", "127.0.0.1", "::1", self.host.lower().strip("[]"))))
+
+    @property
+    def max_response_buffer_bytes(self) -> int:
+        """``max_response_buffer_mb`` in bytes."""
+        return int(self.max_response_buffer_mb * 1024 * 1024)
 
     @property
     def max_upload_bytes(self) -> int:

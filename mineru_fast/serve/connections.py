@@ -1,12 +1,15 @@
-"""Connection-level guards under uvicorn: a header read timeout, a connection cap, quiet accept errors.
+"""Connection-level guards under uvicorn: a header read timeout, a connection cap, a write timeout
+and a cap on unread response bytes, quiet accept errors.
 
 uvicorn closes idle kept-alive connections but sets no deadline on a request's headers and no cap
 on open connections, so clients trickling a byte now and then hold sockets forever until the
 process runs out of file descriptors (then every ``accept`` fails and asyncio logs each failure
 with a traceback). ``guarded_protocol`` gives uvicorn's h11 protocol a deadline for the request
 line and headers and a cap on open connections, which ``connection_limits`` keeps, with the
-listen backlog, below the process's open-file limit;
-``RateLimitedLogFilter`` keeps one accept-error line per interval. The body's read timeout is the
+listen backlog, below the process's open-file limit, and a write timeout and a cap on the
+response bytes its connections hold unread (clients that stop reading a large result held their
+connection slot, and its bytes, for good); ``RateLimitedLogFilter`` keeps one accept-error line
+per interval. The body's read timeout is the
 ASGI guard's (``security.GuardMiddleware``).
 """
 
@@ -16,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -80,25 +83,46 @@ class RateLimitedLogFilter(logging.Filter):
 
 
 _REFUSED = "connection refused: too many open connections"
-logger.addFilter(RateLimitedLogFilter(_REFUSED, interval=10.0))
+_WRITE_TIMED_OUT = "connection closed: the client stopped reading its response"
+_OVER_BUFFER = "connection closed: unread responses over the buffer cap"
+for _message in (_REFUSED, _WRITE_TIMED_OUT, _OVER_BUFFER):
+    logger.addFilter(RateLimitedLogFilter(_message, interval=10.0))
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline and a connection cap (class attributes).
+    """uvicorn's h11 protocol with a header deadline, a connection cap, a write timeout and a cap
+    on unread response bytes (class attributes).
+
+    uvicorn hands a response body to the transport in one write and the application is done; what
+    the client has not read stays in the transport's buffer, and the connection open, for as long
+    as the client keeps it. Here a connection whose buffer is over the transport's high-water mark
+    (it is "paused") must drain at least ``write_timeout * min_write_rate`` bytes every
+    ``write_timeout`` seconds, or it is aborted (its buffer freed); and when the paused
+    connections together hold more than ``max_buffered`` bytes, those paused longest are aborted
+    until they fit (never the last one, so a response larger than the cap is still served).
 
     Attributes:
         header_timeout: seconds from the connection opening (or the previous response ending) to
             the end of the next request's headers; then ``408`` and close.
         max_connections: open connections at most; one more is answered ``503`` and closed before
             anything is read.
+        write_timeout: seconds a paused connection may go without draining ``min_write_rate``
+            bytes per second of its buffer.
+        min_write_rate: bytes per second a paused connection must drain.
+        max_buffered: unread response bytes the paused connections may hold together.
     """
 
     header_timeout: float = 10.0
     max_connections: int = 128
+    write_timeout: float = 30.0
+    min_write_rate: float = 1024.0
+    max_buffered: int = 256 * 1024 * 1024
+    _paused: ClassVar[dict[GuardedH11Protocol, int]] = {}  # paused connections, oldest first: unread bytes
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Count the connection; refuse it over the cap, else start the header deadline."""
@@ -123,9 +147,57 @@ class GuardedH11Protocol(H11Protocol):
             self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Stop the deadline, then uvicorn's own clean-up."""
+        """Stop the deadlines, then uvicorn's own clean-up."""
         self._disarm_header_timer()
+        self._unpause()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer passed its high-water mark: watch it drain, and keep the paused
+        connections' unread bytes under the cap."""
+        super().pause_writing()
+        self._paused[self] = self.transport.get_write_buffer_size()
+        self._arm_write_timer()
+        excess = sum(self._paused.values()) - self.max_buffered
+        for connection in list(self._paused):  # oldest first
+            if excess <= 0 or len(self._paused) <= 1:
+                break
+            excess -= self._paused[connection]
+            logger.warning(_OVER_BUFFER, extra={"limit": self.max_buffered})
+            connection._abort()
+
+    def resume_writing(self) -> None:
+        """The buffer drained below its low-water mark: no longer watched."""
+        self._unpause()
+        super().resume_writing()
+
+    def _arm_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        self._write_timer = self.loop.call_later(self.write_timeout, self._write_deadline_passed)
+
+    def _unpause(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        self._paused.pop(self, None)
+
+    def _write_deadline_passed(self) -> None:
+        self._write_timer = None
+        if self not in self._paused:
+            return
+        left = self.transport.get_write_buffer_size()
+        if self._paused[self] - left >= self.write_timeout * self.min_write_rate:
+            self._paused[self] = left  # read on: watch the next interval
+            self._arm_write_timer()
+            return
+        logger.warning(_WRITE_TIMED_OUT, extra={"seconds": self.write_timeout})
+        self._abort()
+
+    def _abort(self) -> None:
+        """Drop the connection and its unread bytes (``connection_lost`` follows)."""
+        self._unpause()
+        self.transport.abort()
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
@@ -167,10 +239,21 @@ def connection_limits(requested: int) -> tuple[int, int]:
     return cap, max(16, min(2048, (room - cap) // 4))
 
 
-def guarded_protocol(header_timeout: float, max_connections: int) -> type[GuardedH11Protocol]:
-    """A ``GuardedH11Protocol`` subclass with these settings, for ``uvicorn.Config(http=...)``."""
-    return type(
-        "GuardedH11Protocol",
-        (GuardedH11Protocol,),
-        {"header_timeout": header_timeout, "max_connections": max_connections},
-    )
+def guarded_protocol(
+    header_timeout: float,
+    max_connections: int,
+    write_timeout: float = GuardedH11Protocol.write_timeout,
+    min_write_rate: float = GuardedH11Protocol.min_write_rate,
+    max_buffered: int = GuardedH11Protocol.max_buffered,
+) -> type[GuardedH11Protocol]:
+    """A ``GuardedH11Protocol`` subclass with these settings (and its own registry of paused
+    connections), for ``uvicorn.Config(http=...)``."""
+    settings = {
+        "header_timeout": header_timeout,
+        "max_connections": max_connections,
+        "write_timeout": write_timeout,
+        "min_write_rate": min_write_rate,
+        "max_buffered": max_buffered,
+        "_paused": {},
+    }
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), settings)

@@ -3,9 +3,10 @@
 A ``Job`` waits in a queue of at most ``max_queued`` entries until one of the worker threads takes
 it; each worker owns one runner (the runners share one parser, which is thread-safe: concurrent
 documents share its engine batch), so documents are parsed off the event loop and at most
-``len(runners)`` at a time. A submission to a full queue raises
-``QueueFull``, one whose cost would take the jobs admitted (queued and running) over ``max_cost``
-raises ``OverBudget`` (the application answers ``429`` with ``Retry-After``). Jobs submitted with
+``len(runners)`` at a time. A submission to a full queue raises ``QueueFull``, one whose cost
+would take what is admitted (the jobs queued and running, and what other doors hold in the same
+``CostBudget``) over ``max_cost`` raises ``OverBudget`` (the application answers ``429`` with
+``Retry-After``). Jobs submitted with
 ``retain=True`` (``POST /v1/jobs``) are recorded in a ``JobStore`` (``store``), where they can be
 looked up by id until ``result_ttl`` after they finished (one whose idempotency key the store
 holds already for its owner is not queued: ``AlreadySubmitted``); jobs submitted with
@@ -34,7 +35,7 @@ from .store import FINISHED, HEARTBEAT_INTERVAL, JobError, JobRecord, JobStatus,
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown", "AlreadySubmitted"]
+__all__ = ["CostBudget", "Job", "JobManager", "QueueFull", "OverBudget", "ShuttingDown", "AlreadySubmitted"]
 
 
 class QueueFull(Exception):
@@ -67,6 +68,49 @@ class AlreadySubmitted(Exception):
     def __init__(self, record: JobRecord) -> None:
         super().__init__(f"job {record.id} holds this idempotency key")
         self.record = record
+
+
+class CostBudget:
+    """What admitted work holds (bytes of page images, for the service), against a limit;
+    thread-safe. The job queue and the chat door take from one budget.
+
+    Args:
+        limit: most total cost; None = no limit.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, cost: int) -> bool:
+        """Add ``cost`` if it fits in what the limit leaves; returns whether it was added."""
+        with self._lock:
+            if self.limit is not None and self._used + cost > self.limit:
+                return False
+            self._used += cost
+            return True
+
+    def add(self, cost: int) -> None:
+        """Add ``cost`` whether or not it fits (work admitted already: a take-over)."""
+        with self._lock:
+            self._used += cost
+
+    def release(self, cost: int) -> None:
+        """Give back ``cost`` taken or added before."""
+        with self._lock:
+            self._used -= cost
+
+    @property
+    def used(self) -> int:
+        """Total cost held now."""
+        with self._lock:
+            return self._used
+
+    def room(self) -> int | None:
+        """What the limit leaves now (None without a limit)."""
+        with self._lock:
+            return None if self.limit is None else max(0, self.limit - self._used)
 
 
 @dataclass(eq=False)
@@ -174,7 +218,9 @@ class JobManager:
         store: where retained jobs are recorded (``MemoryJobStore`` for one process, the Ray
             store actor for replicas that share their jobs).
         replica: this manager's id in the store (unique among the replicas sharing it).
-        max_cost: most total ``Job.cost`` of the jobs queued and running; None = no limit.
+        max_cost: most total cost held in ``budget`` (a ``CostBudget``): the jobs queued and
+            running, and what other doors take from it (the service's chat images); None = no
+            limit.
         on_finish: called as ``on_finish(job, run_seconds)`` after each job, cancelled ones included
             (metrics, logs).
         heartbeat: seconds between the maintenance thread's rounds.
@@ -197,8 +243,8 @@ class JobManager:
         if not runners or max_queued < 1 or heartbeat <= 0:
             raise ValueError("need at least one runner, max_queued >= 1 and heartbeat > 0")
         self.runners, self.max_queued, self.store, self.replica = runners, max_queued, store, replica
-        self.max_cost, self.on_finish, self.heartbeat = max_cost, on_finish, heartbeat
-        self._cost = 0  # total cost of the jobs queued and running
+        self.on_finish, self.heartbeat = on_finish, heartbeat
+        self.budget = CostBudget(max_cost)
         self._queue: deque[Job] = deque()
         self._held: dict[str, Job] = {}  # retained jobs queued or running here, by id
         self._cond = threading.Condition()
@@ -268,9 +314,8 @@ class JobManager:
 
     @property
     def cost(self) -> int:
-        """Total cost of the jobs queued and running."""
-        with self._cond:
-            return self._cost
+        """Total cost held in the budget: the jobs queued and running (and what other doors took)."""
+        return self.budget.used
 
     def shutdown(self, drain_timeout: float) -> list[Job]:
         """Stop accepting, wait up to ``drain_timeout`` s for queued and running jobs, cancel the rest.
@@ -285,7 +330,7 @@ class JobManager:
                 self._cond.wait(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             cancelled = list(self._queue)
             self._queue.clear()
-            self._cost -= sum(job.cost for job in cancelled)
+            self.budget.release(sum(job.cost for job in cancelled))
             self._stopping = True
             self._cond.notify_all()
         self._stopped.set()
@@ -315,17 +360,20 @@ class JobManager:
                 raise ShuttingDown("the server is not accepting jobs")
             if len(self._queue) >= self.max_queued:
                 raise QueueFull(self._retry_after_locked())
-            if self.max_cost is not None and self._cost + job.cost > self.max_cost:
+            if not self.budget.take(job.cost):
                 raise OverBudget(self._retry_after_locked())
-            if job.retain and (stored := self.store.add(job.to_record(self.replica))) is not None:
-                raise AlreadySubmitted(stored)
+            try:
+                if job.retain and (stored := self.store.add(job.to_record(self.replica))) is not None:
+                    raise AlreadySubmitted(stored)
+            except BaseException:
+                self.budget.release(job.cost)
+                raise
             self._enqueue_locked(job)
         return job
 
     def _enqueue_locked(self, job: Job) -> None:
         job.queued_mono = time.monotonic()
         self._queue.append(job)
-        self._cost += job.cost
         if job.retain:
             job.on_progress = self._report_progress
             self._held[job.id] = job
@@ -397,7 +445,7 @@ class JobManager:
                 with self._cond:
                     self._held.pop(job.id, None)
                     self._running -= 1
-                    self._cost -= job.cost
+                    self.budget.release(job.cost)
                     self._cond.notify_all()
                 continue
             try:
@@ -412,7 +460,7 @@ class JobManager:
             seconds = time.monotonic() - start
             with self._cond:
                 self._running -= 1
-                self._cost -= job.cost
+                self.budget.release(job.cost)
                 self._run_seconds = 0.8 * self._run_seconds + 0.2 * seconds
                 self._cond.notify_all()
             if self.on_finish is not None:
@@ -435,9 +483,8 @@ class JobManager:
         """
         with self._cond:
             room = self.max_queued - len(self._queue) if self._accepting else 0
-            budget = None if self.max_cost is None else max(0, self.max_cost - self._cost)
         taken: list[Job] = []
-        for record in self.store.claim(self.replica, max(0, room), budget):
+        for record in self.store.claim(self.replica, max(0, room), self.budget.room()):
             job = Job(
                 payload=record.payload,
                 owner=record.owner,
@@ -448,6 +495,7 @@ class JobManager:
                 id=record.id,
                 created_at=record.created_at,
             )
+            self.budget.add(job.cost)  # claimed within the room read above
             with self._cond:
                 self._enqueue_locked(job)
             logger.warning("job taken over from a lost replica", extra={"job_id": job.id, "request_id": job.request_id})

@@ -25,7 +25,7 @@ CONTEXT_FIELDS = (
     "status",
     "duration_ms",
     "bytes_in",
-    "pixels",
+    "bytes_decoded",
     "pages",
     "page_count",
     "format",

@@ -21,8 +21,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..document import Document, Page, layout_overlay
 from ..engine.memory import trim_heap
-from ..errors import TraceError
-from ..inputs import PageLimits, open_document
+from ..errors import CorruptDocument, ImageTooLarge, TraceError
+from ..inputs import OpenedDocument, PageLimits, open_document
 from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..parser import DocumentParser
@@ -88,7 +88,7 @@ class DocumentInfo:
         format: ``"pdf"`` or the Pillow format name.
         page_count: pages in the whole document.
         selected: 0-based indices of the pages that will be parsed.
-        cost: pixels a worker holds at once while parsing it (``decode_cost``).
+        cost: bytes of page images a worker holds at once while parsing it (``decode_cost``).
     """
 
     format: str
@@ -129,37 +129,50 @@ def trace_from_json(data: bytes) -> Trace:
 
 def _limits(parser_options: ParserOptions) -> PageLimits:
     return PageLimits(
-        dpi=parser_options.dpi, max_side=parser_options.max_side, max_pixels=parser_options.max_image_pixels
+        dpi=parser_options.dpi,
+        max_side=parser_options.max_side,
+        max_pixels=parser_options.max_image_pixels,
+        render_timeout=parser_options.render_timeout,
     )
 
 
-def decode_cost(sizes: list[tuple[int, int]], page_window: int, max_side: int) -> int:
-    """Pixels a worker holds at once for a document with pages of these decoded ``sizes``.
+def decode_cost(pages: list[tuple[int, int]], page_window: int) -> int:
+    """Bytes a worker holds at once for its page images while parsing a document.
 
-    A worker decodes one page at full resolution (an image frame before its long side is capped),
-    keeps the pages of its window at page size (long side at most ``max_side``), so the bound is the
-    largest page at full resolution plus ``page_window - 1`` of the largest kept pages.
+    A worker renders one page at a time (``OpenedDocument.render``: its peak) while it keeps the
+    other pages of its window as rendered RGB images, so the bound is the largest peak plus
+    ``page_window - 1`` of the largest kept pages.
 
     Args:
-        sizes: ``(width, height)`` in pixels of each selected page, as decoded.
+        pages: ``(peak, kept)`` bytes of each selected page (``OpenedDocument.page_cost``).
         page_window: pages parsed together (``ParserOptions.page_window``).
-        max_side: longest side of a kept page in pixels.
 
     Returns:
-        The bound in pixels (0 for no page).
+        The bound in bytes (0 for no page).
     """
-    if not sizes:
+    if not pages:
         return 0
-    full = max(w * h for w, h in sizes)
-    kept = max(w * h * min(1.0, max_side / max(w, h, 1)) ** 2 for w, h in sizes)
-    return int(full + (min(page_window, len(sizes)) - 1) * kept)
+    peak = max(p for p, _ in pages)
+    kept = max(k for _, k in pages)
+    return peak + (min(page_window, len(pages)) - 1) * kept
+
+
+def _page_cost(opened: OpenedDocument, index: int) -> tuple[int, int] | None:
+    """``opened.page_cost(index)``, or None for a page whose header is damaged or over the pixel
+    limit: the worker fails that page alone, from the same header, without decoding it (as
+    ``DocumentParser`` does), so it costs nothing."""
+    try:
+        return opened.page_cost(index)
+    except (CorruptDocument, ImageTooLarge):
+        return None
 
 
 def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_pages: int) -> DocumentInfo:
     """Read a document's headers: format, page count, selected pages, and what decoding will cost.
 
     No page is rendered or decoded, so this is cheap whatever the upload holds; every selected page
-    is checked against ``max_image_pixels`` from its header.
+    is checked against ``max_image_pixels`` from its header. A page after the first that fails
+    that check (or whose header is damaged) is not an error here: the parse fails that page alone.
 
     Args:
         request: the upload and its options.
@@ -168,7 +181,8 @@ def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_p
 
     Raises:
         InputError: unsupported format, corrupt headers, encrypted without the right password, a
-            page over the pixel limit, or a bad page range (the ``mineru_fast.errors`` subclasses).
+            first page over the pixel limit, or a bad page range (the ``mineru_fast.errors``
+            subclasses).
         TraceError: the replay trace has fewer pages than the document.
         ApiError: 422 ``too_many_pages`` when more than ``max_pages`` pages are selected.
     """
@@ -181,11 +195,11 @@ def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_p
             raise ApiError(
                 422, "too_many_pages", f"{len(selected)} pages selected; this server parses at most {max_pages}"
             )
-        sizes = [opened.page_size(index) for index in selected]
+        costs = [page for index in selected if (page := _page_cost(opened, index)) is not None]
         page_count, format_name = opened.page_count, opened.format
     if request.trace is not None and len(request.trace.pages) < page_count:
         raise TraceError(f"the replay trace has {len(request.trace.pages)} pages, the document {page_count}")
-    cost = decode_cost(sizes, parser_options.page_window, limits["max_side"])
+    cost = decode_cost(costs, parser_options.page_window)
     return DocumentInfo(format_name, page_count, selected, cost)
 
 

@@ -1,6 +1,6 @@
 """API keys, per-key token-bucket rate limits and the streaming upload-size limit.
 
-Key file grammar, one entry per line (UTF-8)::
+Key file grammar, one entry per line (UTF-8, with or without a byte order mark)::
 
     # a comment: a line whose first non-blank character is '#'
     NAME:SECRET
@@ -91,7 +91,7 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
             by content), a duplicate name or secret, or no key at all.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte order mark (some editors write one) is dropped
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read API key file {path}: {exc}") from exc
     keys: list[ApiKey] = []

@@ -9,8 +9,8 @@ requests finish (within what is left of ``drain_timeout``), and the application 
 (jobs still queued then are cancelled and logged). A signal while the model is still loading, or
 before the server runs at all, stops it at once; a second signal ends the drain early.
 
-Connections get a header deadline and a cap (``connections``); asyncio's accept-error lines are
-rate-limited.
+Connections get a header deadline, a cap, a write timeout and a cap on unread response bytes
+(``connections``); asyncio's accept-error lines are rate-limited.
 """
 
 from __future__ import annotations
@@ -101,7 +101,13 @@ def serve(config: ServeConfig) -> int:
             app,
             host=config.host,
             port=config.port,
-            http=guarded_protocol(config.header_timeout, max_connections),
+            http=guarded_protocol(
+                config.header_timeout,
+                max_connections,
+                config.write_timeout,
+                config.min_body_rate,
+                config.max_response_buffer_bytes,
+            ),
             backlog=backlog,
             log_config=uvicorn_log_config(config.log_level),
             access_log=False,

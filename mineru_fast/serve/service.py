@@ -105,7 +105,7 @@ class Service:
                 max_queued=self.config.queue_size,
                 store=self.job_store,
                 replica=self.replica,
-                max_cost=self.config.pixel_budget_pixels,
+                max_cost=self.config.decode_budget_bytes,
                 on_finish=self._job_finished,
                 # expiry runs with the heartbeat: a short result_ttl needs shorter rounds
                 heartbeat=max(0.2, min(HEARTBEAT_INTERVAL, self.config.result_ttl / 4)),
@@ -156,6 +156,13 @@ class Service:
         if self._drain_deadline is None:
             return self.config.drain_timeout
         return max(0.0, self._drain_deadline - time.monotonic())
+
+    def drain_expired(self) -> bool:
+        """True once a drain has used up ``drain_timeout``, or the service is stopping: requests
+        still waiting for a job must be answered now."""
+        if self.state == "stopping":
+            return True
+        return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
 
     def wait_drained(self) -> bool:
         """Wait, until the drain's deadline, for every job to finish and be collected; returns whether so."""
