@@ -338,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
     if getattr(args, "no_prepared_cache", False):  # in the environment: workers and child processes follow
-        from .engine.prepared import CACHE_ENV
+        from .hub import PREPARED_CACHE_ENV
 
-        os.environ[CACHE_ENV] = "off"
+        os.environ[PREPARED_CACHE_ENV] = "off"
     if args.command in _THREAD_BINDING:
         from .threads import configure_process
 

@@ -26,6 +26,27 @@ _CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
+# "0", "off", "false" or "no": the prepared-model cache is off; a folder: where its entries are
+PREPARED_CACHE_ENV = "MINERU_FAST_PREPARED_CACHE"
+
+
+def prepared_cache_root(enabled: bool | None = None) -> Path | None:
+    """The folder of the fast engine's prepared-model entries (``engine.prepared``), or None for
+    no cache.
+
+    ``enabled`` False: None. Otherwise ``$MINERU_FAST_PREPARED_CACHE`` decides when set (``0``,
+    ``off``, ``false`` or ``no``: None, unless ``enabled`` is True; else it is the folder), and by
+    default it is ``cache_dir() / "prepared"``.
+    """
+    if enabled is False:
+        return None
+    value = os.environ.get(PREPARED_CACHE_ENV, "").strip()
+    default = cache_dir() / "prepared"
+    if value.lower() in ("0", "off", "false", "no"):
+        return default if enabled else None
+    return Path(value).expanduser() if value else default
+
+
 def cache_dir() -> Path:
     """The package's own cache directory (not the Hugging Face cache, which huggingface_hub keeps).
 

@@ -8,6 +8,7 @@ import os
 from .choice import CANDIDATES, choose_int8_kernel, choose_preset
 from .cpu import Topology, format_cpulist, isa_class, read_topology
 from .engine.backends import choose_backend, ipex_status
+from .hub import prepared_cache_root
 from .threads import plan_threads
 
 
@@ -16,6 +17,15 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def prepared_cache_summary() -> dict:
+    """Where the prepared-model cache is (``hub.prepared_cache_root``; None when turned off) and
+    what it holds: committed entries, their bytes on disk."""
+    root = prepared_cache_root()
+    manifests = sorted(root.glob("*/manifest.json")) if root is not None and root.is_dir() else []
+    size = sum(f.stat().st_size for m in manifests for f in m.parent.iterdir() if f.is_file())
+    return {"root": str(root) if root is not None else None, "entries": len(manifests), "bytes": size}
 
 
 def collect(topology: Topology | None = None) -> dict:
@@ -76,6 +86,7 @@ def collect(topology: Topology | None = None) -> dict:
             },
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
         },
+        "prepared_cache": prepared_cache_summary(),
     }
 
 
@@ -88,7 +99,7 @@ def render(info: dict) -> str:
     ipex_line = (
         f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})" if ipex["version"] else ipex["reason"]
     )
-    cpu, choices = info["cpu"], info["choices"]
+    cpu, choices, cache = info["cpu"], info["choices"], info["prepared_cache"]
     capped = ", ".join(f"{k}={v}" for k, v in cpu["isa_capped_by"].items())
     tier = cpu["isa_tier"] + (f" (hardware {cpu['hardware_isa_tier']}, capped by {capped})" if capped else "")
     lines = [
@@ -111,5 +122,12 @@ def render(info: dict) -> str:
         f"{choices['auto_preset']['reason']}",
         f"  int8_kernel=auto (fast preset) runs {choices['int8_kernel_auto']['kernel']}: "
         f"{choices['int8_kernel_auto']['reason']}",
+        "Prepared:   "
+        + (
+            f"{cache['root']}: {cache['entries']} prepared model(s), {cache['bytes'] / 1e9:.2f} GB "
+            "(loaded at start instead of quantizing; bench prints the memory table)"
+            if cache["root"]
+            else "cache off (MINERU_FAST_PREPARED_CACHE)"
+        ),
     ]
     return "\n".join(lines)

@@ -30,5 +30,7 @@ def test_info_json_runs_here(capsys):
     assert info["allowed"]["usable_cores"] == here.usable_cores
     assert len(info["topology"]["numa_nodes"]) == len(here.nodes)
     assert info["isa"] == here.isa
+    assert info["prepared_cache"]["root"].endswith("prepared") and info["prepared_cache"]["entries"] == 0
     assert main(["info"]) == 0
-    assert "auto chooses:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "auto chooses:" in out and "0 prepared model(s), 0.00 GB" in out

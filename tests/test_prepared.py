@@ -16,7 +16,7 @@ from torch import nn
 from mineru_fast import ParserOptions
 from mineru_fast.engine.factory import build_engine
 from mineru_fast.engine.generate import FastEngine
-from mineru_fast.engine.prepared import CACHE_ENV, MANIFEST, PreparedCache, cacheable, prepared_settings
+from mineru_fast.engine.prepared import MANIFEST, PreparedCache, cacheable, prepared_settings
 from mineru_fast.engine.quantize import (
     Bf16WeightsConfig,
     Bf16WeightsLinear,
@@ -26,6 +26,7 @@ from mineru_fast.engine.quantize import (
     IntMmInt8Linear,
     OneDnnInt8Linear,
 )
+from mineru_fast.hub import PREPARED_CACHE_ENV as CACHE_ENV
 
 INT8 = Int8DynamicConfig()
 

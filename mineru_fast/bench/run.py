@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..engine.prepared import CACHE_ENV
 from ..errors import BenchmarkError
+from ..hub import PREPARED_CACHE_ENV as CACHE_ENV
 from .rows import ROWS, Row, warm_up
 from .startup import run_startup
 

@@ -27,7 +27,7 @@ def run_startup(model: str, threads: int, root: Path) -> list[dict]:
     """The three cases in order, each a fresh process, the cold and warm ones with their prepared
     cache in ``root`` (an empty folder; the warm entry is left there); ``{"case", "load_s",
     "warmup_s", "prepared_from", "peak_rss_gb"}`` each, or ``{"case", "error"}``."""
-    from ..engine.prepared import CACHE_ENV
+    from ..hub import PREPARED_CACHE_ENV as CACHE_ENV
 
     rows = []
     for case, cache in CASES:

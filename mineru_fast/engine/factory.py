@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..hub import cache_dir
+from ..hub import prepared_cache_root
 from ..options import TASKS, ParserOptions
 from ..protocol import sampling_for
 from ..threads import in_fresh_thread, set_torch_threads
 from .base import DTYPES, Engine
-from .prepared import cache_root
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
 logger = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def build_engine(model_dir: Path, options: ParserOptions, prepared_cache: bool |
         ModelLoadError: the checkpoint cannot be loaded.
     """
     set_torch_threads(options.threads)
-    root = cache_root(cache_dir() / "prepared", prepared_cache)
+    root = prepared_cache_root(prepared_cache)
     return in_fresh_thread(lambda: _build(model_dir, options, root))
 
 

@@ -54,8 +54,6 @@ from .quantize import (
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bumped whenever the files' layout or meaning changes
-# "0", "off", "false" or "no": never read or write entries; a folder path: the entries' root
-CACHE_ENV = "MINERU_FAST_PREPARED_CACHE"
 MANIFEST = "manifest.json"
 
 # Layer kinds an entry can hold, by class; a model with any other kind of layer (torch.ao's
@@ -80,21 +78,6 @@ class PreparedCacheError(Exception):
     """An entry cannot be read (missing or truncated file, other format); it is then rebuilt."""
 
 
-def cache_root(default: Path, enabled: bool | None = None) -> Path | None:
-    """The folder of prepared entries, or None for no cache.
-
-    ``enabled`` False: None; True or None: ``$MINERU_FAST_PREPARED_CACHE`` decides when set (``0``,
-    ``off``, ``false`` or ``no``: None unless ``enabled`` is True; otherwise it is the folder),
-    else ``default``.
-    """
-    if enabled is False:
-        return None
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in ("0", "off", "false", "no"):
-        return default if enabled else None
-    return Path(value).expanduser() if value else default
-
-
 def checkpoint_identity(model_dir: Path) -> dict[str, Any]:
     """The checkpoint part of a key: the resolved path and ``[name, size, mtime_ns]`` of its
     ``config.json`` and ``*.safetensors`` files."""
@@ -116,7 +99,7 @@ def _package_version() -> str:
 
 
 class PreparedCache:
-    """The prepared-model entries under ``root`` (``hub.cache_dir() / "prepared"`` by default).
+    """The prepared-model entries under ``root`` (``hub.prepared_cache_root()`` by default).
 
     Args:
         root: folder of the entries (created on first write).
