@@ -155,3 +155,15 @@ def test_a_layer_rebuilt_from_its_prepared_state_gives_the_same_outputs(kind, bi
     x = torch.randn(7, 96)
     assert (rebuilt.in_features, rebuilt.out_features) == (96, 40)
     assert torch.equal(rebuilt(x), layer(x))
+
+
+def test_a_float_head_tied_to_the_embedding_stays_tied_cold_and_warm(model, tmp_path):
+    root = tmp_path / "prepared"
+    float_head = {"lm_head_quant": None}
+    expected = outputs(make_engine(model, None, **float_head))
+    for source in ("checkpoint", "cache"):
+        engine = make_engine(model, root, **float_head)
+        assert engine.prepared_from == source and engine.lm.lm_head.weight is engine.lm.embed.weight
+        weights = engine.memory_report()["weights"]
+        assert not [k for k in weights if k.startswith("lm head")]  # counted once, as the embedding
+        assert outputs(engine) == expected

@@ -143,7 +143,11 @@ class FastEngine:
         vision, lm = load_model(model_dir, self.dtype, prepare_vision=preparer("vision"), prepare_lm=preparer("lm"))
         self.prepared_from = "checkpoint"
         if writer is not None and writer.commit(vision, lm) and cache is not None:
+            head = lm.lm_head
+            tied = isinstance(head, nn.Linear) and head.weight is lm.embed.weight
             lm.embed.weight = cache.mapped("lm", "embed.weight")  # the in-memory table is freed
+            if tied:  # a float head sharing the table follows it
+                head.weight = lm.embed.weight
             self.cache_committed = True
             trim_heap()
         return vision, lm
@@ -158,8 +162,9 @@ class FastEngine:
         parts: dict[str, int] = {}
         for part, module in (("vision", self.vision), ("lm", self.lm)):
             for name, layer in module.named_modules():
-                if name == "embed" or isinstance(layer, KVCache) or any(True for _ in layer.children()):
-                    continue  # the embedding and KV buffers are reported below, containers hold nothing
+                tied = name == "lm_head" and getattr(layer, "weight", None) is self.lm.embed.weight
+                if name == "embed" or tied or isinstance(layer, KVCache) or any(True for _ in layer.children()):
+                    continue  # the embedding (and a head tied to it) and KV buffers are reported below
                 role = f"{part} {'head' if name == 'lm_head' else 'linears' if _is_linear(layer) else 'norms'}"
                 form = _weight_form(layer)
                 key = f"{role} ({form})"
