@@ -21,6 +21,7 @@ __all__ = [
     "ImageTooLarge",
     "PageRangeError",
     "SourceError",
+    "OutputError",
     "ModelLoadError",
     "ModelNotCached",
     "LayoutModelMissing",
@@ -91,6 +92,14 @@ class SourceError(InputError):
     path that does not exist, a store that cannot be reached (``mineru-fast batch`` inputs)."""
 
     code = "source_unreadable"
+
+
+class OutputError(MineruFastError, OSError):
+    """The outputs cannot be written: a folder that cannot be created or is a file, no permission,
+    a full disk. Also an ``OSError`` (the error of the operating system is chained); ``mineru-fast
+    parse`` stops with its own exit status and leaves no half-written output."""
+
+    code = "output_error"
 
 
 class ModelLoadError(MineruFastError):

@@ -169,3 +169,66 @@ def test_writing_again_leaves_only_the_new_outputs_and_keeps_other_files(tmp_pat
     with DocumentWriter(out, "doc", overlays=False) as writer:  # its crop may be anyone's: kept
         writer.add_page(Page(0, (200, 100), [Block("text", (0.1, 0.1, 0.5, 0.9), content="x")]))
     assert (out / "images" / "page_0_image_0.jpg").is_file() and (out / "layout" / "page_0001.png").is_file()
+
+
+def _image_page(index: int):
+    from mineru_fast.document import Block, Page
+
+    image = Image.new("RGB", (200, 100), "white")
+    return Page(index, image.size, [Block("image", (0.1, 0.1, 0.5, 0.9))], image=image)
+
+
+def test_a_writer_closed_by_an_exception_records_the_failure_and_the_pages_it_holds(tmp_path):
+    """The README's ``with DocumentWriter(...) as w: for page in ...`` loop raising after 5 of 40
+    pages used to leave a valid ``<stem>.json`` saying ``success`` with no error: a silent loss."""
+
+    def pages():
+        for index in range(40):
+            if index == 5:
+                raise RuntimeError("engine died")
+            yield _image_page(index)
+
+    out = tmp_path / "doc"
+    with pytest.raises(RuntimeError, match="engine died"), DocumentWriter(out, "doc") as writer:
+        for page in pages():
+            writer.add_page(page)
+    result = json.loads((out / "doc.json").read_text())
+    assert result["status"] == "failure" and len(result["pages"]) == 5
+    assert result["errors"] == [
+        {"code": "interrupted", "message": "writing stopped after 5 page(s): RuntimeError: engine died", "page": None}
+    ]
+    assert writer.document_status == "failure"
+    assert len(json.loads((out / "doc_content_list.json").read_text())) == 5
+    assert sorted(p.name for p in out.iterdir()) == ["doc.json", "doc.md", "doc_content_list.json", "images", "layout"]
+
+
+def test_an_output_error_is_an_output_error_and_leaves_nothing_of_the_document(tmp_path, monkeypatch):
+    """A full disk while writing used to leave a 0-byte content list and a traceback; the final
+    files are now renamed into place only once whole."""
+    import errno
+
+    from mineru_fast import writer as writer_module
+    from mineru_fast.errors import OutputError
+
+    out = tmp_path / "doc"
+    (out / "images").mkdir(parents=True)
+    (out / "images" / "mine.jpg").write_bytes(b"mine")  # not the writer's: stays
+    with DocumentWriter(out, "doc") as writer:
+        writer.add_page(_image_page(0))
+        assert sorted(p.name for p in out.glob("doc*")) == ["doc.md.part", "doc.pages.jsonl", "doc_content_list.json.part"]
+    saved = json.loads((out / "doc.json").read_text())  # an earlier run's whole outputs
+
+    def full_disk(handle, items, indent, level=0):
+        handle.write("[")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "doc.json.part"))
+
+    monkeypatch.setattr(writer_module, "_write_json_array", full_disk)
+    with pytest.raises(OutputError, match="No space left on device") as raised, DocumentWriter(out, "doc") as writer:
+        writer.add_page(_image_page(0))
+    assert isinstance(raised.value, OSError) and raised.value.code == "output_error"
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC
+    assert saved["status"] == "success"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["images", "images/mine.jpg"]
+    (out / "stem").write_text("a file")
+    with pytest.raises(OutputError, match="cannot write the outputs of stem"):
+        DocumentWriter(out / "stem", "stem")
