@@ -215,7 +215,8 @@ def test_an_output_error_is_an_output_error_and_leaves_nothing_of_the_document(t
     (out / "images" / "mine.jpg").write_bytes(b"mine")  # not the writer's: stays
     with DocumentWriter(out, "doc") as writer:
         writer.add_page(_image_page(0))
-        assert sorted(p.name for p in out.glob("doc*")) == ["doc.md.part", "doc.pages.jsonl", "doc_content_list.json.part"]
+        written = sorted(p.name for p in out.glob("doc*"))
+        assert written == ["doc.md.part", "doc.pages.jsonl", "doc_content_list.json.part"]
     saved = json.loads((out / "doc.json").read_text())  # an earlier run's whole outputs
 
     def full_disk(handle, items, indent, level=0):
