@@ -144,7 +144,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     mode = "none" if args.quiet else args.progress
     if mode == "auto":
         mode = "bar" if sys.stderr.isatty() else "lines"
-    options = options_from_args(args, progress=mode == "bar")
+    options = options_from_args(args, progress=mode == "bar", max_pages=args.max_pages)
     status = EXIT_OK
     readable = []
     sources = expand_inputs(args.inputs)
@@ -161,8 +161,10 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     failed = 0  # inputs that could not be read or parsed
     for source in sources:  # refuse unreadable inputs before paying for the model load
         try:
-            with open_document(source, pages=args.pages, password=args.password) as opened:
+            with open_document(source, pages=args.pages, password=args.password, max_pages=args.max_pages) as opened:
                 readable.append((source, _trace_for(args.replay, source, len(sources)), InputInfo.from_opened(opened)))
+                for warning in opened.warnings:  # e.g. a page range clamped to the document
+                    _report_warning(mode, source, warning)
         except MineruFastError as exc:
             _report_error(mode, source, exc.code, str(exc))
             failed += 1
@@ -180,6 +182,15 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     if failed == len(sources):
         return EXIT_USAGE
     return max(status, EXIT_PAGES_FAILED) if failed else status
+
+
+def _report_warning(mode: str, source: Path, message: str) -> None:
+    """Report a warning about one input on stderr: a ``warning`` event with ``--progress json``,
+    else the line ``mineru-fast: INPUT: warning: MESSAGE``."""
+    if mode == "json":
+        print(json.dumps({"event": "warning", "input": str(source), "message": message}), file=sys.stderr, flush=True)
+    else:
+        print(f"mineru-fast: {source}: warning: {message}", file=sys.stderr)
 
 
 def _report_error(mode: str, source: Path, code: str, message: str) -> None:
@@ -292,7 +303,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_batch(args: argparse.Namespace) -> int:
     from .distributed.batch import BatchConfig, run_batch
 
-    options = options_from_args(args, progress=False)
+    options = options_from_args(args, progress=False, max_pages=args.max_pages)
     config = BatchConfig(
         inputs=args.inputs,
         output=args.output,

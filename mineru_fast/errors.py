@@ -20,6 +20,8 @@ __all__ = [
     "PasswordRequired",
     "ImageTooLarge",
     "PageRangeError",
+    "TooManyPages",
+    "DocumentNotFound",
     "SourceError",
     "OutputError",
     "ModelLoadError",
@@ -85,6 +87,20 @@ class PageRangeError(InputError):
     """A page range such as ``"1-3,5"`` is malformed or outside the document."""
 
     code = "bad_page_range"
+
+
+class TooManyPages(InputError):
+    """More pages are selected than one parse takes (``ParserOptions.max_pages``; a few hundred
+    bytes of PDF can claim a million pages)."""
+
+    code = "too_many_pages"
+
+
+class DocumentNotFound(InputError, FileNotFoundError):
+    """The document's path does not exist. Also a ``FileNotFoundError``; the message is
+    ``"no such file: <path>"`` wherever it is raised (``DocumentParser``, ``mineru_fast.client``)."""
+
+    code = "document_not_found"
 
 
 class SourceError(InputError):

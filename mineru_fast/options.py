@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .inputs import DEFAULT_DPI, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
+from .inputs import DEFAULT_DPI, DEFAULT_MAX_PAGES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
 from .protocol import LAYOUT_TASK, MODEL_VERSIONS, SamplingParams, sampling_for
 
 ENGINES = ("fast", "reference")
@@ -90,6 +90,8 @@ class ParserOptions:
             ``engine.backends``).
         threads: intra-op threads; None = the physical cores available to the process.
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
+        max_pages: most pages one document may select; more is refused (``errors.TooManyPages``)
+            before any page is read (default ``inputs.DEFAULT_MAX_PAGES``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
             ``"text"``, ``"table"``, ``"equation"``. Any mapping is accepted and stored as an
             immutable ``TokenBounds``.
@@ -137,6 +139,7 @@ class ParserOptions:
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_image_pixels: int = DEFAULT_MAX_PIXELS
+    max_pages: int = DEFAULT_MAX_PAGES
     max_new_tokens: Mapping[str, int] = field(default_factory=TokenBounds)
     progress: bool = False
     model_version: str = "auto"
@@ -180,7 +183,7 @@ class ParserOptions:
             raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
-        for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels"):
+        for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels", "max_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for task, bound in self.max_new_tokens.items():

@@ -345,7 +345,7 @@ class DocumentParser:
         if isinstance(source, list):
             opened = _ImagePages(source, limits)
         else:
-            opened = open_document(source, pages=pages, password=password, **limits)
+            opened = open_document(source, pages=pages, password=password, max_pages=o.max_pages, **limits)
         with opened:
             if trace is not None and len(trace.pages) < opened.page_count:
                 raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")

@@ -146,7 +146,7 @@ def test_json_progress_reports_input_errors_as_events_and_0_based_pages(tiny_mod
         ("error", inputs[1]),
         ("page", inputs[2]),
     ]
-    assert events[0]["code"] == "invalid_document" and events[0]["message"] == f"no such file: {inputs[0]}"
+    assert events[0]["code"] == "document_not_found" and events[0]["message"] == f"no such file: {inputs[0]}"
     assert events[1]["code"] == "unsupported_format" and not events[1]["message"].startswith("Unsupported")
     page = events[2]
     assert (page["page_index"], page["status"], page["done"], page["total"]) == (1, "failure", 1, 1)
