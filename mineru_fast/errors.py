@@ -167,7 +167,8 @@ class ServiceError(MineruFastError):
     """The HTTP service answered with an error, or could not be reached (``mineru_fast.client``).
 
     The service's error body is ``{"error": {"code", "message", "request_id"}}``; its fields are
-    kept here.
+    kept here, and ``str(exc)`` is the message alone (the same words as a local parse's error
+    for the same document).
 
     Attributes:
         message: the service's message (or what went wrong on the way).
@@ -191,7 +192,7 @@ class ServiceError(MineruFastError):
         retry_after: float | None = None,
     ) -> None:
         code = code or self.code
-        super().__init__(f"{status} {code}: {message}" if status else message)
+        super().__init__(message)  # str(exc) is the message alone, as every mineru-fast error's
         self.message, self.status, self.code = message, status, code
         self.request_id, self.retry_after = request_id, retry_after
 

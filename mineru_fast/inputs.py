@@ -2,9 +2,9 @@
 
 PDFs are rendered with pypdfium2 (200 DPI, long side capped, page ``/Rotate`` honoured, so boxes
 refer to the page as displayed); images are decoded with Pillow (EXIF orientation applied; CMYK,
-16-bit, palette and alpha converted to RGB on white; each frame of a multi-frame TIFF is a page).
-The format is detected from the content, never from the file name. Pages are produced lazily, one
-at a time, so a long PDF never sits in memory as images.
+16-bit, palette and alpha converted to RGB on white; each frame of a multi-frame TIFF is a page),
+and only the formats of ``IMAGE_FORMATS``. The format is detected from the content, never from the
+file name. Pages are produced lazily, one at a time, so a long PDF never sits in memory as images.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ DEFAULT_MAX_PIXELS = 150_000_000  # Pillow refuses images above 2 * 89,478,485 p
 _PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
 _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
+IMAGE_FORMATS = ("PNG", "JPEG", "TIFF", "BMP", "GIF", "WEBP", "JPEG2000", "DCX")
+"""The Pillow formats an input may be (``Image.open(formats=...)``; JPEG includes its MPO variant).
+Any other plugin is never tried: EPS and PostScript would run Ghostscript on the upload, and the
+rarer formats' decoders are attack surface the product does not need."""
 MAX_PAGE_RANGE_CHARS = 4096
 MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
 DEFAULT_MAX_PAGES = 10_000  # pages one parse may select (ParserOptions.max_pages); the service's default is 500
@@ -353,8 +357,17 @@ def _read_source(source: str | Path | bytes | bytearray) -> tuple[str, bytes]:
     if isinstance(source, (bytes, bytearray)):
         return "document", bytes(source)
     path = Path(source)
+    return path.stem or "document", read_path(path)
+
+
+def read_path(path: Path) -> bytes:
+    """A document file's bytes (``DocumentParser`` and ``mineru_fast.client`` read files so).
+
+    Raises:
+        DocumentNotFound: no such file. InputError: a directory, or the file cannot be read.
+    """
     try:
-        return path.stem or "document", path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise DocumentNotFound(f"no such file: {path}") from None
     except IsADirectoryError:
@@ -485,7 +498,7 @@ def open_document(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{name}: {exc}") from exc
     except UnidentifiedImageError:

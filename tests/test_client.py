@@ -25,6 +25,7 @@ from serve_helpers import REPO, Server, free_port, wait_ready
 from mineru_fast.client import AsyncClient, Client, RetryPolicy, _Retries, error_from_response
 from mineru_fast.errors import (
     AuthenticationFailed,
+    DocumentNotFound,
     DocumentRejected,
     InputError,
     JobNotFound,
@@ -72,6 +73,7 @@ def test_errors_are_typed_from_the_service_body():
         "password_required happened",
         "r1",
     )
+    assert str(rejected) == "password_required happened"  # the message alone, as the README says
     assert type(error_from_response(error(401, "invalid_api_key"))) is AuthenticationFailed
     assert type(error_from_response(error(404, "job_not_found"))) is JobNotFound
     assert type(error_from_response(error(404, "not_found"))) is ServiceError  # a route, not a job
@@ -225,8 +227,13 @@ def test_what_is_left_alone_and_what_is_reencoded(tmp_path):
     upload = prepare_upload(jpeg, UploadPolicy(max_side=1000))
     shrunk = Image.open(io.BytesIO(upload.data))
     assert (shrunk.format, shrunk.size) == ("JPEG", (750, 1000))
-    with pytest.raises(InputError, match="cannot read"):
-        prepare_upload(tmp_path / "missing.pdf")
+    missing = tmp_path / "missing.pdf"
+    with pytest.raises(DocumentNotFound) as by_client:  # was "cannot read ...: No such file or directory"
+        prepare_upload(missing)
+    with pytest.raises(DocumentNotFound) as by_parser:
+        open_document(missing)
+    assert str(by_client.value) == str(by_parser.value) == f"no such file: {missing}"
+    assert isinstance(by_client.value, FileNotFoundError) and isinstance(by_client.value, InputError)
 
 
 # -- the real service ------------------------------------------------------------------------------

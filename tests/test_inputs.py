@@ -321,3 +321,23 @@ def test_a_missing_file_is_a_file_not_found_input_error(tmp_path):
         open_document(missing)
     assert isinstance(raised.value, InputError) and isinstance(raised.value, FileNotFoundError)
     assert str(raised.value) == f"no such file: {missing}" and raised.value.code == "document_not_found"
+
+
+def test_only_the_supported_image_formats_are_opened(monkeypatch):
+    """Pillow's EPS plugin ran Ghostscript on uploaded PostScript wherever ``gs`` is installed."""
+    from PIL import EpsImagePlugin
+
+    ran: list[object] = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *args, **kwargs: ran.append(args))
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", "gs")  # as where Ghostscript is installed
+    page = text_page(size=(120, 160), lines=2)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 100 100\nshowpage\n%%EOF\n"
+    refused = {"eps": eps, "ico": image_bytes(page.resize((64, 64)), "ICO"), "ppm": image_bytes(page, "PPM"),
+               "tga": image_bytes(page, "TGA"), "pcx": image_bytes(page, "PCX")}  # fmt: skip
+    for name, data in refused.items():
+        with pytest.raises(UnsupportedFormat, match="not a PDF or a supported image format"):
+            open_document(data)
+        assert ran == [], name
+    for fmt in ("PNG", "JPEG", "TIFF", "BMP", "GIF", "WEBP"):
+        with open_document(image_bytes(page.convert("RGB"), fmt)) as opened:
+            assert opened.format == fmt and opened.render(0).size == (120, 160)
