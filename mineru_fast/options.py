@@ -221,11 +221,18 @@ class ParserOptions:
             return self.tier
         return "standard" if self.layout_model is not None else "advanced"
 
-    def sampling(self, task: str) -> SamplingParams:
-        """Sampling parameters of a task (``"layout"`` or a block type), bounds applied."""
+    def sampling(self, task: str, *, replayed: bool = False) -> SamplingParams:
+        """Sampling parameters of a task (``"layout"`` or a block type), bounds applied.
+
+        Args:
+            task: ``"layout"`` or a block type.
+            replayed: the request replays a trace's output: ``max_new_tokens`` bounds free decoding
+                only, so the protocol's own bound applies (``protocol.SAMPLING``) and the trace's
+                output comes out whole, as the service has always replayed it.
+        """
         params = sampling_for(task)
         key = task if task in TASKS else "text"
-        if key in self.max_new_tokens:
+        if key in self.max_new_tokens and not replayed:
             params = replace(params, max_new_tokens=self.max_new_tokens[key])
         return params
 

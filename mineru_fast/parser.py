@@ -426,7 +426,7 @@ class DocumentParser:
             request = GenerationRequest(
                 layout_image(page.image),
                 prompt_for(LAYOUT_TASK),
-                self.options.sampling(LAYOUT_TASK),
+                self.options.sampling(LAYOUT_TASK, replayed=work.trace is not None),
                 forced_text=work.trace.layout if work.trace else None,
             )
             try:
@@ -503,7 +503,12 @@ class DocumentParser:
             if trace is not None and forced is None:
                 page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
             work.contents[request.block_index] = self.engine.submit(
-                GenerationRequest(request.image, request.prompt, self.options.sampling(request.task), forced)
+                GenerationRequest(
+                    request.image,
+                    request.prompt,
+                    self.options.sampling(request.task, replayed=forced is not None),
+                    forced,
+                )
             )
         formulas = [read for read in plan.reads if read.formula is not None]
         if formulas:
@@ -551,7 +556,7 @@ class DocumentParser:
                 forced = trace.content_for(page_layout.blocks[request.block_index])
                 if forced is None:
                     page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
-            sampling = self.options.sampling(request.task)
+            sampling = self.options.sampling(request.task, replayed=forced is not None)
             work.contents[request.block_index] = self.engine.submit(
                 GenerationRequest(request.image, request.prompt, sampling, forced)
             )

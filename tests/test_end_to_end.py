@@ -327,3 +327,16 @@ def test_cli_replay_directory_and_stream_many(tiny_model, workload_traces, tmp_p
     for image in images:
         content_list = json.loads((tmp_path / image.stem / f"{image.stem}_content_list.json").read_text())
         assert content_list and all(0 <= v <= 1000 for item in content_list for v in item["bbox"])
+
+
+def test_token_bounds_bound_free_decoding_not_a_replayed_output(tiny_model, tmp_path):
+    """The CLI and Python API cut a replayed output at ``max_new_tokens`` (page ``partial``) while
+    ``serve`` replayed it whole (``success``): one behaviour now, the service's."""
+    bounds = {"layout": 8, "text": 2}  # SAMPLE_LAYOUT is ~90 tokens, each content a few
+    parser = DocumentParser.from_pretrained(tiny_model, ParserOptions.preset("exact", max_new_tokens=bounds))
+    (page,) = parser.parse(text_page(), replay=sample_trace(1)).pages
+    read = [block for block in page.blocks if block.type != "image"]
+    assert page.status == "success" and [b.finish_reason for b in read] == ["stop"] * 3
+    assert [b.content for b in read] == [c for c in SAMPLE_CONTENTS if c]
+    assert parser.options.sampling("text").max_new_tokens == 2  # free decoding stays bounded
+    assert parser.options.sampling("text", replayed=True).max_new_tokens == 4096
