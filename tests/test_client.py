@@ -393,3 +393,18 @@ def test_client_survives_a_server_restart_mid_poll(service):
     assert any(isinstance(o, str) for o in outcomes), "the client never saw the server gone"
     accepted = [entry[4] for entry in recorder.log if entry[3] == "POST" and entry[5] == 202]
     assert accepted == ["/v1/jobs", "/v1/jobs"]  # the lost job was submitted again, once
+
+
+def test_a_page_range_the_service_clamped_is_a_warning_here_too(caplog):
+    """``pages="1-3"`` on a 2-page document: the service clamps it (``inputs.parse_page_range``);
+    the client logs the same warning a local parse logs."""
+    result = {"status": "success", "metadata": {"input": {"page_count": 2, "pages": [0, 1]}}, "pages": []}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=result)
+
+    with Client("http://svc", retries=FAST, transport=httpx.MockTransport(handle)) as client:
+        with caplog.at_level("WARNING", logger="mineru_fast.inputs"):
+            assert client.parse(pdf_bytes(2), pages="1-3", use_jobs=False) == result
+            assert client.parse(pdf_bytes(2), pages="1-2", use_jobs=False) == result
+    assert [r.getMessage() for r in caplog.records] == ["page range '1-3' clamped to the document's 2 page(s): 1-2"]
