@@ -91,8 +91,11 @@ def blank_png(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
-def _pdfium_text(pdf, page, font, size: float, x: float, y: float, text: str, mode: int | None = None) -> None:
-    """Draw ``text`` with its baseline at (x, y) points (PDF user space, origin bottom left)."""
+def _pdfium_text(
+    pdf, page, font, size: float, x: float, y: float, text: str, mode: int | None = None, fill: tuple | None = None
+) -> None:
+    """Draw ``text`` with its baseline at (x, y) points (PDF user space, origin bottom left), with
+    text render ``mode`` and ``fill`` colour ``(r, g, b, a)`` when given."""
     import ctypes
 
     import pypdfium2.raw as pdfium_c
@@ -102,6 +105,8 @@ def _pdfium_text(pdf, page, font, size: float, x: float, y: float, text: str, mo
     pdfium_c.FPDFText_SetText(obj, ctypes.cast(wide, ctypes.POINTER(pdfium_c.FPDF_WCHAR)))
     if mode is not None:
         pdfium_c.FPDFTextObj_SetTextRenderMode(obj, mode)
+    if fill is not None:
+        pdfium_c.FPDFPageObj_SetFillColor(obj, *fill)
     pdfium_c.FPDFPageObj_Transform(obj, 1, 0, 0, 1, x, y)
     pdfium_c.FPDFPage_InsertObject(page, obj)
 
@@ -198,6 +203,22 @@ def scan_with_hidden_text_pdf(n_pages: int = 2) -> bytes:
             text = f"hidden words that do not match the image, line {line}"
             _pdfium_text(pdf, page, font, 11, 72, 700 - 14 * line, text, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
         page.gen_content()
+    return _saved(pdf)
+
+
+def hidden_text_pdf(visible: str, hidden: str, white: str) -> bytes:
+    """One page with a visible line, an invisible one (render mode 3) on top of it and a white one
+    (fill 255,255,255) just below, in the same text block."""
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+
+    pdf = pdfium.PdfDocument.new()
+    font = pdfium_c.FPDFText_LoadStandardFont(pdf, b"Helvetica")
+    page = pdf.new_page(612, 792)
+    _pdfium_text(pdf, page, font, 12, 72, 700, visible)
+    _pdfium_text(pdf, page, font, 12, 72, 700, hidden, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
+    _pdfium_text(pdf, page, font, 12, 72, 686, white, fill=(255, 255, 255, 255))
+    page.gen_content()
     return _saved(pdf)
 
 

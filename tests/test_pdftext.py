@@ -217,3 +217,16 @@ def test_block_assembly_is_linear_in_characters(monkeypatch):
     assert len(joined) == 399 and max(joined) <= assemble.JOIN_CONTEXT  # was the whole text so far: 64 K
     lines = ["".join(c.text for c in page.chars[k : k + 160]).strip() for k in range(0, 64_000, 160)]
     assert text == " ".join(lines)  # words flow from line to line, each line end a space
+
+
+def test_invisible_and_white_text_is_left_out_of_a_block():
+    """Hidden text (render mode 3, white on white) was taken as the page's text: it landed in the
+    output, the visible line interleaved with it."""
+    from samples import hidden_text_pdf
+
+    pdf = pdfium.PdfDocument(hidden_text_pdf("Visible words here", "SECRET INSTRUCTIONS", "white payload text"))
+    text = read_page_text(pdf[0])
+    hidden = "".join(c.text for c in text.chars if c.hidden and not c.text.isspace())
+    assert hidden == "SECRETINSTRUCTIONSwhitepayloadtext"
+    assert "".join(c.text for c in text.chars if not c.hidden and not c.text.isspace()) == "Visiblewordshere"
+    assert block_text(text, (0.0, 0.0, 1.0, 1.0)).text == "Visible words here"

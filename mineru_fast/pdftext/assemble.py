@@ -335,9 +335,10 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
 
     Returns:
         The assembled text and whether it can be trusted. Characters whose baseline is more than
-        30 degrees off the block's dominant direction (watermarks, rotated labels) are left out.
+        30 degrees off the block's dominant direction (watermarks, rotated labels) are left out,
+        and so are hidden ones (``PdfChar.hidden``: invisible, clip-only or white text).
     """
-    indices = [i for i in page.indices_in(bbox) if i not in skip]
+    indices = [i for i in page.indices_in(bbox) if i not in skip and not page.chars[i].hidden]
     angles = [page.chars[i].angle for i in indices if not page.chars[i].text.isspace()]
     direction = max(set(angles), key=angles.count) if angles else 0
     horizontal = direction == 0
