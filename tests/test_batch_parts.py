@@ -166,6 +166,20 @@ def test_the_manifest_keeps_each_documents_last_record_and_checks_outputs(tmp_pa
     assert manifest.complete() == {"a"}  # b has no outputs on disk, c never parsed
 
 
+def test_a_record_after_a_torn_last_line_is_kept(tmp_path):
+    """The next record was written onto the torn line and lost with it: ``--resume`` parsed the
+    document again."""
+    manifest = Manifest(tmp_path)
+    manifest.append(Record("in/a.pdf", "a", "success", 2, None, 1, 4.0))
+    with manifest.path.open("a") as out:
+        out.write('{"document": "in/d.pdf", "na')  # a line cut by a crash
+    manifest.append(Record("in/b.pdf", "b", "success", 1, None, 1, 2.0))
+    manifest.append(Record("in/c.pdf", "c", "partial", 1, None, 1, 2.0))
+    assert sorted(manifest.records()) == ["a", "b", "c"]
+    lines = manifest.path.read_text().splitlines()
+    assert len(lines) == 4 and lines[1] == '{"document": "in/d.pdf", "na'
+
+
 def test_the_job_plan_refuses_clashing_names_and_empty_inputs(tmp_path):
     for folder in ("x", "y"):
         (tmp_path / folder).mkdir()
