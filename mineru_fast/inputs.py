@@ -46,16 +46,16 @@ Source = str | Path | bytes | bytearray | Image.Image
 DEFAULT_DPI = 200
 DEFAULT_MAX_SIDE = 3500
 DEFAULT_MAX_PIXELS = 150_000_000  # Pillow refuses images above 2 * 89,478,485 pixels regardless.
-_PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
-_PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
-_MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
+DEFAULT_MAX_PAGES = 10_000  # pages one parse may select (ParserOptions.max_pages); the service's default is 500
 IMAGE_FORMATS = ("PNG", "JPEG", "TIFF", "BMP", "GIF", "WEBP", "JPEG2000", "DCX")
 """The Pillow formats an input may be (``Image.open(formats=...)``; JPEG includes its MPO variant).
 Any other plugin is never tried: EPS and PostScript would run Ghostscript on the upload, and the
 rarer formats' decoders are attack surface the product does not need."""
+_PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
+_PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
+_MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
 MAX_PAGE_RANGE_CHARS = 4096
 MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
-DEFAULT_MAX_PAGES = 10_000  # pages one parse may select (ParserOptions.max_pages); the service's default is 500
 _RANGE_PART = re.compile(r"(\d{1,9})?\s*(?:(-)\s*(\d{1,9})?)?")
 
 
