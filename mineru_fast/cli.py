@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
+    logging.captureWarnings(True)  # libraries' warnings go through logging (shown with -v), not as bare lines
     if args.command in _THREAD_BINDING:
         from .threads import configure_process
 

@@ -53,3 +53,40 @@ def test_every_command_line_argument_has_help():
     ]
     assert missing == []
     assert set(commands) == {"parse", "synth-model", "bench", "trace", "serve", "launch", "batch", "info"}
+
+
+def test_library_warnings_go_through_logging_not_bare_stderr_lines(monkeypatch, capsys, caplog):
+    import logging
+    import warnings
+
+    from mineru_fast import info
+    from mineru_fast.cli import main
+
+    def collect() -> dict:
+        warnings.warn("a library's deprecation notice", UserWarning, stacklevel=1)
+        return {}
+
+    monkeypatch.setattr(info, "collect", collect)
+    monkeypatch.setattr(info, "render", lambda collected: "")
+    try:
+        with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="py.warnings"):
+            warnings.simplefilter("always")
+            assert main(["info"]) == 0
+    finally:
+        logging.captureWarnings(False)
+    assert "UserWarning" not in capsys.readouterr().err
+    assert [r.name for r in caplog.records if "deprecation notice" in r.getMessage()] == ["py.warnings"]
+
+
+def test_ci_keeps_its_own_environments_and_the_quick_start_installs_for_users():
+    """``.ci/run`` began with ``rm -rf .venv``, deleting the environment the Quick start had just
+    made; the Quick start showed only the 1.5 GB development install."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    ci = (repo / ".ci" / "run").read_text()
+    made = re.findall(r"(?:rm -rf|-m venv) (\S+)", ci)
+    assert made and all(folder.startswith(".venv-") for folder in made), made
+    quick_start = (repo / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "pip install .\n" in quick_start and "MINERU_FAST_SHARED" in quick_start
