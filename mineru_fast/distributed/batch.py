@@ -46,11 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pickle
 import shutil
+import subprocess
 import sys
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -68,6 +71,7 @@ from ..traces import Trace, load_trace
 from . import PAGES_PER_TASK, init_ray, require_ray
 from .assembly import PARTIAL, DocumentAssembly, page_spec, spec_pages, split_pages
 from .manifest import Manifest, Record
+from .reaper import MARKER_ENV
 from .sources import Source, list_sources
 from .worker import DocumentWorker, inspect_document
 
@@ -631,7 +635,8 @@ def run_batch(
     """Parse ``config.inputs`` on Ray into ``config.output`` (see the module docstring).
 
     Connects to ``config.address``, or uses the Ray already initialized in this process, or starts
-    a local one (shut down again at the end).
+    a local one (shut down again at the end; a ``reaper`` process ends what is left of it when the
+    driver is killed).
 
     Args:
         config: inputs, output, model and cluster layout.
@@ -675,10 +680,11 @@ def run_batch(
         return BatchSummary([], skipped, 0.0, 0)
     if config.address is None:  # the actors run here: a model they cannot load fails now, not in each actor
         resolve_model_info(config.model)
-    started = False
-    if not ray.is_initialized():
-        init_ray(config.address, log_to_driver=False, num_cpus=read_topology().usable_cores)
-        started = True
+    started, reaper = not ray.is_initialized(), None
+    if started and config.address is None:
+        reaper = _local_ray()
+    elif started:
+        init_ray(config.address, log_to_driver=False)
     try:
         cores = _cores_per_actor(config)
         count = config.actors or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
@@ -713,8 +719,25 @@ def run_batch(
     finally:
         if started:
             ray.shutdown()
+        if reaper is not None:
+            reaper.stdin.close()  # type: ignore[union-attr]  # the reaper ends what shutdown left
     shutil.rmtree(config.output / PARTIAL, ignore_errors=True)
     return BatchSummary(runner.records, skipped, time.perf_counter() - start, count)
+
+
+def _local_ray() -> subprocess.Popen:
+    """Start a local Ray for this driver, watched by a reaper (``reaper``): whatever ends the
+    driver, even SIGKILL, none of Ray's processes outlives it. Returns the reaper (close its stdin
+    after ``ray.shutdown``)."""
+    marker = uuid.uuid4().hex
+    command = [sys.executable, "-m", "mineru_fast.distributed.reaper", marker]
+    reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+    os.environ[MARKER_ENV] = marker  # inherited by every process Ray starts
+    try:
+        init_ray(None, log_to_driver=False, num_cpus=read_topology().usable_cores)
+    finally:
+        del os.environ[MARKER_ENV]  # and by nothing this driver starts later
+    return reaper
 
 
 def _watch(
