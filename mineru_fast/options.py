@@ -89,9 +89,9 @@ class ParserOptions:
             recorded measurement says is faster on this CPU); fast engine only (see
             ``engine.backends``).
         threads: intra-op threads; None = the physical cores available to the process.
-        dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         max_pages: most pages one document may select; more is refused (``errors.TooManyPages``)
             before any page is read (default ``inputs.DEFAULT_MAX_PAGES``).
+        dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
             ``"text"``, ``"table"``, ``"equation"``. Any mapping is accepted and stored as an
             immutable ``TokenBounds``.
@@ -136,10 +136,10 @@ class ParserOptions:
     repetition_window: int = 512
     backend: str = "stock"
     threads: int | None = None
+    max_pages: int = DEFAULT_MAX_PAGES
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_image_pixels: int = DEFAULT_MAX_PIXELS
-    max_pages: int = DEFAULT_MAX_PAGES
     max_new_tokens: Mapping[str, int] = field(default_factory=TokenBounds)
     progress: bool = False
     model_version: str = "auto"

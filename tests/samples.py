@@ -53,6 +53,40 @@ def sample_trace(n_pages: int):
     return Trace([PageTrace(SAMPLE_LAYOUT, list(SAMPLE_CONTENTS)) for _ in range(n_pages)])
 
 
+def hidden_text_pdf(visible: str, hidden: str, white: str) -> bytes:
+    """One page with a visible line, an invisible one (render mode 3) on top of it and a white one
+    (fill 255,255,255) just below, in the same text block."""
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+
+    pdf = pdfium.PdfDocument.new()
+    font = pdfium_c.FPDFText_LoadStandardFont(pdf, b"Helvetica")
+    page = pdf.new_page(612, 792)
+    _pdfium_text(pdf, page, font, 12, 72, 700, visible)
+    _pdfium_text(pdf, page, font, 12, 72, 700, hidden, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
+    _pdfium_text(pdf, page, font, 12, 72, 686, white, fill=(255, 255, 255, 255))
+    page.gen_content()
+    return _saved(pdf)
+
+
+def claimed_pages_pdf(count: int) -> bytes:
+    """A PDF of one real page whose page tree claims ``count`` pages (a few hundred bytes; PDFium
+    reports ``count`` pages, the others fail to load)."""
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count %d >>" % count,
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>",
+    ]
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+
+
 def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int], **kwargs: object) -> bytes:
     """A multi-frame TIFF of ``frames`` whose frame ``index`` header claims ``size`` (width, height).
 
@@ -204,37 +238,3 @@ def scan_with_hidden_text_pdf(n_pages: int = 2) -> bytes:
             _pdfium_text(pdf, page, font, 11, 72, 700 - 14 * line, text, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
         page.gen_content()
     return _saved(pdf)
-
-
-def hidden_text_pdf(visible: str, hidden: str, white: str) -> bytes:
-    """One page with a visible line, an invisible one (render mode 3) on top of it and a white one
-    (fill 255,255,255) just below, in the same text block."""
-    import pypdfium2 as pdfium
-    import pypdfium2.raw as pdfium_c
-
-    pdf = pdfium.PdfDocument.new()
-    font = pdfium_c.FPDFText_LoadStandardFont(pdf, b"Helvetica")
-    page = pdf.new_page(612, 792)
-    _pdfium_text(pdf, page, font, 12, 72, 700, visible)
-    _pdfium_text(pdf, page, font, 12, 72, 700, hidden, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
-    _pdfium_text(pdf, page, font, 12, 72, 686, white, fill=(255, 255, 255, 255))
-    page.gen_content()
-    return _saved(pdf)
-
-
-def claimed_pages_pdf(count: int) -> bytes:
-    """A PDF of one real page whose page tree claims ``count`` pages (a few hundred bytes; PDFium
-    reports ``count`` pages, the others fail to load)."""
-    objects = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count %d >>" % count,
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>",
-    ]
-    out, offsets = b"%PDF-1.4\n", []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
