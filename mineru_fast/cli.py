@@ -1,7 +1,10 @@
 """``mineru-fast`` command line: parse, synth-model, bench, trace, serve, launch, batch, info.
 
-Exit status of ``parse``: 0 every page parsed, 1 some pages failed or are partial (the rest is
-saved; each problem is on stderr), 2 an input or usage error (one line on stderr, no traceback).
+Exit status of ``parse``: 0 every page parsed, 1 some pages failed or are partial, or some inputs
+could not be read while others were parsed (the rest is saved; each problem is on stderr), 2 a usage
+error or no input could be read (one line on stderr, no traceback), 4 an output error: a folder or
+file that cannot be written (one ``mineru-fast: error:`` line; parsing stops, nothing half-written
+is left of the document).
 ``launch`` merges its workers' statuses (3: a worker crashed). Commands that run the model set
 OpenMP variables (``threads.configure_process``) before torch loads.
 """
@@ -28,13 +31,13 @@ from .cli_options import (
     output_clashes,
     positive_int,
 )
-from .errors import MineruFastError
+from .errors import MineruFastError, OutputError
 from .serve.command import add_serve_command, run_serve_command
 
 if TYPE_CHECKING:
     from .metadata import InputInfo
 
-EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_PAGES_FAILED, EXIT_USAGE, EXIT_OUTPUT = 0, 1, 2, 4  # 3 is launch's EXIT_CRASHED
 OUTPUT_CLASH = "output_clash"  # code of the error event of an input whose output folder another input writes too
 
 
@@ -142,7 +145,7 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     mode = "none" if args.quiet else args.progress
     if mode == "auto":
         mode = "bar" if sys.stderr.isatty() else "lines"
-    options = options_from_args(args, progress=mode == "bar")
+    options = options_from_args(args, progress=mode == "bar", max_pages=args.max_pages)
     status = EXIT_OK
     readable = []
     sources = expand_inputs(args.inputs)
@@ -156,23 +159,39 @@ def _cmd_parse(args: argparse.Namespace) -> int:
         for first, second in clashes:
             _report_error(mode, second, OUTPUT_CLASH, clash_message(first, second))
         return EXIT_USAGE
+    failed = 0  # inputs that could not be read or parsed
     for source in sources:  # refuse unreadable inputs before paying for the model load
         try:
-            with open_document(source, pages=args.pages, password=args.password) as opened:
+            with open_document(source, pages=args.pages, password=args.password, max_pages=args.max_pages) as opened:
                 readable.append((source, _trace_for(args.replay, source, len(sources)), InputInfo.from_opened(opened)))
+                for warning in opened.warnings:  # e.g. a page range clamped to the document
+                    _report_warning(mode, source, warning)
         except MineruFastError as exc:
             _report_error(mode, source, exc.code, str(exc))
-            status = EXIT_USAGE
+            failed += 1
     if not readable:
-        return status
+        return EXIT_USAGE
     parser = DocumentParser.from_pretrained(args.model, options, **hub_kwargs(args))
     for source, trace, info in readable:
         try:
             status = max(status, _parse_one(parser, source, trace, info, args, mode))
+        except OutputError:
+            raise  # main's one error line and EXIT_OUTPUT: the next input would fail the same way
         except MineruFastError as exc:
             _report_error(mode, source, exc.code, str(exc))
-            status = EXIT_USAGE
-    return status
+            failed += 1
+    if failed == len(sources):
+        return EXIT_USAGE
+    return max(status, EXIT_PAGES_FAILED) if failed else status
+
+
+def _report_warning(mode: str, source: Path, message: str) -> None:
+    """Report a warning about one input on stderr: a ``warning`` event with ``--progress json``,
+    else the line ``mineru-fast: INPUT: warning: MESSAGE``."""
+    if mode == "json":
+        print(json.dumps({"event": "warning", "input": str(source), "message": message}), file=sys.stderr, flush=True)
+    else:
+        print(f"mineru-fast: {source}: warning: {message}", file=sys.stderr)
 
 
 def _report_error(mode: str, source: Path, code: str, message: str) -> None:
@@ -201,10 +220,21 @@ def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: 
 
     start = time.perf_counter()
     n_pages = len(info.pages)
-    writer = DocumentWriter(
+    with DocumentWriter(
         args.output / source.stem, source.stem, metadata=parser.result_metadata(info), confidence=args.confidence
-    )
-    pages = parser.iter_pages(source, pages=args.pages, password=args.password, replay=trace, keep_page_images=True)
+    ) as writer:  # an exception out of the loop is recorded in <stem>.json (status failure)
+        pages = parser.iter_pages(source, pages=args.pages, password=args.password, replay=trace, keep_page_images=True)
+        _write_pages(writer, pages, source, n_pages, start, mode)
+        out = writer.close(wall_s=time.perf_counter() - start)
+    document_status = writer.document_status
+    print(f"{source}: {document_status}, {len(writer.statuses)} page(s) -> {out}")
+    return EXIT_OK if document_status == "success" else EXIT_PAGES_FAILED
+
+
+def _write_pages(writer, pages, source: Path, n_pages: int, start: float, mode: str) -> None:
+    """Write each page as it comes and report it (``--progress``) on stderr."""
+    import time
+
     for done, page in enumerate(pages, start=1):
         writer.add_page(page)
         elapsed = time.perf_counter() - start
@@ -227,10 +257,6 @@ def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: 
                 file=sys.stderr,
                 flush=True,
             )
-    out = writer.close(wall_s=time.perf_counter() - start)
-    document_status = writer.document_status
-    print(f"{source}: {document_status}, {len(writer.statuses)} page(s) -> {out}")
-    return EXIT_OK if document_status == "success" else EXIT_PAGES_FAILED
 
 
 def _cmd_synth_model(args: argparse.Namespace) -> int:
@@ -284,7 +310,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_batch(args: argparse.Namespace) -> int:
     from .distributed.batch import BatchConfig, run_batch
 
-    options = options_from_args(args, progress=False)
+    options = options_from_args(args, progress=False, max_pages=args.max_pages)
     config = BatchConfig(
         inputs=args.inputs,
         output=args.output,
@@ -337,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
+    logging.captureWarnings(True)  # libraries' warnings go through logging (shown with -v), not as bare lines
     if getattr(args, "no_prepared_cache", False):  # in the environment: workers and child processes follow
         from .hub import PREPARED_CACHE_ENV
 
@@ -357,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return commands[args.command](args)
+    except OutputError as exc:
+        print(f"mineru-fast: error: {exc}", file=sys.stderr)
+        return EXIT_OUTPUT
     except MineruFastError as exc:
         print(f"mineru-fast: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

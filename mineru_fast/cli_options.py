@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 from .distributed import PAGES_PER_TASK
 from .errors import MineruFastError
 from .hub import DEFAULT_MODEL_ID
+from .inputs import DEFAULT_MAX_PAGES
 from .options import (
     BACKENDS,
     INT8_KERNELS,
@@ -86,7 +87,8 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mineru-fast parse`` (also read by ``launch`` to find the inputs)."""
     p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files, or directories (searched recursively)")
     p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
-    p.add_argument("--pages", help="1-based page range, e.g. '1-3,5'")
+    p.add_argument("--pages", help="1-based page range, e.g. '1-3,5' (clamped to the document, with a warning)")
+    add_max_pages_argument(p)
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="trace file (one input) or directory of <stem>.json traces")
     add_options_arguments(p)
@@ -107,6 +109,16 @@ def add_confidence_argument(p: argparse.ArgumentParser) -> None:
         "--confidence",
         action="store_true",
         help="add the mf_confidence extension field (block token log-probabilities) to content_list.json items",
+    )
+
+
+def add_max_pages_argument(p: argparse.ArgumentParser) -> None:
+    """``--max-pages`` (``ParserOptions.max_pages``), of ``parse`` and ``batch``."""
+    p.add_argument(
+        "--max-pages",
+        type=positive_int,
+        default=DEFAULT_MAX_PAGES,
+        help="refuse an input that selects more pages than this, before reading any (default: %(default)s)",
     )
 
 
@@ -132,7 +144,8 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
         help="split a document with more selected pages into tasks of this many pages, run on different actors "
         "(%(default)s)",
     )
-    p.add_argument("--pages", help="1-based page range of every input, e.g. '1-3,5'")
+    p.add_argument("--pages", help="1-based page range of every input, e.g. '1-3,5' (clamped to each document)")
+    add_max_pages_argument(p)
     p.add_argument("--password", help="user password of encrypted PDFs")
     p.add_argument("--replay", type=Path, help="directory of <stem>.json replay traces (tests, benchmarks)")
     add_options_arguments(p)

@@ -26,6 +26,7 @@ connection broke after it was sent is sent again too, so the service may parse t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import os
 import random
@@ -41,6 +42,7 @@ from . import __version__
 from .errors import (
     AuthenticationFailed,
     DocumentRejected,
+    InputError,
     JobFailed,
     JobNotFound,
     RateLimited,
@@ -48,6 +50,7 @@ from .errors import (
     ServiceUnavailable,
     ServiceUnreachable,
 )
+from .inputs import parse_page_range
 from .upload import Upload, UploadPolicy, UploadSource, prepare_upload
 
 __all__ = ["Client", "AsyncClient", "RetryPolicy", "UploadPolicy", "error_from_response", "DEFAULT_URL", "API_KEY_ENV"]
@@ -322,17 +325,28 @@ class _Base:
         upload = yield from self._upload(source)
         if not use_jobs:
             files = {"file": (upload.name, upload.data, "application/octet-stream")}
-            return (yield from self._json("POST", "/v1/document/parse", files=files, data=form, timeout=timeout))
+            result = yield from self._json("POST", "/v1/document/parse", files=files, data=form, timeout=timeout)
+            return _noting_clamped(form.get("pages"), result)
         deadline = None if timeout is None else time.monotonic() + timeout
         submitted = 0
         while True:
             job = yield from self._submit(upload, form)  # a new key: the lost job's may still name it
             submitted += 1
             try:
-                return (yield from self._wait(job["job_id"], _left(deadline)))
+                return _noting_clamped(form.get("pages"), (yield from self._wait(job["job_id"], _left(deadline))))
             except (JobNotFound, JobFailed) as exc:
                 if not _lost(exc) or submitted > self.resubmits:
                     raise
+
+
+def _noting_clamped(pages: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """``result``, after logging the warning a local parse logs when the service clamped ``pages``
+    to the document (``inputs.parse_page_range``; the result's metadata has its page count)."""
+    count = ((result.get("metadata") or {}).get("input") or {}).get("page_count")
+    if pages and isinstance(count, int) and count > 0:
+        with contextlib.suppress(InputError):  # the service parsed it: nothing to refuse here
+            parse_page_range(pages, count)
+    return result
 
 
 class Client(_Base):

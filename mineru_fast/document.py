@@ -40,7 +40,8 @@ class ParseError:
             (``"corrupt_document"``, ``"image_too_large"``, ..., ``errors``), ``"layout_unreadable"``
             (the layout output holds no valid block), ``"engine_error"`` (the engine refused or
             failed a request), ``"internal_error"`` (anything else while assembling a page) or
-            ``"batch_task_failed"`` (``mineru-fast batch``: the page's task failed on every attempt).
+            ``"batch_task_failed"`` (``mineru-fast batch``: the page's task failed on every attempt)
+            or ``"interrupted"`` (a ``DocumentWriter`` closed by an exception: pages are missing).
         message: a sentence for people (``str(error)`` is ``"code: message"``).
         page: 0-based page index, None for a document-level error.
     """

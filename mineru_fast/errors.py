@@ -22,6 +22,9 @@ __all__ = [
     "PageRangeError",
     "RenderTimeout",
     "SourceError",
+    "TooManyPages",
+    "DocumentNotFound",
+    "OutputError",
     "ModelLoadError",
     "ModelNotCached",
     "LayoutModelMissing",
@@ -94,11 +97,33 @@ class PageRangeError(InputError):
     code = "bad_page_range"
 
 
+class TooManyPages(InputError):
+    """More pages are selected than one parse takes (``ParserOptions.max_pages``; a few hundred
+    bytes of PDF can claim a million pages)."""
+
+    code = "too_many_pages"
+
+
+class DocumentNotFound(InputError, FileNotFoundError):
+    """The document's path does not exist. Also a ``FileNotFoundError``; the message is
+    ``"no such file: <path>"`` wherever it is raised (``DocumentParser``, ``mineru_fast.client``)."""
+
+    code = "document_not_found"
+
+
 class SourceError(InputError):
     """An input location cannot be listed or read: a URI scheme pyarrow has no filesystem for, a
     path that does not exist, a store that cannot be reached (``mineru-fast batch`` inputs)."""
 
     code = "source_unreadable"
+
+
+class OutputError(MineruFastError, OSError):
+    """The outputs cannot be written: a folder that cannot be created or is a file, no permission,
+    a full disk. Also an ``OSError`` (the error of the operating system is chained); ``mineru-fast
+    parse`` stops with its own exit status and leaves no half-written output."""
+
+    code = "output_error"
 
 
 class ModelLoadError(MineruFastError):
@@ -150,7 +175,8 @@ class ServiceError(MineruFastError):
     """The HTTP service answered with an error, or could not be reached (``mineru_fast.client``).
 
     The service's error body is ``{"error": {"code", "message", "request_id"}}``; its fields are
-    kept here.
+    kept here, and ``str(exc)`` is the message alone (the same words as a local parse's error
+    for the same document).
 
     Attributes:
         message: the service's message (or what went wrong on the way).
@@ -174,7 +200,7 @@ class ServiceError(MineruFastError):
         retry_after: float | None = None,
     ) -> None:
         code = code or self.code
-        super().__init__(f"{status} {code}: {message}" if status else message)
+        super().__init__(message)  # str(exc) is the message alone, as every mineru-fast error's
         self.message, self.status, self.code = message, status, code
         self.request_id, self.retry_after = request_id, retry_after
 

@@ -2,9 +2,9 @@
 
 PDFs are rendered with pypdfium2 (200 DPI, long side capped, page ``/Rotate`` honoured, so boxes
 refer to the page as displayed); images are decoded with Pillow (EXIF orientation applied; CMYK,
-16-bit, palette and alpha converted to RGB on white; each frame of a multi-frame TIFF is a page).
-The format is detected from the content, never from the file name. Pages are produced lazily, one
-at a time, so a long PDF never sits in memory as images.
+16-bit, palette and alpha converted to RGB on white; each frame of a multi-frame TIFF is a page),
+and only the formats of ``IMAGE_FORMATS``. The format is detected from the content, never from the
+file name. Pages are produced lazily, one at a time, so a long PDF never sits in memory as images.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import (
     CorruptDocument,
+    DocumentNotFound,
     ImageTooLarge,
     InputError,
     PageRangeError,
     PasswordRequired,
     RenderTimeout,
+    TooManyPages,
     UnsupportedFormat,
 )
 
@@ -48,6 +50,11 @@ Source = str | Path | bytes | bytearray | Image.Image
 DEFAULT_DPI = 200
 DEFAULT_MAX_SIDE = 3500
 DEFAULT_MAX_PIXELS = 150_000_000  # Pillow refuses images above 2 * 89,478,485 pixels regardless.
+DEFAULT_MAX_PAGES = 10_000  # pages one parse may select (ParserOptions.max_pages); the service's default is 500
+IMAGE_FORMATS = ("PNG", "JPEG", "TIFF", "BMP", "GIF", "WEBP", "JPEG2000", "DCX")
+"""The Pillow formats an input may be (``Image.open(formats=...)``; JPEG includes its MPO variant).
+Any other plugin is never tried: EPS and PostScript would run Ghostscript on the upload, and the
+rarer formats' decoders are attack surface the product does not need."""
 _PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
 _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
@@ -80,23 +87,32 @@ class PageLimits(TypedDict):
     render_timeout: float | None
 
 
-def parse_page_range(spec: str | None, page_count: int) -> list[int]:
+def parse_page_range(
+    spec: str | None, page_count: int, *, max_pages: int | None = None, notes: list[str] | None = None
+) -> list[int]:
     """Turn ``"1-3,5"`` (1-based, inclusive; ``"7-"`` means to the end) into sorted 0-based indices.
 
     The text is read as intervals (merged, never expanded one page at a time) and refused beyond
     ``MAX_PAGE_RANGE_CHARS`` characters, so a huge value costs nothing; error messages quote at
-    most a few characters of it.
+    most a few characters of it. A range reaching past the document is clamped to it, as MinerU
+    and docling do (``"1-3"`` on a 2-page document selects pages 1-2); a part wholly past it is
+    dropped; each such change is a warning (logged, and appended to ``notes``).
+
+    Args:
+        spec: the range text; None or blank selects every page.
+        page_count: pages in the document.
+        max_pages: refuse a selection of more pages than this (counted before anything is expanded).
+        notes: receives the warnings about clamped or dropped parts.
 
     Raises:
-        PageRangeError: too long or malformed text, a reversed part (``"2-1"``), a page outside
-            ``1..page_count``, or an empty selection.
+        PageRangeError: too long or malformed text, a reversed part (``"2-1"``), a page below 1,
+            or a selection with no page of the document.
+        TooManyPages: more than ``max_pages`` pages selected.
     """
-    if spec is None or not spec.strip():
-        return list(range(page_count))
-    if len(spec) > MAX_PAGE_RANGE_CHARS:
+    if spec is not None and len(spec) > MAX_PAGE_RANGE_CHARS:
         raise PageRangeError(f"the page range is {len(spec):,} characters long; the limit is {MAX_PAGE_RANGE_CHARS:,}")
     intervals: list[tuple[int, int]] = []
-    for part in spec.split(","):
+    for part in spec.split(",") if spec is not None and spec.strip() else ["-"]:
         part = part.strip()
         match = _RANGE_PART.fullmatch(part)
         if match is None or not (match.group(1) or match.group(2)):
@@ -106,14 +122,33 @@ def parse_page_range(spec: str | None, page_count: int) -> list[int]:
         hi = (int(hi_s) if hi_s else page_count) if dash else lo
         if hi_s and lo > hi >= 1:
             raise PageRangeError(f"page range {_quote(part)} is reversed: write '{hi}-{lo}'")
-        if lo < 1 or hi > page_count or lo > hi:
+        if lo < 1 or lo > hi:
             raise PageRangeError(f"page range {_quote(part)} is outside 1-{page_count}")
+        if lo > page_count:
+            _note(notes, f"page range {_quote(part)} is past the document's {page_count} page(s): dropped")
+            continue
+        if hi > page_count:
+            _note(notes, f"page range {_quote(part)} clamped to the document's {page_count} page(s): {lo}-{page_count}")
+            hi = page_count
         intervals.append((lo - 1, hi))
-    selected: list[int] = []
-    for lo, hi in sorted(intervals):  # merged: each page is listed once, in order
-        start = max(lo, selected[-1] + 1) if selected else lo
-        selected.extend(range(start, hi))
-    return selected
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(intervals):  # each page once, in order
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    if not merged:
+        raise PageRangeError(f"page range {_quote(spec or '')} is outside 1-{page_count}")
+    selected = sum(hi - lo for lo, hi in merged)
+    if max_pages is not None and selected > max_pages:
+        raise TooManyPages(f"{selected:,} pages selected; one parse takes at most {max_pages:,} (max_pages option)")
+    return [index for lo, hi in merged for index in range(lo, hi)]
+
+
+def _note(notes: list[str] | None, message: str) -> None:
+    logger.warning("%s", message)
+    if notes is not None:
+        notes.append(message)
 
 
 def _quote(text: str, limit: int = 24) -> str:
@@ -170,6 +205,8 @@ class OpenedDocument:
         page_count: pages (frames) in the whole document.
         page_indices: 0-based indices of the selected pages, ascending.
         sha256: hex SHA-256 of the file's bytes; None for a PIL image source.
+        warnings: what the page selection changed (a range clamped to the document, see
+            ``parse_page_range``); also logged.
     """
 
     name: str
@@ -177,6 +214,7 @@ class OpenedDocument:
     page_count: int
     page_indices: list[int]
     sha256: str | None = None
+    warnings: list[str] = field(default_factory=list)
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_pixels: int = DEFAULT_MAX_PIXELS
@@ -460,17 +498,28 @@ def _read_source(source: str | Path | bytes | bytearray) -> tuple[str, bytes]:
     if isinstance(source, (bytes, bytearray)):
         return "document", bytes(source)
     path = Path(source)
+    return path.stem or "document", read_path(path)
+
+
+def read_path(path: Path) -> bytes:
+    """A document file's bytes (``DocumentParser`` and ``mineru_fast.client`` read files so).
+
+    Raises:
+        DocumentNotFound: no such file. InputError: a directory, or the file cannot be read.
+    """
     try:
-        return path.stem or "document", path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
-        raise InputError(f"no such file: {path}") from None
+        raise DocumentNotFound(f"no such file: {path}") from None
     except IsADirectoryError:
         raise InputError(f"is a directory, not a document: {path}") from None
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
-def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, limits: PageLimits) -> OpenedDocument:
+def _open_pdf(
+    name: str, data: bytes, password: str | None, pages: str | None, limits: PageLimits, max_pages: int
+) -> OpenedDocument:
     import pypdfium2 as pdfium
 
     with _PDFIUM_LOCK:
@@ -488,16 +537,17 @@ def _open_pdf(name: str, data: bytes, password: str | None, pages: str | None, l
     if page_count == 0:
         pdf.close()
         raise CorruptDocument(f"{name}: the PDF has no pages")
+    notes: list[str] = []
     try:
-        indices = parse_page_range(pages, page_count)
-    except PageRangeError:
+        indices = parse_page_range(pages, page_count, max_pages=max_pages, notes=notes)
+    except InputError:
         pdf.close()
         raise
-    return OpenedDocument(name, "pdf", page_count, indices, _pdf=pdf, **limits)
+    return OpenedDocument(name, "pdf", page_count, indices, warnings=notes, _pdf=pdf, **limits)
 
 
 def _open_image(
-    name: str, image: Image.Image, pages: str | None, limits: PageLimits, owned: bool = True
+    name: str, image: Image.Image, pages: str | None, limits: PageLimits, max_pages: int, owned: bool = True
 ) -> OpenedDocument:
     try:
         frames = _count_frames(name, image) if image.format in _MULTI_FRAME_FORMATS else 1
@@ -507,7 +557,7 @@ def _open_image(
         raise CorruptDocument(f"{name}: cannot read the image's frames: {_describe(exc)}") from exc
     opened = OpenedDocument(name, image.format or "image", frames, [], _image=image, _owns_image=owned, **limits)
     try:
-        opened.page_indices = parse_page_range(pages, frames)
+        opened.page_indices = parse_page_range(pages, frames, max_pages=max_pages, notes=opened.warnings)
         opened._check_pixels(image.size, 0)
     except InputError:
         opened.close()
@@ -549,6 +599,7 @@ def open_document(
     dpi: int = DEFAULT_DPI,
     max_side: int = DEFAULT_MAX_SIDE,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pages: int = DEFAULT_MAX_PAGES,
     decode_first: bool = True,
     render_timeout: float | None = None,
 ) -> OpenedDocument:
@@ -557,11 +608,13 @@ def open_document(
     Args:
         source: file path, raw bytes, or a ``PIL.Image.Image`` (one page).
         password: user password of an encrypted PDF.
-        pages: 1-based page range such as ``"1-3,5"``; None selects every page.
+        pages: 1-based page range such as ``"1-3,5"``; None selects every page. A range past the
+            document is clamped to it, with a warning (``OpenedDocument.warnings``).
         dpi: PDF render resolution in dots per inch.
         max_side: longest side of a page image in pixels (PDF scale and images are capped).
         max_pixels: refuse images, image frames or PDF pages (at render size) with more pixels
             than this; each is checked from its header before it is decoded.
+        max_pages: refuse a selection of more pages than this, before any page is read.
         decode_first: decode an image's first frame now, so that a truncated file fails here;
             False reads headers only (then nothing is decoded before ``render``).
         render_timeout: seconds a PDF page may take to render; None renders in this process
@@ -573,26 +626,26 @@ def open_document(
         An ``OpenedDocument``; close it (or use it as a context manager) when done.
 
     Raises:
-        InputError: unreadable path. UnsupportedFormat: neither PDF nor image. CorruptDocument:
-        empty or damaged. PasswordRequired: encrypted PDF without the right password.
+        DocumentNotFound: no such file. InputError: unreadable path. UnsupportedFormat: neither
+        PDF nor image. CorruptDocument: empty or damaged. PasswordRequired: encrypted PDF without the right password.
         ImageTooLarge: the first frame is over ``max_pixels`` (later frames fail at ``render``).
-        PageRangeError: bad ``pages``.
+        PageRangeError: bad ``pages``. TooManyPages: more than ``max_pages`` pages selected.
     """
     limits = PageLimits(dpi=dpi, max_side=max_side, max_pixels=max_pixels, render_timeout=render_timeout)
     if isinstance(source, Image.Image):
-        return _open_image("document", source, pages, limits, owned=False)
+        return _open_image("document", source, pages, limits, max_pages, owned=False)
     name, data = _read_source(source)
     if not data:
         raise CorruptDocument(f"{name}: the file is empty (0 bytes)")
     if b"%PDF-" in data[:1024]:
-        opened = _open_pdf(name, data, password, pages, limits)
+        opened = _open_pdf(name, data, password, pages, limits, max_pages)
         opened.sha256 = hashlib.sha256(data).hexdigest()
         opened._source = (data, password)  # for a render process
         return opened
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{name}: {exc}") from exc
     except UnidentifiedImageError:
@@ -600,7 +653,7 @@ def open_document(
     except Exception as exc:  # Pillow's format plugins raise many types on malformed headers
         raise CorruptDocument(f"{name}: cannot decode image: {_describe(exc)}") from exc
     with _closing_on_error(image):
-        opened = _open_image(name, image, pages, limits)
+        opened = _open_image(name, image, pages, limits, max_pages)
     opened.sha256 = hashlib.sha256(data).hexdigest()
     if decode_first:
         with _closing_on_error(opened), opened._decoding(0):

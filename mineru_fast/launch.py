@@ -4,7 +4,7 @@ Each worker is a separate process pinned to its CPUs (``os.sched_setaffinity`` b
 so torch sizes its thread pool to them) and, on a machine with several NUMA nodes and ``numactl``
 installed, with its memory bound to its node. Inputs are dealt round-robin; every worker line is
 streamed with a ``[wN]`` prefix. Exit status: the worst of the workers' (0 ok, 1 pages failed,
-2 input or usage error), or ``EXIT_CRASHED`` when a worker died (signal or other status), in which
+2 input or usage error, 4 output error), or ``EXIT_CRASHED`` when a worker died (signal or other status), in which
 case the inputs it had not finished are listed. Inputs that would write the same ``OUT/<stem>/``
 are refused before any worker starts (``EXIT_USAGE``, one line per clash), as ``parse`` does.
 """
@@ -26,7 +26,7 @@ from .cli_options import add_parse_arguments, clash_message, expand_inputs, outp
 from .cpu import CoreGroup, Topology, core_group, format_cpulist, node_cores, read_topology, whole_chunks
 from .errors import MineruFastError
 
-EXIT_USAGE, EXIT_CRASHED = 2, 3  # 2 as parse's
+EXIT_USAGE, EXIT_CRASHED, EXIT_OUTPUT = 2, 3, 4  # 2 and 4 as parse's
 WORKER = (sys.executable, "-m", "mineru_fast")
 
 
@@ -177,7 +177,7 @@ def launch(
     status = 0
     for w in workers:
         code = w.process.wait()
-        if code in (0, 1, 2):
+        if code in (0, 1, 2, EXIT_OUTPUT):
             status = max(status, code)
             continue
         status = EXIT_CRASHED

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .inputs import DEFAULT_DPI, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
+from .inputs import DEFAULT_DPI, DEFAULT_MAX_PAGES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
 from .protocol import LAYOUT_TASK, MODEL_VERSIONS, SamplingParams, sampling_for
 
 ENGINES = ("fast", "reference")
@@ -90,6 +90,8 @@ class ParserOptions:
             recorded measurement says is faster on this CPU); fast engine only (see
             ``engine.backends``).
         threads: intra-op threads; None = the physical cores available to the process.
+        max_pages: most pages one document may select; more is refused (``errors.TooManyPages``)
+            before any page is read (default ``inputs.DEFAULT_MAX_PAGES``).
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         render_timeout: seconds a PDF page may take to render; None = no bound, in this process
             (with a bound pages render in a child process, killed when one takes longer: that
@@ -138,6 +140,7 @@ class ParserOptions:
     repetition_window: int = 512
     backend: str = "stock"
     threads: int | None = None
+    max_pages: int = DEFAULT_MAX_PAGES
     dpi: int = DEFAULT_DPI
     max_side: int = DEFAULT_MAX_SIDE
     max_image_pixels: int = DEFAULT_MAX_PIXELS
@@ -185,7 +188,7 @@ class ParserOptions:
             raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
-        for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels"):
+        for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels", "max_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.render_timeout is not None and not (math.isfinite(self.render_timeout) and self.render_timeout > 0):
@@ -225,11 +228,18 @@ class ParserOptions:
             return self.tier
         return "standard" if self.layout_model is not None else "advanced"
 
-    def sampling(self, task: str) -> SamplingParams:
-        """Sampling parameters of a task (``"layout"`` or a block type), bounds applied."""
+    def sampling(self, task: str, *, replayed: bool = False) -> SamplingParams:
+        """Sampling parameters of a task (``"layout"`` or a block type), bounds applied.
+
+        Args:
+            task: ``"layout"`` or a block type.
+            replayed: the request replays a trace's output: ``max_new_tokens`` bounds free decoding
+                only, so the protocol's own bound applies (``protocol.SAMPLING``) and the trace's
+                output comes out whole, as the service has always replayed it.
+        """
         params = sampling_for(task)
         key = task if task in TASKS else "text"
-        if key in self.max_new_tokens:
+        if key in self.max_new_tokens and not replayed:
             params = replace(params, max_new_tokens=self.max_new_tokens[key])
         return params
 

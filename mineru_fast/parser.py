@@ -352,7 +352,7 @@ class DocumentParser:
         if isinstance(source, list):
             opened = _ImagePages(source, limits)
         else:
-            opened = open_document(source, pages=pages, password=password, **limits)
+            opened = open_document(source, pages=pages, password=password, max_pages=o.max_pages, **limits)
         with opened:
             if trace is not None and len(trace.pages) < opened.page_count:
                 raise TraceError(f"trace has {len(trace.pages)} pages, {opened.name} has {opened.page_count}")
@@ -426,6 +426,11 @@ class DocumentParser:
                         work.page_text = opened.page_text(index)
                     except InputError as exc:  # an unreadable text layer: the page is read from its image
                         page.warnings.append(f"text layer not read ({exc}); page read from its image")
+                    if work.page_text is not None and (hidden := sum(c.hidden for c in work.page_text.chars)):
+                        warning = (f"{hidden} invisible or white characters of the text layer left out; "
+                                   "a block with nothing visible left is read from the page image")  # fmt: skip
+                        logger.warning("page %d: %s", index + 1, warning)
+                        page.warnings.append(warning)
                     page.timings["text_layer"] = time.perf_counter() - start
             return work
         page.ocr_mode, page.ocr_reason = "ocr", "the advanced tier reads every block from the page image"
@@ -433,7 +438,7 @@ class DocumentParser:
             request = GenerationRequest(
                 layout_image(page.image),
                 prompt_for(LAYOUT_TASK),
-                self.options.sampling(LAYOUT_TASK),
+                self.options.sampling(LAYOUT_TASK, replayed=work.trace is not None),
                 forced_text=work.trace.layout if work.trace else None,
             )
             try:
@@ -510,7 +515,12 @@ class DocumentParser:
             if trace is not None and forced is None:
                 page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
             work.contents[request.block_index] = self.engine.submit(
-                GenerationRequest(request.image, request.prompt, self.options.sampling(request.task), forced)
+                GenerationRequest(
+                    request.image,
+                    request.prompt,
+                    self.options.sampling(request.task, replayed=forced is not None),
+                    forced,
+                )
             )
         formulas = [read for read in plan.reads if read.formula is not None]
         if formulas:
@@ -558,7 +568,7 @@ class DocumentParser:
                 forced = trace.content_for(page_layout.blocks[request.block_index])
                 if forced is None:
                     page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
-            sampling = self.options.sampling(request.task)
+            sampling = self.options.sampling(request.task, replayed=forced is not None)
             work.contents[request.block_index] = self.engine.submit(
                 GenerationRequest(request.image, request.prompt, sampling, forced)
             )

@@ -19,7 +19,7 @@ from typing import BinaryIO
 from PIL import Image, UnidentifiedImageError
 
 from .errors import InputError
-from .inputs import DEFAULT_MAX_SIDE, open_document
+from .inputs import DEFAULT_MAX_SIDE, IMAGE_FORMATS, open_document, read_path
 
 __all__ = ["UploadPolicy", "Upload", "prepare_upload"]
 
@@ -79,10 +79,7 @@ def _read(source: UploadSource) -> tuple[str, bytes]:
         return "document", bytes(source)
     if isinstance(source, (str, Path)):
         path = Path(source)
-        try:
-            return path.name, path.read_bytes()
-        except OSError as exc:
-            raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        return path.name, read_path(path)
     return Path(getattr(source, "name", "document")).name or "document", source.read()
 
 
@@ -94,7 +91,7 @@ def _needs_shrinking(data: bytes, policy: UploadPolicy) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as probe:  # reads the header only
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as probe:  # reads the header only
                 size, frames, fmt = probe.size, getattr(probe, "n_frames", 1), probe.format
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
         return None

@@ -22,13 +22,15 @@ import html
 import json
 import re
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import IO, Any
 
 from .document import Confidence, Page, ParseError
+from .errors import OutputError
 from .metadata import head_dict
 from .mineru4 import CONFIDENCE_KEY, page_model, plain_text
 
@@ -537,15 +539,23 @@ def _write_json_array(out: IO[str], items: Iterable[object], indent: int, level:
     out.write("]" if first else "\n" + " " * indent * level + "]")
 
 
+_FILES = ("{}.md", "{}_content_list.json", "{}.json")  # a document's final files, by stem
+PART = ".part"  # suffix of a final file while it is written; renamed into place by close
+INTERRUPTED = "interrupted"  # code of the error a writer closed by an exception records
+
+
 def remove_outputs(out_dir: Path, name: str) -> None:
-    """Remove what a ``DocumentWriter`` wrote for document ``name`` into ``out_dir`` before: its four
-    files (``<name>.md``, ``<name>_content_list.json``, ``<name>.json``, ``<name>.pages.jsonl``),
+    """Remove what a ``DocumentWriter`` wrote for document ``name`` into ``out_dir`` before: its
+    files (``<name>.md``, ``<name>_content_list.json``, ``<name>.json``, their ``.part`` files and
+    ``<name>.pages.jsonl``),
     the crops and overlays it names in ``images/`` and ``layout/``, and those folders once empty.
     Any other file stays, and so do ``images/`` and ``layout/`` when the folder also holds another
     document's content list (crop names do not say which document wrote them).
     """
-    for file_name in (f"{name}.md", f"{name}_content_list.json", f"{name}.json", f"{name}.pages.jsonl"):
-        (out_dir / file_name).unlink(missing_ok=True)
+    for file_name in _FILES:
+        (out_dir / file_name.format(name)).unlink(missing_ok=True)
+        (out_dir / (file_name.format(name) + PART)).unlink(missing_ok=True)
+    (out_dir / f"{name}.pages.jsonl").unlink(missing_ok=True)
     if any(out_dir.glob("*_content_list.json")):  # another document's outputs share the folder
         return
     for folder, written in _WRITTEN_IN.items():
@@ -589,8 +599,15 @@ class DocumentWriter:
     Each ``add_page`` renders the page, writes its crops and overlay at once, appends its Markdown
     and content-list items to the open output files and its full record to ``<stem>.pages.jsonl``,
     then (``release``) drops the page's images. While a long document runs, the pages already done
-    are on disk. ``close`` finishes the files and assembles ``<stem>.json`` from the recorded pages,
-    one page at a time, then removes the ``.jsonl``.
+    are on disk, in ``<stem>.md.part`` and ``<stem>_content_list.json.part``. ``close`` finishes the
+    files, assembles ``<stem>.json`` from the recorded pages, one page at a time, removes the
+    ``.jsonl`` and only then renames the three files into place: a final file is always whole.
+
+    Used as a context manager, a ``with`` block left by an exception (the loop feeding the pages
+    raised) still closes the files, but records the document as a ``failure`` with an
+    ``"interrupted"`` error naming the exception and the pages written: results never claim more
+    than they hold. An ``OSError`` while writing (no permission, a full disk, the folder is a file)
+    removes everything written for the document and is raised as ``errors.OutputError``.
 
     A folder written before (a re-parse) holds only the new outputs afterwards: the earlier run's
     files of this document are removed first (``remove_outputs``), any other file is kept.
@@ -604,6 +621,9 @@ class DocumentWriter:
         metadata: the result's metadata block (``DocumentParser.result_metadata``), written into
             ``<stem>.json``.
         confidence: add the ``mf_confidence`` extension field to the content-list items.
+
+    Raises:
+        OutputError: the folder cannot be created or written (the path is a file, no permission).
     """
 
     def __init__(
@@ -617,25 +637,68 @@ class DocumentWriter:
         confidence: bool = False,
     ) -> None:
         self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        remove_outputs(self.out, name)
         self.name, self.overlays, self.release = name, overlays, release
         self.metadata, self.confidence = metadata, confidence
-        self._md: IO[str] = (self.out / f"{name}.md").open("w", encoding="utf-8")
-        self._cl: IO[str] = (self.out / f"{name}_content_list.json").open("w", encoding="utf-8")
-        self._pages_path = self.out / f"{name}.pages.jsonl"
-        self._pages: IO[str] = self._pages_path.open("w", encoding="utf-8")
+        self._handles: list[IO[str]] = []
         self._md_started = self._cl_started = False
         self.statuses: list[str] = []
         self.timings: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.document_status: str | None = None  # set by close
+        self._pages_path = self.out / f"{name}.pages.jsonl"
+        with self._output_errors():
+            self.out.mkdir(parents=True, exist_ok=True)
+            remove_outputs(self.out, name)
+            self._md = self._open(self._part("{}.md"), "w")
+            self._cl = self._open(self._part("{}_content_list.json"), "w")
+            self._pages = self._open(self._pages_path, "w")
+
+    def _part(self, file_name: str) -> Path:
+        return self.out / (file_name.format(self.name) + PART)
+
+    def _open(self, path: Path, mode: str) -> IO[str]:
+        handle = path.open(mode, encoding="utf-8")
+        self._handles.append(handle)
+        return handle
+
+    @contextmanager
+    def _output_errors(self) -> Iterator[None]:
+        """Turn an ``OSError`` of the block into ``OutputError`` after ``abort``."""
+        try:
+            yield
+        except OSError as exc:
+            if isinstance(exc, OutputError):
+                raise
+            self.abort()
+            reason = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+            raise OutputError(f"cannot write the outputs of {self.name} in {self.out}: {reason}") from exc
+
+    def abort(self) -> None:
+        """Close the files and remove everything written for the document (``remove_outputs``);
+        errors while removing are ignored (the folder may be unwritable: nothing was written there)."""
+        for handle in self._handles:
+            with suppress(OSError):
+                handle.close()
+        self._handles.clear()
+        with suppress(OSError):
+            remove_outputs(self.out, self.name)
 
     def add_page(self, page: Page) -> PageOutput:
         """Render and write one finished page; returns what it contributed. A page without its
         image (``release``d elsewhere, e.g. by a batch actor that wrote its images itself with
-        ``write_page_images``) adds its text and record, and whatever ``page.crops`` holds."""
+        ``write_page_images``) adds its text and record, and whatever ``page.crops`` holds.
+
+        Raises:
+            OutputError: a file could not be written (nothing of the document is left).
+        """
         output = render_page(page, confidence=self.confidence)
+        with self._output_errors():
+            self._write_page(page, output)
+        if self.release:
+            page.image, page.crops = None, {}
+        return output
+
+    def _write_page(self, page: Page, output: PageOutput) -> None:
         if output.markdown:
             self._md.write(("\n\n" if self._md_started else "") + output.markdown)
             self._md_started = True
@@ -653,16 +716,19 @@ class DocumentWriter:
             self.timings[key] = self.timings.get(key, 0.0) + value
         for key, count in page.counts.items():
             self.counts[key] = self.counts.get(key, 0) + count
-        if self.release:
-            page.image, page.crops = None, {}
-        return output
 
     def __enter__(self) -> DocumentWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if not self._md.closed:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if not self._handles:  # closed, or aborted by an output error
+            return
+        if exc is None:
             self.close()
+            return
+        message = f"writing stopped after {len(self.statuses)} page(s): {type(exc).__name__}: {exc}"
+        with suppress(OutputError):  # the exception of the block is the one that propagates
+            self.close([ParseError(INTERRUPTED, message)])
 
     def close(self, errors: list[ParseError] | None = None, wall_s: float | None = None) -> Path:
         """Finish the files and assemble ``<stem>.json`` (``Document.to_dict``'s layout).
@@ -673,21 +739,29 @@ class DocumentWriter:
 
         Returns:
             The output directory.
+
+        Raises:
+            OutputError: a file could not be written (nothing of the document is left).
         """
         from .document import status_of
 
-        self._cl.write("\n]" if self._cl_started else "[]")
-        for handle in (self._md, self._cl, self._pages):
-            handle.close()
         errors = list(errors or [])
         timings = dict(self.timings)
         if wall_s is not None:
             timings["wall"] = wall_s
-        self.document_status = status_of(errors, self.statuses)
-        head = head_dict(self.name, self.document_status, self.metadata, errors, timings, self.counts)
-        with (self.out / f"{self.name}.json").open("w", encoding="utf-8") as full, self._pages_path.open() as lines:
-            full.write(json.dumps(head, ensure_ascii=False, indent=2)[:-2] + ',\n  "pages": ')
-            _write_json_array(full, (json.loads(line) for line in lines), indent=2, level=1)
-            full.write("\n}")
-        self._pages_path.unlink()
+        status = status_of(errors, self.statuses)
+        head = head_dict(self.name, status, self.metadata, errors, timings, self.counts)
+        with self._output_errors():
+            self._cl.write("\n]" if self._cl_started else "[]")
+            for handle in (self._md, self._cl, self._pages):
+                handle.close()
+            with self._open(self._part("{}.json"), "w") as full, self._pages_path.open() as lines:
+                full.write(json.dumps(head, ensure_ascii=False, indent=2)[:-2] + ',\n  "pages": ')
+                _write_json_array(full, (json.loads(line) for line in lines), indent=2, level=1)
+                full.write("\n}")
+            self._handles.clear()
+            self._pages_path.unlink()
+            for file_name in _FILES:
+                self._part(file_name).replace(self.out / file_name.format(self.name))
+        self.document_status = status
         return self.out

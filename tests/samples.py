@@ -53,6 +53,40 @@ def sample_trace(n_pages: int):
     return Trace([PageTrace(SAMPLE_LAYOUT, list(SAMPLE_CONTENTS)) for _ in range(n_pages)])
 
 
+def hidden_text_pdf(visible: str, hidden: str, white: str) -> bytes:
+    """One page with a visible line, an invisible one (render mode 3) on top of it and a white one
+    (fill 255,255,255) just below, in the same text block."""
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+
+    pdf = pdfium.PdfDocument.new()
+    font = pdfium_c.FPDFText_LoadStandardFont(pdf, b"Helvetica")
+    page = pdf.new_page(612, 792)
+    _pdfium_text(pdf, page, font, 12, 72, 700, visible)
+    _pdfium_text(pdf, page, font, 12, 72, 700, hidden, pdfium_c.FPDF_TEXTRENDERMODE_INVISIBLE)
+    _pdfium_text(pdf, page, font, 12, 72, 686, white, fill=(255, 255, 255, 255))
+    page.gen_content()
+    return _saved(pdf)
+
+
+def claimed_pages_pdf(count: int) -> bytes:
+    """A PDF of one real page whose page tree claims ``count`` pages (a few hundred bytes; PDFium
+    reports ``count`` pages, the others fail to load)."""
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count %d >>" % count,
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>",
+    ]
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+
+
 def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int], **kwargs: object) -> bytes:
     """A multi-frame TIFF of ``frames`` whose frame ``index`` header claims ``size`` (width, height).
 
@@ -91,8 +125,11 @@ def blank_png(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
-def _pdfium_text(pdf, page, font, size: float, x: float, y: float, text: str, mode: int | None = None) -> None:
-    """Draw ``text`` with its baseline at (x, y) points (PDF user space, origin bottom left)."""
+def _pdfium_text(
+    pdf, page, font, size: float, x: float, y: float, text: str, mode: int | None = None, fill: tuple | None = None
+) -> None:
+    """Draw ``text`` with its baseline at (x, y) points (PDF user space, origin bottom left), with
+    text render ``mode`` and ``fill`` colour ``(r, g, b, a)`` when given."""
     import ctypes
 
     import pypdfium2.raw as pdfium_c
@@ -102,6 +139,8 @@ def _pdfium_text(pdf, page, font, size: float, x: float, y: float, text: str, mo
     pdfium_c.FPDFText_SetText(obj, ctypes.cast(wide, ctypes.POINTER(pdfium_c.FPDF_WCHAR)))
     if mode is not None:
         pdfium_c.FPDFTextObj_SetTextRenderMode(obj, mode)
+    if fill is not None:
+        pdfium_c.FPDFPageObj_SetFillColor(obj, *fill)
     pdfium_c.FPDFPageObj_Transform(obj, 1, 0, 0, 1, x, y)
     pdfium_c.FPDFPage_InsertObject(page, obj)
 

@@ -166,6 +166,20 @@ def test_the_manifest_keeps_each_documents_last_record_and_checks_outputs(tmp_pa
     assert manifest.complete() == {"a"}  # b has no outputs on disk, c never parsed
 
 
+def test_a_record_after_a_torn_last_line_is_kept(tmp_path):
+    """The next record was written onto the torn line and lost with it: ``--resume`` parsed the
+    document again."""
+    manifest = Manifest(tmp_path)
+    manifest.append(Record("in/a.pdf", "a", "success", 2, None, 1, 4.0))
+    with manifest.path.open("a") as out:
+        out.write('{"document": "in/d.pdf", "na')  # a line cut by a crash
+    manifest.append(Record("in/b.pdf", "b", "success", 1, None, 1, 2.0))
+    manifest.append(Record("in/c.pdf", "c", "partial", 1, None, 1, 2.0))
+    assert sorted(manifest.records()) == ["a", "b", "c"]
+    lines = manifest.path.read_text().splitlines()
+    assert len(lines) == 4 and lines[1] == '{"document": "in/d.pdf", "na'
+
+
 def test_the_job_plan_refuses_clashing_names_and_empty_inputs(tmp_path):
     for folder in ("x", "y"):
         (tmp_path / folder).mkdir()
@@ -371,3 +385,30 @@ def test_a_ray_address_with_no_cluster_is_one_error_line_not_a_traceback(tmp_pat
         err == "mineru-fast: error: cannot join the Ray cluster at 'auto': Could not find any running Ray instance. "
         "Please specify the one to connect to by ...\n"
     )
+
+
+def test_inspection_rows_carry_their_own_pages_not_the_document_task_list(tmp_path):
+    """Every task row carried the whole document's task list and page list, so inspection memory
+    grew with the square of the page count (a 347-byte PDF claiming 1M pages: ~300 GB)."""
+    import pickle
+
+    from samples import claimed_pages_pdf
+
+    from mineru_fast.distributed.batch import ITEM, _inspect, _item, _Job, _row
+
+    def rows(count: int, max_pages: int = 10_000) -> list[dict]:
+        path = tmp_path / f"claims{count}.pdf"
+        path.write_bytes(claimed_pages_pdf(count))
+        job = _Job(Source(str(path), str(path)), path.stem)
+        return _inspect(_row(job), None, None, None, 32, max_pages)
+
+    small, large = rows(320), rows(3200)
+    assert (len(small), len(large)) == (10, 100)
+    overhead = [len(row[ITEM]) - len(claimed_pages_pdf(3200)) for row in large]
+    assert max(overhead) < 1500  # a row of 3200 pages' lists is over 10 KB
+    tasks = [_item(row) for row in large]
+    assert [task.pages for task in tasks[:2]] == ["1-32", "33-64"] and tasks[-1].pages == "3169-3200"
+    assert {task.selection for task in tasks} == {"1-3200"} and tasks[0].info.pages == ()
+    (refused,) = rows(1_000_000)  # over the page cap: one error row, at once
+    outcome = pickle.loads(refused[ITEM])
+    assert outcome.kind == "error" and outcome.error.startswith("TooManyPages: 1,000,000 pages selected")

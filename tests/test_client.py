@@ -25,6 +25,7 @@ from serve_helpers import REPO, Server, free_port, wait_ready
 from mineru_fast.client import AsyncClient, Client, RetryPolicy, _Retries, error_from_response
 from mineru_fast.errors import (
     AuthenticationFailed,
+    DocumentNotFound,
     DocumentRejected,
     InputError,
     JobNotFound,
@@ -72,6 +73,7 @@ def test_errors_are_typed_from_the_service_body():
         "password_required happened",
         "r1",
     )
+    assert str(rejected) == "password_required happened"  # the message alone, as the README says
     assert type(error_from_response(error(401, "invalid_api_key"))) is AuthenticationFailed
     assert type(error_from_response(error(404, "job_not_found"))) is JobNotFound
     assert type(error_from_response(error(404, "not_found"))) is ServiceError  # a route, not a job
@@ -225,8 +227,13 @@ def test_what_is_left_alone_and_what_is_reencoded(tmp_path):
     upload = prepare_upload(jpeg, UploadPolicy(max_side=1000))
     shrunk = Image.open(io.BytesIO(upload.data))
     assert (shrunk.format, shrunk.size) == ("JPEG", (750, 1000))
-    with pytest.raises(InputError, match="cannot read"):
-        prepare_upload(tmp_path / "missing.pdf")
+    missing = tmp_path / "missing.pdf"
+    with pytest.raises(DocumentNotFound) as by_client:  # was "cannot read ...: No such file or directory"
+        prepare_upload(missing)
+    with pytest.raises(DocumentNotFound) as by_parser:
+        open_document(missing)
+    assert str(by_client.value) == str(by_parser.value) == f"no such file: {missing}"
+    assert isinstance(by_client.value, FileNotFoundError) and isinstance(by_client.value, InputError)
 
 
 # -- the real service ------------------------------------------------------------------------------
@@ -386,3 +393,18 @@ def test_client_survives_a_server_restart_mid_poll(service):
     assert any(isinstance(o, str) for o in outcomes), "the client never saw the server gone"
     accepted = [entry[4] for entry in recorder.log if entry[3] == "POST" and entry[5] == 202]
     assert accepted == ["/v1/jobs", "/v1/jobs"]  # the lost job was submitted again, once
+
+
+def test_a_page_range_the_service_clamped_is_a_warning_here_too(caplog):
+    """``pages="1-3"`` on a 2-page document: the service clamps it (``inputs.parse_page_range``);
+    the client logs the same warning a local parse logs."""
+    result = {"status": "success", "metadata": {"input": {"page_count": 2, "pages": [0, 1]}}, "pages": []}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=result)
+
+    with Client("http://svc", retries=FAST, transport=httpx.MockTransport(handle)) as client:
+        with caplog.at_level("WARNING", logger="mineru_fast.inputs"):
+            assert client.parse(pdf_bytes(2), pages="1-3", use_jobs=False) == result
+            assert client.parse(pdf_bytes(2), pages="1-2", use_jobs=False) == result
+    assert [r.getMessage() for r in caplog.records] == ["page range '1-3' clamped to the document's 2 page(s): 1-2"]

@@ -3,6 +3,7 @@ cluster (``ray.cluster_utils.Cluster``, two nodes of 1 CPU each, shared by every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -187,6 +188,53 @@ def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_
     assert parsed_now == {Path(name).stem for name in documents} - done_before
     assert all(record.status == "success" for record in summary.records)
     assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, "a_one", "b_long", "c_one"])
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Ids of the processes whose environment holds ``text`` (Ray's workers rename their command
+    line, not their environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def test_a_killed_driver_takes_its_local_ray_with_it(tiny_model, tmp_path):
+    """Ray's dashboard and runtime-env agents kept running, adopted by init, after the batch
+    driver was killed (SIGTERM and SIGINT run Ray's shutdown; SIGKILL runs nothing)."""
+    import tempfile
+
+    inputs, traces = make_collection(tmp_path, {"long.pdf": 8})
+    ray_dir = tempfile.mkdtemp(prefix="mfray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    log = tmp_path / "driver.log"
+    argv = [sys.executable, "-m", "mineru_fast", "batch", str(inputs), "-o", str(tmp_path / "out"),
+            "--model", str(tiny_model), "--replay", str(traces), "--actors", "1", "--cores-per-actor", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["RAY_TMPDIR"] = ray_dir
+    env.pop("RAY_ADDRESS", None)
+    with log.open("w") as err:
+        driver = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 240
+        while "actor(s) x" not in log.read_text() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert driver.poll() is None and _processes_naming(ray_dir), log.read_text()[-2000:]  # Ray runs
+        driver.kill()
+        assert driver.wait(timeout=120) == -signal.SIGKILL
+        deadline = time.monotonic() + 120  # the reaper's grace (10 s) and its kills, on a loaded machine
+        while _processes_naming(ray_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_naming(ray_dir) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for pid in _processes_naming(ray_dir):  # what this test started and outlived it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # -- the service on Ray Serve: two replicas (one per node), one job store -------------------------

@@ -139,18 +139,61 @@ def test_json_progress_reports_input_errors_as_events_and_0_based_pages(tiny_mod
     Trace([sample_trace(1).pages[0], garbage]).save(tmp_path / "traces" / "two.json")
     inputs = [str(tmp_path / name) for name in ("missing.pdf", "bad.pdf", "two.pdf")]
     argv = ["parse", *inputs, "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--pages", "2"]
-    assert main([*argv, "--replay", str(tmp_path / "traces"), "--progress", "json"]) == 2
+    assert main([*argv, "--replay", str(tmp_path / "traces"), "--progress", "json"]) == 1  # two.pdf parsed
     events = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert [(e["event"], e["input"]) for e in events] == [
         ("error", inputs[0]),
         ("error", inputs[1]),
         ("page", inputs[2]),
     ]
-    assert events[0]["code"] == "invalid_document" and events[0]["message"] == f"no such file: {inputs[0]}"
+    assert events[0]["code"] == "document_not_found" and events[0]["message"] == f"no such file: {inputs[0]}"
     assert events[1]["code"] == "unsupported_format" and not events[1]["message"].startswith("Unsupported")
     page = events[2]
     assert (page["page_index"], page["status"], page["done"], page["total"]) == (1, "failure", 1, 1)
     assert page["errors"] == [{"code": "layout_unreadable", "message": "layout output holds no valid block", "page": 1}]
+
+
+def _no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _no_permission(self, *args, **kwargs):
+    raise PermissionError(13, "Permission denied", str(self))
+
+
+@pytest.mark.parametrize("failure", ["stem-is-a-file", "full-disk", "read-only"])
+def test_output_errors_are_one_line_with_their_own_status_and_leave_no_half_written_files(
+    tiny_model, tmp_path, capsys, monkeypatch, failure
+):
+    """Output errors used to end in a traceback and exit 1 (the code for "pages failed"), leaving a
+    0-byte content list behind."""
+    from mineru_fast import writer
+
+    (tmp_path / "two.pdf").write_bytes(pdf_bytes(2))
+    sample_trace(2).save(tmp_path / "two.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    if failure == "stem-is-a-file":
+        (out / "two").write_text("a file")
+    elif failure == "full-disk":  # the second page's crops do not fit
+        write_page_images = writer.write_page_images
+        calls = iter([write_page_images, _no_space])
+        monkeypatch.setattr(writer, "write_page_images", lambda *a, **k: next(calls)(*a, **k))
+    else:
+        monkeypatch.setattr(writer.Path, "mkdir", _no_permission)
+    argv = ["parse", str(tmp_path / "two.pdf"), "-o", str(out), "--model", str(tiny_model), "--quiet"]
+    assert main([*argv, "--replay", str(tmp_path / "two.json")]) == 4
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("mineru-fast: error: cannot write the outputs of two in ") and captured.out == ""
+    expected = {"stem-is-a-file": "File exists", "full-disk": "No space left on device", "read-only": "Permission"}
+    assert expected[failure] in line
+    if failure == "stem-is-a-file":
+        assert (out / "two").read_text() == "a file"
+    else:
+        assert [p for p in out.rglob("*") if p.is_file()] == []
 
 
 def test_usage_errors_exit_2(tiny_model, tmp_path, capsys):
@@ -284,3 +327,16 @@ def test_cli_replay_directory_and_stream_many(tiny_model, workload_traces, tmp_p
     for image in images:
         content_list = json.loads((tmp_path / image.stem / f"{image.stem}_content_list.json").read_text())
         assert content_list and all(0 <= v <= 1000 for item in content_list for v in item["bbox"])
+
+
+def test_token_bounds_bound_free_decoding_not_a_replayed_output(tiny_model, tmp_path):
+    """The CLI and Python API cut a replayed output at ``max_new_tokens`` (page ``partial``) while
+    ``serve`` replayed it whole (``success``): one behaviour now, the service's."""
+    bounds = {"layout": 8, "text": 2}  # SAMPLE_LAYOUT is ~90 tokens, each content a few
+    parser = DocumentParser.from_pretrained(tiny_model, ParserOptions.preset("exact", max_new_tokens=bounds))
+    (page,) = parser.parse(text_page(), replay=sample_trace(1)).pages
+    read = [block for block in page.blocks if block.type != "image"]
+    assert page.status == "success" and [b.finish_reason for b in read] == ["stop"] * 3
+    assert [b.content for b in read] == [c for c in SAMPLE_CONTENTS if c]
+    assert parser.options.sampling("text").max_new_tokens == 2  # free decoding stays bounded
+    assert parser.options.sampling("text", replayed=True).max_new_tokens == 4096

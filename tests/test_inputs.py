@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import CORPUS, need
 from PIL import Image
-from samples import image_bytes, pdf_bytes, text_page, tiff_with_frame_size
+from samples import claimed_pages_pdf, image_bytes, pdf_bytes, text_page, tiff_with_frame_size
 
 from mineru_fast.errors import (
     CorruptDocument,
@@ -268,3 +268,76 @@ def test_callers_pil_image_stays_open():
     with open_document(image) as doc:
         doc.render(0)
     assert image.getpixel((0, 0)) == (255, 0, 0)  # still usable after close()
+
+
+def test_a_range_past_the_document_is_clamped_with_a_warning(caplog):
+    """``pages="1-3"`` (the README's example) was refused on a 2-page document; MinerU and docling
+    clamp it to the document."""
+    notes: list[str] = []
+    with caplog.at_level("WARNING", logger="mineru_fast.inputs"):
+        assert parse_page_range("1-3", 2, notes=notes) == [0, 1]
+    assert notes == ["page range '1-3' clamped to the document's 2 page(s): 1-2"]
+    assert [r.getMessage() for r in caplog.records] == notes
+    notes.clear()
+    assert parse_page_range("2,5-9", 3, notes=notes) == [1]
+    assert notes == ["page range '5-9' is past the document's 3 page(s): dropped"]
+    assert parse_page_range("1-2", 2, notes=notes) == [0, 1] and len(notes) == 1  # nothing to clamp: no warning
+    with pytest.raises(PageRangeError, match="'5-9' is outside 1-3"):  # nothing of the document left
+        parse_page_range("5-9", 3)
+    with open_document(pdf_bytes(2), pages="1-3") as opened:
+        assert opened.page_indices == [0, 1] and opened.warnings == [
+            "page range '1-3' clamped to the document's 2 page(s): 1-2"
+        ]
+
+
+def test_a_tiny_pdf_claiming_a_million_pages_is_refused_before_its_pages_are_listed():
+    """A 335-byte PDF whose page tree claims 1M pages made ``parse`` write 723 MB of failure pages."""
+    import tracemalloc
+
+    from mineru_fast.errors import TooManyPages
+
+    data = claimed_pages_pdf(1_000_000)
+    assert len(data) < 400
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyPages, match="1,000,000 pages selected; one parse takes at most 10,000") as raised:
+            open_document(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert raised.value.code == "too_many_pages" and isinstance(raised.value, InputError)
+    assert peak < 2_000_000  # a list of a million page indices alone is ~40 MB
+    with pytest.raises(TooManyPages, match="3 pages selected; one parse takes at most 2"):
+        parse_page_range("1-3", 5, max_pages=2)
+    with open_document(data, pages="1-3") as opened:  # a selection under the cap opens
+        assert opened.page_count == 1_000_000 and opened.page_indices == [0, 1, 2]
+
+
+def test_a_missing_file_is_a_file_not_found_input_error(tmp_path):
+    from mineru_fast.errors import DocumentNotFound
+
+    missing = tmp_path / "missing.pdf"
+    with pytest.raises(DocumentNotFound) as raised:
+        open_document(missing)
+    assert isinstance(raised.value, InputError) and isinstance(raised.value, FileNotFoundError)
+    assert str(raised.value) == f"no such file: {missing}" and raised.value.code == "document_not_found"
+
+
+def test_only_the_supported_image_formats_are_opened(monkeypatch):
+    """Pillow's EPS plugin ran Ghostscript on uploaded PostScript wherever ``gs`` is installed."""
+    from PIL import EpsImagePlugin
+
+    ran: list[object] = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *args, **kwargs: ran.append(args))
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", "gs")  # as where Ghostscript is installed
+    page = text_page(size=(120, 160), lines=2)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 100 100\nshowpage\n%%EOF\n"
+    refused = {"eps": eps, "ico": image_bytes(page.resize((64, 64)), "ICO"), "ppm": image_bytes(page, "PPM"),
+               "tga": image_bytes(page, "TGA"), "pcx": image_bytes(page, "PCX")}  # fmt: skip
+    for name, data in refused.items():
+        with pytest.raises(UnsupportedFormat, match="not a PDF or a supported image format"):
+            open_document(data)
+        assert ran == [], name
+    for fmt in ("PNG", "JPEG", "TIFF", "BMP", "GIF", "WEBP"):
+        with open_document(image_bytes(page.convert("RGB"), fmt)) as opened:
+            assert opened.format == fmt and opened.render(0).size == (120, 160)

@@ -53,3 +53,33 @@ def test_every_command_line_argument_has_help():
     ]
     assert missing == []
     assert set(commands) == {"parse", "synth-model", "bench", "trace", "serve", "launch", "batch", "info"}
+
+
+def test_library_warnings_go_through_logging_not_bare_stderr_lines():
+    """A library's warning came out as a bare ``file:line: UserWarning: ...`` line on stderr."""
+    code = (
+        "import sys, warnings; import mineru_fast.info as info; from mineru_fast.cli import main; "
+        "info.collect = lambda: warnings.warn('a library notice', UserWarning) or {}; "
+        "info.render = lambda collected: ''; sys.exit(main(sys.argv[1:]))"
+    )
+    quiet, verbose = (
+        subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        for argv in (["info"], ["-v", "info"])
+    )
+    assert (quiet.returncode, quiet.stderr) == (0, "")  # a warning is logged, shown with -v
+    assert verbose.returncode == 0 and verbose.stderr.startswith("WARNING py.warnings: ")
+    assert "a library notice" in verbose.stderr
+
+
+def test_ci_keeps_its_own_environments_and_the_quick_start_installs_for_users():
+    """``.ci/run`` began with ``rm -rf .venv``, deleting the environment the Quick start had just
+    made; the Quick start showed only the 1.5 GB development install."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    ci = (repo / ".ci" / "run").read_text()
+    made = re.findall(r"(?:rm -rf|-m venv) (\S+)", ci)
+    assert made and all(folder.startswith(".venv-") for folder in made), made
+    quick_start = (repo / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "pip install .\n" in quick_start and "MINERU_FAST_SHARED" in quick_start

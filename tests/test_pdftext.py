@@ -176,3 +176,57 @@ def test_private_use_runs_make_a_block_suspicious():
     assembled = block_text(page, (0, 0, 1, 1))
     assert assembled.text == "ab\ue001\ue002cd" and assembled.suspicious
     assert not block_text(PageText(_chars("abc\ue001d"), (612, 792)), (0, 0, 1, 1)).suspicious  # one is allowed
+
+
+def _text_block(lines: int, per_line: int) -> PageText:
+    """A block of ``lines`` lines of ``per_line`` characters of words, filling the page."""
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit "
+    height, width = 0.8 / lines, 0.9 / per_line
+    chars = []
+    for line in range(lines):
+        top = 0.05 + line * height
+        for k in range(per_line):
+            box = (0.05 + k * width, top, 0.05 + (k + 0.9) * width, top + 0.8 * height)
+            chars.append(PdfChar(words[(line * per_line + k) % len(words)], box))
+    return PageText(chars, (612, 792), char_count=len(chars))
+
+
+def test_block_assembly_is_linear_in_characters(monkeypatch):
+    """Assembling a block compared every character with every line found so far and joined lines
+    by re-reading the whole text each time: a 39 KB page took 85 s, the 65,535-character cap over
+    20 minutes. Counted: line grouping compares each character with a few lines, and each join
+    reads a bounded tail."""
+    from mineru_fast.pdftext import assemble
+
+    compared, joined = [0], []
+    overlap, join = assemble._vertical_overlap, assemble._join
+
+    def counted_overlap(a, b):
+        compared[0] += 1
+        return overlap(a, b)
+
+    def counted_join(previous, following):
+        joined.append(len(previous))
+        return join(previous, following)
+
+    monkeypatch.setattr(assemble, "_vertical_overlap", counted_overlap)
+    monkeypatch.setattr(assemble, "_join", counted_join)
+    page = _text_block(400, 160)  # 64,000 characters: 400 lines (a quadratic grouping: ~13 M comparisons)
+    text = block_text(page, (0.0, 0.0, 1.0, 1.0)).text
+    assert compared[0] <= 4 * len(page.chars)
+    assert len(joined) == 399 and max(joined) <= assemble.JOIN_CONTEXT  # was the whole text so far: 64 K
+    lines = ["".join(c.text for c in page.chars[k : k + 160]).strip() for k in range(0, 64_000, 160)]
+    assert text == " ".join(lines)  # words flow from line to line, each line end a space
+
+
+def test_invisible_and_white_text_is_left_out_of_a_block():
+    """Hidden text (render mode 3, white on white) was taken as the page's text: it landed in the
+    output, the visible line interleaved with it."""
+    from samples import hidden_text_pdf
+
+    pdf = pdfium.PdfDocument(hidden_text_pdf("Visible words here", "SECRET INSTRUCTIONS", "white payload text"))
+    text = read_page_text(pdf[0])
+    hidden = "".join(c.text for c in text.chars if c.hidden and not c.text.isspace())
+    assert hidden == "SECRETINSTRUCTIONSwhitepayloadtext"
+    assert "".join(c.text for c in text.chars if not c.hidden and not c.text.isspace()) == "Visiblewordshere"
+    assert block_text(text, (0.0, 0.0, 1.0, 1.0)).text == "Visible words here"

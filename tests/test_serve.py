@@ -167,6 +167,9 @@ def test_job_manager_bounds_queue_and_expires_results():
     try:
         first = manager.submit(Job(1, owner="alpha"))
         assert wait_for(lambda: first.status == "running", 5)
+        # the POST answer is made of the job: it was "running" with started_at null
+        described = first.to_record("here").describe(None)
+        assert described["status"] == "running" and described["started_at"] is not None
         second, third = manager.submit(Job(2, owner="alpha")), manager.submit(Job(3, owner="alpha"))
         with pytest.raises(QueueFull) as info:
             manager.submit(Job(4))

@@ -293,3 +293,17 @@ def test_vlm_trace_contents_match_detected_blocks_by_box_then_label():
     assert layouts.pages[0][2].bbox == TABLE and layouts.pages[0][2].score == 1.0
     with pytest.raises(TraceError):
         LayoutTrace.from_trace("not a trace")
+
+
+def test_invisible_and_white_text_stays_out_of_the_page_with_a_warning(standard, caplog):
+    """The standard tier took hidden text (render mode 3, white on white) as the page's text."""
+    from samples import hidden_text_pdf
+
+    parser, engine = recording(standard, ocr_mode="txt")
+    pdf = hidden_text_pdf("Visible words here", "SECRET INSTRUCTIONS", "white payload text")
+    layouts = LayoutTrace([[Detection("text", 1.0, (0.05, 0.05, 0.95, 0.2))]])
+    with caplog.at_level("WARNING", logger="mineru_fast.parser"):
+        (page,) = parser.parse(pdf, layout_replay=layouts).pages
+    assert [b.content for b in page.blocks] == ["Visible words here"] and engine.prompts == []
+    warning = "37 invisible or white characters of the text layer left out"  # both hidden lines, spaces too
+    assert page.warnings[0].startswith(warning) and warning in caplog.text

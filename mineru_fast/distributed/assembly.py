@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..cpu import format_cpulist
+from ..cpu import format_cpulist, parse_cpulist
 from ..document import Page, ParseError
 from ..writer import DocumentWriter
 
@@ -52,6 +52,11 @@ def page_spec(pages: list[int]) -> str:
     """0-based page indices as a 1-based page range (``[0, 1, 2, 4]`` -> ``"1-3,5"``), the syntax of
     ``--pages``, which is the kernel's cpulist syntax."""
     return format_cpulist([p + 1 for p in pages])
+
+
+def spec_pages(spec: str) -> list[int]:
+    """``page_spec``'s inverse: ``"1-3,5"`` -> ``[0, 1, 2, 4]``; ``""`` -> ``[]``."""
+    return [page - 1 for page in parse_cpulist(spec)]
 
 
 def _first_problem(page: Page) -> str:

@@ -9,7 +9,9 @@ The pipeline (``ray.data``, unordered, consumed by the driver as its rows comple
    system); a URI input (``sources``) is read there too, from its store. Each opens its document
    (``worker.inspect_document``: its selected pages) and splits it into tasks of at most
    ``pages_per_task`` pages (``assembly.split_pages``): one row per task (``_Task``), carrying the
-   document's bytes (a URI document: its ``Source``, read again by the actor that parses it). They
+   document's bytes (a URI document: its ``Source``, read again by the actor that parses it), its
+   own pages and the document's selection as page-range text (never the whole document's page or
+   task lists, so the rows of a document grow linearly in its pages). They
    reserve no CPU (``num_cpus=0``): the actors may hold every CPU of the cluster, and a task that
    waited for one would wait for ever. An unreadable input gives one ``error`` row instead.
 3. ``map(_ParseTasks)`` on an actor pool (``ActorPoolStrategy``, ``actors`` actors of
@@ -44,11 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pickle
 import shutil
+import subprocess
 import sys
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -64,8 +69,9 @@ from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace, load_trace
 from . import PAGES_PER_TASK, init_ray, require_ray
-from .assembly import PARTIAL, DocumentAssembly, page_spec, split_pages
+from .assembly import PARTIAL, DocumentAssembly, page_spec, spec_pages, split_pages
 from .manifest import Manifest, Record
+from .reaper import MARKER_ENV
 from .sources import Source, list_sources
 from .worker import DocumentWorker, inspect_document
 
@@ -201,18 +207,21 @@ class _Task:
 
     Attributes:
         name: the document's output stem.
-        index: the task's index in ``tasks``.
-        tasks: the 0-based pages of each task of the document (``split_pages``); empty when the
+        index: the task's index among the document's tasks (``split_pages`` of ``selection``).
+        pages: the task's pages as 1-based page-range text (``page_spec``); ``""`` when the
             selection holds no page (one task then, which parses nothing: the metadata block).
+        selection: the document's selected pages, as page-range text.
         data: the document's bytes, or the ``Source`` of a URI document (read by the actor).
         trace: replayed outputs of the whole document (tests, benchmarks) or None.
-        info: the document's ``InputInfo`` (the actor's parser makes the metadata block of it).
+        info: the document's ``InputInfo`` without its ``pages`` (they are ``selection``); the
+            actor's parser makes the metadata block of it.
         started: ``time.time()`` when its inspection began, on the driver's node.
     """
 
     name: str
     index: int
-    tasks: list[list[int]]
+    pages: str
+    selection: str
     data: bytes | Source
     trace: Trace | None
     info: InputInfo
@@ -228,8 +237,9 @@ class _Outcome:
         kind: ``done`` (the task's pages, their files in ``files``), ``failed`` (the task failed on
             every attempt, or the input turned out unreadable: ``error``) or ``error`` (the document
             could not be inspected: ``error``; nothing else of it comes).
-        index / tasks: as ``_Task`` (``error``: none).
-        metadata: the result's metadata block (``error``: None).
+        index / selection: as ``_Task`` (``error``: none).
+        metadata: the result's metadata block, its ``input.pages`` left empty (the driver fills
+            them in from ``selection``); ``error``: None.
         attempts: the attempts the task took (``error``: 1).
         started: as ``_Task``.
         actor: where the actor runs (``DocumentWorker.describe``), for the driver's log.
@@ -238,7 +248,7 @@ class _Outcome:
     name: str
     kind: str
     index: int = 0
-    tasks: list[list[int]] = field(default_factory=list)
+    selection: str = ""
     metadata: dict[str, Any] | None = None
     pages: list[Page] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
@@ -262,7 +272,7 @@ def _error(exc: BaseException) -> str:
 
 
 def _inspect(
-    row: dict[str, Any], replay: Path | None, pages: str | None, password: str | None, per_task: int
+    row: dict[str, Any], replay: Path | None, pages: str | None, password: str | None, per_task: int, max_pages: int
 ) -> list[dict[str, Any]]:
     """The inspection stage (a Ray Data CPU task on the driver's node): a document's task rows, or
     its ``error`` row when it cannot be read (``SourceError``, ``InputError``, ``TraceError``)."""
@@ -271,12 +281,13 @@ def _inspect(
     try:
         data = job.source.read()
         trace = load_trace(replay / f"{job.name}.json") if replay is not None else None
-        info = inspect_document(job.name, data, pages, password)
+        info = inspect_document(job.name, data, pages, password, max_pages)
     except MineruFastError as exc:
         return [_row(_Outcome(job.name, "error", error=f"{type(exc).__name__}: {exc}", started=started))]
-    tasks = split_pages(list(info.pages), per_task)
+    tasks = [page_spec(task) for task in split_pages(list(info.pages), per_task)] or [""]
+    selection, info = page_spec(list(info.pages)), replace(info, pages=())
     payload: bytes | Source = job.source if job.source.filesystem is not None else data
-    return [_row(_Task(job.name, i, tasks, payload, trace, info, started)) for i in range(max(1, len(tasks)))]
+    return [_row(_Task(job.name, i, task, selection, payload, trace, info, started)) for i, task in enumerate(tasks)]
 
 
 def _lost(attempt: int) -> str:
@@ -382,13 +393,14 @@ class _ParseTasks:
             return task
         key = (task.name, task.index)
         metadata = self.worker.parser.result_metadata(task.info)
-        outcome = _Outcome(task.name, "done", task.index, task.tasks, metadata, started=task.started, actor=self.where)
-        pages = page_spec(task.tasks[task.index]) if task.tasks else ""
+        outcome = _Outcome(task.name, "done", task.index, task.selection, metadata, started=task.started,
+                           actor=self.where)  # fmt: skip
+        pages = task.pages
         while True:
             attempt, error = ray.get(self.ledger.begin.remote(key))
             if attempt > self.attempts:  # the last allowed attempt failed: give up
                 return replace(outcome, kind="failed", error=error, attempts=attempt - 1)
-            if not task.tasks:  # nothing selected: the metadata block alone
+            if not pages:  # nothing selected: the metadata block alone
                 return replace(outcome, attempts=attempt)
             report = self._reporter(task, attempt)
             try:
@@ -456,10 +468,12 @@ class _Runner:
         self._note_actor(outcome.actor)
         if document.assembly is None:
             assert outcome.metadata is not None  # a task's outcome has it
-            document.assembly = DocumentAssembly(self.config.output, job.name, outcome.tasks, outcome.metadata,
-                                                 self.config.confidence)  # fmt: skip
-            document.pending = set(range(len(outcome.tasks)))
-            if not outcome.tasks:  # nothing selected: written at once (an empty document, as parse writes it)
+            selected = spec_pages(outcome.selection)
+            metadata = {**outcome.metadata, "input": {**outcome.metadata["input"], "pages": selected}}
+            tasks = split_pages(selected, self.config.pages_per_task)
+            document.assembly = DocumentAssembly(self.config.output, job.name, tasks, metadata, self.config.confidence)
+            document.pending = set(range(len(tasks)))
+            if not tasks:  # nothing selected: written at once (an empty document, as parse writes it)
                 return self._finish(document)
         assembly = document.assembly
         document.pending.discard(outcome.index)
@@ -471,7 +485,7 @@ class _Runner:
             last = assembly.complete(outcome.index, outcome.pages, staged, outcome.attempts)
         else:
             location = job.source.location
-            self.log(f"{location}: pages {page_spec(outcome.tasks[outcome.index])} failed ({outcome.error})")
+            self.log(f"{location}: pages {page_spec(assembly.tasks[outcome.index])} failed ({outcome.error})")
             last = assembly.fail(outcome.index, outcome.error or "", outcome.attempts)
         if last:
             self._finish(document)
@@ -502,7 +516,7 @@ class _Runner:
             for index in sorted(document.pending):
                 attempts, error = began.get(index, (0, None))
                 error = error or f"no result after {attempts} attempt(s): Ray Data gave up on it (see its log)"
-                lost = _Outcome(name, "failed", index, document.assembly.tasks, error=error, attempts=max(attempts, 1))
+                lost = _Outcome(name, "failed", index, error=error, attempts=max(attempts, 1))
                 self.take(lost)
 
     def _close(self, document: _Document, record: Record) -> None:
@@ -565,9 +579,10 @@ def _pipeline(config: BatchConfig, jobs: list[_Job], actors: int, cores: int, le
     replay = config.replay.absolute() if config.replay is not None else None
     documents = ray.data.from_items([_row(_local(job)) for job in jobs], override_num_blocks=len(jobs))
     pages, password, per_task = config.pages, config.password, config.pages_per_task
+    max_pages = config.options.max_pages
 
     def inspect(row: dict[str, Any]) -> list[dict[str, Any]]:
-        return _inspect(row, replay, pages, password, per_task)
+        return _inspect(row, replay, pages, password, per_task, max_pages)
 
     tasks = documents.flat_map(
         inspect,
@@ -620,7 +635,8 @@ def run_batch(
     """Parse ``config.inputs`` on Ray into ``config.output`` (see the module docstring).
 
     Connects to ``config.address``, or uses the Ray already initialized in this process, or starts
-    a local one (shut down again at the end).
+    a local one (shut down again at the end; a ``reaper`` process ends what is left of it when the
+    driver is killed).
 
     Args:
         config: inputs, output, model and cluster layout.
@@ -664,10 +680,11 @@ def run_batch(
         return BatchSummary([], skipped, 0.0, 0)
     if config.address is None:  # the actors run here: a model they cannot load fails now, not in each actor
         resolve_model_info(config.model)
-    started = False
-    if not ray.is_initialized():
-        init_ray(config.address, log_to_driver=False, num_cpus=read_topology().usable_cores)
-        started = True
+    started, reaper = not ray.is_initialized(), None
+    if started and config.address is None:
+        reaper = _local_ray()
+    elif started:
+        init_ray(config.address, log_to_driver=False)
     try:
         cores = _cores_per_actor(config)
         count = config.actors or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
@@ -702,8 +719,25 @@ def run_batch(
     finally:
         if started:
             ray.shutdown()
+        if reaper is not None:
+            reaper.stdin.close()  # type: ignore[union-attr]  # the reaper ends what shutdown left
     shutil.rmtree(config.output / PARTIAL, ignore_errors=True)
     return BatchSummary(runner.records, skipped, time.perf_counter() - start, count)
+
+
+def _local_ray() -> subprocess.Popen:
+    """Start a local Ray for this driver, watched by a reaper (``reaper``): whatever ends the
+    driver, even SIGKILL, none of Ray's processes outlives it. Returns the reaper (close its stdin
+    after ``ray.shutdown``)."""
+    marker = uuid.uuid4().hex
+    command = [sys.executable, "-m", "mineru_fast.distributed.reaper", marker]
+    reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+    os.environ[MARKER_ENV] = marker  # inherited by every process Ray starts
+    try:
+        init_ray(None, log_to_driver=False, num_cpus=read_topology().usable_cores)
+    finally:
+        del os.environ[MARKER_ENV]  # and by nothing this driver starts later
+    return reaper
 
 
 def _watch(

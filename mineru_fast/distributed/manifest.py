@@ -52,9 +52,15 @@ class Manifest:
         output.mkdir(parents=True, exist_ok=True)
 
     def append(self, record: Record) -> None:
-        """Write one record and flush it to the file."""
-        with self._lock, self.path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+        """Write one record on a line of its own and flush it to the file. A last line torn by a
+        crash mid-write (no line end) is ended first, so this record never continues it."""
+        line = json.dumps(asdict(record), ensure_ascii=False) + "\n"
+        with self._lock, self.path.open("ab+") as out:
+            if out.seek(0, 2):  # not empty: is its last line ended?
+                out.seek(-1, 2)
+                if out.read(1) != b"\n":
+                    line = "\n" + line
+            out.write(line.encode("utf-8"))  # "a" mode: at the end, wherever the reads left off
 
     def records(self) -> dict[str, Record]:
         """The last record of each output name; a torn last line is ignored."""

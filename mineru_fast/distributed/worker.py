@@ -27,6 +27,7 @@ from typing import Any
 
 from ..cpu import format_cpulist
 from ..errors import InputError, TraceError
+from ..inputs import DEFAULT_MAX_PAGES
 from ..metadata import InputInfo
 from ..options import ParserOptions
 from ..traces import Trace
@@ -45,7 +46,11 @@ def _take_files(root: Path) -> dict[str, bytes]:
 
 
 def inspect_document(
-    name: str, data: bytes | Source, pages: str | None = None, password: str | None = None
+    name: str,
+    data: bytes | Source,
+    pages: str | None = None,
+    password: str | None = None,
+    max_pages: int = DEFAULT_MAX_PAGES,
 ) -> InputInfo:
     """What the driver needs before it splits a document into tasks (no parser needed).
 
@@ -53,6 +58,7 @@ def inspect_document(
         name: the output stem (the metadata block names the document by it, as ``parse`` does).
         data: the document's bytes, or the ``Source`` of a URI input (read here).
         pages / password: as ``DocumentParser.iter_pages`` (the document's whole selection).
+        max_pages: as ``ParserOptions.max_pages`` (``TooManyPages`` above it).
 
     Returns:
         The document's ``InputInfo`` named ``name``: ``pages`` holds the 0-based indices selected.
@@ -62,7 +68,7 @@ def inspect_document(
     """
     from ..inputs import open_document
 
-    with open_document(_read(data), pages=pages, password=password) as opened:
+    with open_document(_read(data), pages=pages, password=password, max_pages=max_pages) as opened:
         return replace(InputInfo.from_opened(opened), name=name)
 
 

@@ -16,10 +16,13 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["PdfChar", "PageText", "read_page_text"]
+__all__ = ["PdfChar", "PageText", "read_page_text", "hidden_char"]
 
 Box = tuple[float, float, float, float]
 _DEVICE = 1_000_000  # device size used to read PDFium's display transform (integer outputs)
+_UNPAINTED = (3, 7)  # text render modes that paint nothing: invisible, clip only (PDF 32000-1 9.3.6)
+_FILLED = (0, 2, 4, 6)  # render modes whose glyphs are filled (fill, fill+stroke, and with clip)
+_WHITE = 250  # fill components (0..255) from which a filled glyph counts as white on the page
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class PdfChar:
         map_error: PDFium could not map the glyph to Unicode (``text`` is then a guess).
         angle: rotation of the glyph's baseline on the displayed page in whole degrees (0 =
             horizontal, left to right), PDFium's char angle plus the page's ``/Rotate``.
+        hidden: nothing of it is painted, or in white (``hidden_char``): a reader sees nothing
+            there, so a block's text leaves it out.
     """
 
     text: str
@@ -40,6 +45,7 @@ class PdfChar:
     generated: bool = False
     map_error: bool = False
     angle: int = 0
+    hidden: bool = False
 
 
 @dataclass
@@ -98,6 +104,28 @@ def _image_coverage(page, width: float, height: float) -> float:
     return min(area / page_area, 1.0) if page_area > 0 else 0.0
 
 
+def hidden_char(textpage, index: int) -> bool:
+    """Whether PDFium's character ``index`` paints nothing a reader sees: its text render mode is
+    invisible (3, as OCR layers over scans use) or clip-only (7), or its glyph is filled fully
+    transparent or white (components >= 250 of 255: white text on the white page, the one
+    background colour checked). Generated characters (spaces, line breaks) have no text object
+    and are not hidden."""
+    import ctypes
+
+    import pypdfium2.raw as pdfium_c
+
+    obj = pdfium_c.FPDFText_GetTextObject(textpage, index)
+    if not obj:
+        return False
+    mode = pdfium_c.FPDFTextObj_GetTextRenderMode(obj)
+    if mode in _UNPAINTED:
+        return True
+    r, g, b, a = (ctypes.c_uint() for _ in range(4))
+    if mode not in _FILLED or not pdfium_c.FPDFText_GetFillColor(textpage, index, r, g, b, a):
+        return False
+    return a.value == 0 or min(r.value, g.value, b.value) >= _WHITE
+
+
 def read_page_text(page) -> PageText:
     """Read one page's text layer. The caller holds the PDFium lock (PDFium is not thread-safe).
 
@@ -138,6 +166,7 @@ def read_page_text(page) -> PageText:
                     pdfium_c.FPDFText_IsGenerated(textpage, i) == 1,
                     pdfium_c.FPDFText_HasUnicodeMapError(textpage, i) == 1,
                     angle,
+                    hidden_char(textpage, i),
                 )
             )
     finally:

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["RequestContextMiddleware", "REQUEST_ID_HEADER"]
 
 REQUEST_ID_HEADER = "X-Request-ID"
+PROBES = ("/health", "/ready")  # polled every few seconds by load balancers and orchestrators
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -36,7 +37,8 @@ class RequestContextMiddleware:
     A valid incoming ``X-Request-ID`` (1-128 of ``A-Za-z0-9._:-``) is kept, else a new one is
     made. The id is put in ``scope["state"]["request_id"]`` and in the response header. An
     exception escaping the application is logged and answered with a JSON ``500`` when no
-    response has started.
+    response has started. A probe (``PROBES``) answered below ``400`` is logged at ``DEBUG``,
+    every other request at ``INFO`` (a load balancer's polling would otherwise fill the log).
 
     Args:
         app: the wrapped ASGI application.
@@ -75,7 +77,9 @@ class RequestContextMiddleware:
         finally:
             seconds = time.perf_counter() - start
             self.metrics.observe_request(scope["path"], scope["method"], status, seconds)
-            logger.info(
+            probe = scope["path"] in PROBES and status < 400
+            logger.log(
+                logging.DEBUG if probe else logging.INFO,
                 "request",
                 extra={
                     "request_id": request_id,

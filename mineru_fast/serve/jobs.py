@@ -151,6 +151,7 @@ class Job:
     created_at: float = field(default_factory=time.time)
     queued_mono: float = field(default_factory=time.monotonic)
     started_mono: float | None = None
+    started_at: float | None = None  # time.time() when a worker took it (JobRecord.started_at)
     on_progress: Callable[[Job], None] | None = field(default=None, repr=False)
     _callbacks: list[Callable[[Job], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -198,6 +199,7 @@ class Job:
             status=self.status,
             claims=self.claims,
             created_at=self.created_at,
+            started_at=self.started_at,  # a job a worker took before its submitter's answer is running
             idempotency_key=self.idempotency_key,
             fingerprint=self.fingerprint,
         )
@@ -433,7 +435,7 @@ class JobManager:
             if self._stopping and not self._queue:
                 return None
             job = self._queue.popleft()
-            job.status, job.started_mono = "running", time.monotonic()
+            job.status, job.started_mono, job.started_at = "running", time.monotonic(), time.time()
             self._running += 1
             return job
 
