@@ -227,7 +227,7 @@ def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: 
         _write_pages(writer, pages, source, n_pages, start, mode)
         out = writer.close(wall_s=time.perf_counter() - start)
     document_status = writer.document_status
-    print(f"{source}: {document_status}, {len(writer.statuses)} page(s) -> {out}")
+    print(f"{_shown(source)}: {document_status}, {len(writer.statuses)} page(s) -> {_shown(out)}")
     return EXIT_OK if document_status == "success" else EXIT_PAGES_FAILED
 
 

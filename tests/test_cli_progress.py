@@ -18,6 +18,8 @@ def test_a_file_name_with_a_newline_keeps_each_progress_report_on_one_line(tiny_
     sample_trace(1).save(trace)
     args = ["parse", str(image), "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--replay", str(trace)]
     assert main([*args, "--preset", "exact", "--progress", "lines"]) == 0
-    err = capsys.readouterr().err.splitlines()
+    captured = capsys.readouterr()
+    err, out = captured.err.splitlines(), captured.out.splitlines()
     assert err and all(line.startswith("mineru-fast: ") for line in err), err
     assert [line.split(" (")[0] for line in err] == ["mineru-fast: two\\nlines.png: page 1 success"]
+    assert len(out) == 1 and "two\\nlines.png: success, 1 page(s) -> " in out[0], out  # the summary too
