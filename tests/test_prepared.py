@@ -167,3 +167,40 @@ def test_a_float_head_tied_to_the_embedding_stays_tied_cold_and_warm(model, tmp_
         weights = engine.memory_report()["weights"]
         assert not [k for k in weights if k.startswith("lm head")]  # counted once, as the embedding
         assert outputs(engine) == expected
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_load_whole_and_no_folder(model, tmp_path, monkeypatch, uncached):
+    from safetensors import SafetensorError
+
+    import mineru_fast.engine.prepared as prepared
+
+    def full_disk(*_args, **_kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(prepared, "save_file", full_disk)
+    root = tmp_path / "prepared"
+    engine = make_engine(model, root)
+    assert engine.prepared_from == "checkpoint" and not engine.cache_committed
+    assert outputs(engine) == uncached
+    assert not entries(root) and not list(root.glob(".tmp-*"))
+
+
+def test_leftovers_of_killed_writers_are_swept_and_other_environments_entries_kept(model, tmp_path):
+    import json
+
+    root = tmp_path / "prepared"
+    old_tmp, trash, fresh_tmp = root / ".tmp-abc-1-x", root / ".trash-abc-y", root / ".tmp-def-2-z"
+    for folder in (old_tmp, trash, fresh_tmp):
+        (folder / "part").mkdir(parents=True)
+    os.utime(old_tmp, (0, 0))  # untouched for decades: a writer killed long ago
+    elsewhere = root / "other-torch"  # the same checkpoint and settings prepared by another torch
+    elsewhere.mkdir()
+    engine = make_engine(model, root)
+    engine.close()
+    identity = json.loads((engine_entry := entries(root)[0]).joinpath(MANIFEST).read_text())["identity"]
+    (elsewhere / MANIFEST).write_text(json.dumps({"format": 1, "identity": {**identity, "torch": "0.0"}}))
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    make_engine(model, root).close()  # a new file: this environment's old entry is stale, the other's is not
+    assert not old_tmp.exists() and not trash.exists() and fresh_tmp.exists()
+    assert elsewhere in entries(root) and engine_entry not in entries(root) and len(entries(root)) == 2

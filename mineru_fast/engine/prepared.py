@@ -12,9 +12,10 @@ and only the rows a document uses are ever read into memory.
 An entry's key hashes everything its contents depend on: the checkpoint (path, and the size and
 modification time of its ``config.json`` and ``*.safetensors``), the engine's settings (dtype,
 quantization of each part, the INT8 kernel and the weight range its probe found on this CPU),
-this package's version, PyTorch's version and the CPU capability PyTorch dispatches to. Any change
-gives a new key; the entry it replaces (same checkpoint and settings) is removed when the new one
-is committed.
+this package's version and the code of the modules that make prepared layers, PyTorch's version
+and the CPU capability PyTorch dispatches to. Any change gives a new key; an entry that only an
+older file of the same checkpoint could use is removed when the new one is committed, and what
+killed writers left behind is swept away by the next writer.
 
 Writes are safe against a crash and against several processes preparing the same model at once:
 an entry is written into a private temporary folder and committed by renaming it into place (a
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -89,6 +91,16 @@ def checkpoint_identity(model_dir: Path) -> dict[str, Any]:
     }
 
 
+def _code_digest() -> str:
+    """A hash of the modules that decide what a prepared layer holds (quantization, loading, this
+    module): an editable install keeps its version number across code changes."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in ("quantize.py", "checkpoint.py", "prepared.py"):
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -114,6 +126,7 @@ class PreparedCache:
             "checkpoint": checkpoint_identity(Path(model_dir)),
             "settings": settings,
             "mineru_fast": _package_version(),
+            "code": _code_digest(),
             "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         }
@@ -194,6 +207,7 @@ class PreparedWriter:
         self.tmp = cache.root / f".tmp-{cache.path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.layers: dict[str, dict[str, str]] = {"vision": {}, "lm": {}}
         self.ok = True
+        _sweep(cache.root)
         try:
             self.tmp.mkdir(parents=True)
         except OSError as exc:
@@ -219,7 +233,7 @@ class PreparedWriter:
             state = cast(Any, layer).prepared_state()
         try:
             save_file({k: v.detach().contiguous() for k, v in state.items()}, self.tmp / f"{part}.{name}.safetensors")
-        except OSError as exc:
+        except (OSError, SafetensorError) as exc:  # safetensors reports I/O errors (a full disk) as its own
             self._abandon(f"cannot write {self.tmp}: {exc}")
             return
         self.layers[part][name] = kind
@@ -250,6 +264,9 @@ class PreparedWriter:
             manifest = {"format": FORMAT, "identity": self.cache.identity, "layers": self.layers, "tied": tied}
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             os.rename(self.tmp, self.cache.path)
+        except SafetensorError as exc:  # an I/O error while writing (a full disk)
+            self._abandon(f"cannot write {self.tmp}: {exc}")
+            return False
         except OSError as exc:
             # ENOTEMPTY / EEXIST: another process committed the same entry first; ours is redundant
             self._abandon(f"{self.cache.path.name} not committed ({exc.strerror or exc})")
@@ -259,19 +276,20 @@ class PreparedWriter:
         return True
 
     def _remove_stale(self) -> None:
-        """Drop committed entries of the same checkpoint path and settings under other keys (an
-        older package, torch or checkpoint file): they can never be used again."""
-        mine = self.cache.identity
+        """Drop committed entries that only an older file of the same checkpoint could use: same
+        path, settings, versions and CPU capability, other file sizes or times. (Entries of
+        another torch, package or CPU may belong to another environment sharing the cache.)"""
+        mine = {k: v for k, v in self.cache.identity.items() if k != "checkpoint"}
         for manifest_path in self.cache.root.glob(f"*/{MANIFEST}"):
             entry = manifest_path.parent
             if entry == self.cache.path:
                 continue
             try:
                 other = json.loads(manifest_path.read_text())["identity"]
+                same_path = other["checkpoint"]["path"] == self.cache.identity["checkpoint"]["path"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            same = other.get("settings") == mine["settings"]
-            if same and other.get("checkpoint", {}).get("path") == mine["checkpoint"]["path"]:
+            if same_path and {k: v for k, v in other.items() if k != "checkpoint"} == mine:
                 _remove(entry)
 
 
@@ -321,6 +339,27 @@ def _check_complete(module: nn.Module, part: str) -> None:
     left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if left:
         raise PreparedCacheError(f"{part} tensors missing from the entry: {left[:5]}")
+
+
+# A temporary folder older than this is a killed writer's: preparing a model takes well under a
+# minute on 2 cores (the full-size model: 17 s), so no live writer is near it.
+ABANDONED_AFTER_S = 3600
+
+
+def _sweep(root: Path) -> None:
+    """Remove what killed processes left under ``root``: ``.trash-*`` folders, and ``.tmp-*``
+    folders not written to for ``ABANDONED_AFTER_S`` (age, not the pid in the name, decides: a
+    cache shared between machines sees other machines' pids)."""
+    if not root.is_dir():
+        return
+    now = time.time()
+    for leftover in [*root.glob(".trash-*"), *root.glob(".tmp-*")]:
+        try:
+            old = now - leftover.stat().st_mtime > ABANDONED_AFTER_S
+        except OSError:
+            continue
+        if leftover.name.startswith(".trash-") or old:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
