@@ -395,6 +395,8 @@ class OpenedDocument:
                     "(render_timeout option)"
                 ) from None
             except CorruptDocument as exc:
+                if not self._renderer.alive:  # it died on this page: the next page gets a fresh process
+                    self._renderer = None
                 raise CorruptDocument(f"{self.name}: cannot render page {index + 1}: {exc}") from None
         return image.convert("RGB")
 
@@ -461,15 +463,25 @@ class _PdfRenderer:
             context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_render_worker, args=(child, data, password), daemon=True)
-        self._process.start()
-        child.close()
+        try:
+            self._process.start()
+        except (OSError, RuntimeError, ValueError) as exc:  # no process to be had (limits, a daemon parent)
+            self._conn.close()
+            raise CorruptDocument(f"cannot start a render process: {exc}") from exc
+        finally:
+            child.close()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process can render another page."""
+        return not self._conn.closed and self._process.is_alive()
 
     def render(self, index: int, scale: float, timeout: float) -> Image.Image:
         """Page ``index`` at ``scale`` as RGB, or the process is killed after ``timeout`` seconds.
 
         Raises:
             RenderTimeout: no answer within ``timeout`` (the process is killed; use a new renderer).
-            CorruptDocument: PDFium failed, or the process died.
+            CorruptDocument: PDFium failed, or the process died (``alive`` then False).
         """
         try:
             self._conn.send((index, scale))

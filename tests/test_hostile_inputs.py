@@ -12,7 +12,7 @@ from fuzzing import check_parse, corpus_seeds, made_seeds, mutate
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from PIL import Image
-from samples import image_bytes, sample_trace, text_page, tiff_with_frame_size
+from samples import image_bytes, pdf_bytes, sample_trace, text_page, tiff_with_frame_size
 
 from mineru_fast import DocumentParser, ParserOptions
 from mineru_fast.errors import InputError
@@ -145,3 +145,21 @@ def test_a_long_render_does_not_hold_the_pdfium_lock(tmp_path):
         bomb.join(60)
     assert sizes == [(1700, 2200)] * 2
     assert len(outcome) == 1 and "took longer than 10 s" in str(outcome[0])
+
+
+@pytest.mark.slow
+def test_a_render_process_that_dies_fails_its_page_and_the_next_page_gets_a_new_one():
+    """A render process killed (a PDFium crash, the OOM killer) fails the page it was on; the pages
+    after it render in a fresh process instead of all failing with it."""
+    import os
+    import signal
+
+    from mineru_fast.errors import CorruptDocument
+
+    with open_document(pdf_bytes(3), render_timeout=60.0) as opened:
+        first = opened.render(0)
+        os.kill(opened._renderer._process.pid, signal.SIGKILL)
+        opened._renderer._process.join(10)
+        with pytest.raises(CorruptDocument, match="page 2: the render process ended"):
+            opened.render(1)
+        assert opened.render(2).size == first.size
