@@ -178,9 +178,9 @@ def launch(
     for w in workers:
         code = w.process.wait()
         if code in (0, 1, 2, EXIT_OUTPUT):
-            status = max(status, code)
+            status = status if status == EXIT_CRASHED else max(status, code)
             continue
-        status = EXIT_CRASHED
+        status = EXIT_CRASHED  # ranks above every other outcome: inputs were left unparsed
         for t in w.streams:  # its last lines tell which inputs it finished
             t.join()
         lost = [s for s in w.inputs if s not in w.done]

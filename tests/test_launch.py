@@ -86,6 +86,13 @@ def test_a_crashed_workers_unfinished_inputs_are_reported():
     assert log[-1] == "worker 0 crashed (signal 9); not parsed: in_crash in_c"
 
 
+def test_a_crash_outranks_an_output_error_whichever_worker_ends_first():
+    """The status was the last worker's kind: an output error after a crash gave 4, before it 3."""
+    for argv in (["in_full", "in_crash"], ["in_crash", "in_full"]):  # dealt one per worker
+        status = launch(["parse", *argv, "-o", "x"], 2, worker=FAKE_WORKER, out=io.StringIO(), log=lambda _: None)
+        assert status == EXIT_CRASHED, argv
+
+
 def test_inputs_sharing_an_output_folder_are_refused_before_any_worker_starts():
     """Each worker used to check stem clashes only among its own share, so ``x/a.pdf`` and
     ``y/a.png`` dealt to two workers both wrote ``OUT/a/``."""

@@ -123,10 +123,13 @@ def test_serve_settings_refuse_non_finite_numbers(tmp_path):
     from mineru_fast.serve.config import ServeConfig
 
     names = ("rate_limit", "max_upload_mb", "result_ttl", "drain_timeout", "header_timeout", "min_body_rate")
-    for name in (*names, "decode_budget_mb", "body_timeout"):
+    for name in (*names, "decode_budget_mb", "body_timeout", "write_timeout", "max_response_buffer_mb"):
         for value in (float("nan"), float("inf"), -1.0):
             with pytest.raises(ValueError, match=name):
                 ServeConfig(**{name: value})
+    for name in ("write_timeout", "max_response_buffer_mb"):  # 0 re-armed the write guard at once: a spin
+        with pytest.raises(ValueError, match=name):
+            ServeConfig(**{name: 0.0})
 
 
 def test_error_mapping_and_request_fields():

@@ -100,6 +100,8 @@ class ServeConfig:
             "body_timeout",
             "min_body_rate",
             "decode_budget_mb",
+            "write_timeout",
+            "max_response_buffer_mb",
         )
         for name in positive:
             value = getattr(self, name)
