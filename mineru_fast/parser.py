@@ -426,9 +426,10 @@ class DocumentParser:
                         work.page_text = opened.page_text(index)
                     except InputError as exc:  # an unreadable text layer: the page is read from its image
                         page.warnings.append(f"text layer not read ({exc}); page read from its image")
-                    if work.page_text is not None and (hidden := sum(c.hidden for c in work.page_text.chars)):
-                        warning = (f"{hidden} invisible or white characters of the text layer left out; "
-                                   "a block with nothing visible left is read from the page image")  # fmt: skip
+                    chars = work.page_text.chars if work.page_text is not None else []
+                    if hidden := sum(c.hidden or c.white for c in chars):
+                        warning = (f"{hidden} invisible or white characters in the text layer: invisible ones "
+                                   "left out, a block holding white text read from the page image")  # fmt: skip
                         logger.warning("page %d: %s", index + 1, warning)
                         page.warnings.append(warning)
                     page.timings["text_layer"] = time.perf_counter() - start

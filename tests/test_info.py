@@ -23,14 +23,15 @@ def test_two_socket_amx_machine(tmp_path, monkeypatch):
     assert "2 socket(s), 8 physical core(s), 16 logical CPU(s), 2 NUMA node(s)" in text and "AMX: yes" in text
 
 
-def test_info_json_runs_here(capsys):
+def test_info_json_runs_here(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINERU_FAST_CACHE", str(tmp_path))  # an empty cache, whatever other tests prepared
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     here = read_topology()
     assert info["allowed"]["usable_cores"] == here.usable_cores
     assert len(info["topology"]["numa_nodes"]) == len(here.nodes)
     assert info["isa"] == here.isa
-    assert info["prepared_cache"]["root"].endswith("prepared") and info["prepared_cache"]["entries"] == 0
+    assert info["prepared_cache"] == {"root": str(tmp_path / "prepared"), "entries": 0, "bytes": 0}
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "auto chooses:" in out and "0 prepared model(s), 0.00 GB" in out

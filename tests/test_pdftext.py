@@ -219,14 +219,19 @@ def test_block_assembly_is_linear_in_characters(monkeypatch):
     assert text == " ".join(lines)  # words flow from line to line, each line end a space
 
 
-def test_invisible_and_white_text_is_left_out_of_a_block():
+def test_invisible_text_is_left_out_of_a_block_and_white_text_sends_it_to_the_image():
     """Hidden text (render mode 3, white on white) was taken as the page's text: it landed in the
-    output, the visible line interleaved with it."""
+    output, the visible line interleaved with it. Invisible text is left out; white text may be
+    hidden (on the white page) or the words of a dark banner, so its block is read from the image
+    rather than trusted or silently shortened."""
     from samples import hidden_text_pdf
 
     pdf = pdfium.PdfDocument(hidden_text_pdf("Visible words here", "SECRET INSTRUCTIONS", "white payload text"))
     text = read_page_text(pdf[0])
-    hidden = "".join(c.text for c in text.chars if c.hidden and not c.text.isspace())
-    assert hidden == "SECRETINSTRUCTIONSwhitepayloadtext"
-    assert "".join(c.text for c in text.chars if not c.hidden and not c.text.isspace()) == "Visiblewordshere"
-    assert block_text(text, (0.0, 0.0, 1.0, 1.0)).text == "Visible words here"
+    assert "".join(c.text for c in text.chars if c.hidden and not c.text.isspace()) == "SECRETINSTRUCTIONS"
+    assert "".join(c.text for c in text.chars if c.white and not c.text.isspace()) == "whitepayloadtext"
+    plain = "".join(c.text for c in text.chars if not (c.hidden or c.white or c.text.isspace()))
+    assert plain == "Visiblewordshere"
+    first_line = block_text(text, (0.0, 0.0, 1.0, 0.12))  # the visible line and the invisible one over it
+    assert (first_line.text, first_line.suspicious) == ("Visible words here", False)
+    assert block_text(text, (0.0, 0.0, 1.0, 1.0)).suspicious  # holds the white line: read from the image

@@ -336,7 +336,9 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
     Returns:
         The assembled text and whether it can be trusted. Characters whose baseline is more than
         30 degrees off the block's dominant direction (watermarks, rotated labels) are left out,
-        and so are hidden ones (``PdfChar.hidden``: invisible, clip-only or white text).
+        and so are hidden ones (``PdfChar.hidden``: invisible or clip-only text). A block holding
+        white text (``PdfChar.white``: hidden on a white page, or the words of a dark banner) is
+        ``suspicious``: read from its image, neither trusted nor dropped.
     """
     indices = [i for i in page.indices_in(bbox) if i not in skip and not page.chars[i].hidden]
     angles = [page.chars[i].angle for i in indices if not page.chars[i].text.isspace()]
@@ -367,7 +369,8 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
         median_width = float("inf")
     text = merge_lines([_clean(_line_text(line, median_width)) for line in lines])
     in_text = tuple(int(m.group(1)) for m in FORMULA.finditer(text))
-    return BlockText(text, in_text, len(visible), _suspicious(visible), tuple(used))
+    suspicious = _suspicious(visible) or any(c.white for c in visible)
+    return BlockText(text, in_text, len(visible), suspicious, tuple(used))
 
 
 def _area_inside(inner: Box, outer: Box) -> float:

@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["PdfChar", "PageText", "read_page_text", "hidden_char"]
+__all__ = ["PdfChar", "PageText", "read_page_text", "hidden_char", "white_char"]
 
 Box = tuple[float, float, float, float]
 _DEVICE = 1_000_000  # device size used to read PDFium's display transform (integer outputs)
@@ -36,8 +36,10 @@ class PdfChar:
         map_error: PDFium could not map the glyph to Unicode (``text`` is then a guess).
         angle: rotation of the glyph's baseline on the displayed page in whole degrees (0 =
             horizontal, left to right), PDFium's char angle plus the page's ``/Rotate``.
-        hidden: nothing of it is painted, or in white (``hidden_char``): a reader sees nothing
-            there, so a block's text leaves it out.
+        hidden: nothing of it is painted (``hidden_char``): a reader sees nothing there, so a
+            block's text leaves it out.
+        white: filled in white (``white_char``): unseen on a white page, seen on a dark fill, so
+            a block holding such text is read from its image rather than trusted or dropped.
     """
 
     text: str
@@ -46,6 +48,7 @@ class PdfChar:
     map_error: bool = False
     angle: int = 0
     hidden: bool = False
+    white: bool = False
 
 
 @dataclass
@@ -105,25 +108,35 @@ def _image_coverage(page, width: float, height: float) -> float:
 
 
 def hidden_char(textpage, index: int) -> bool:
-    """Whether PDFium's character ``index`` paints nothing a reader sees: its text render mode is
-    invisible (3, as OCR layers over scans use) or clip-only (7), or its glyph is filled fully
-    transparent or white (components >= 250 of 255: white text on the white page, the one
-    background colour checked). Generated characters (spaces, line breaks) have no text object
-    and are not hidden."""
+    """Whether PDFium's character ``index`` paints nothing: its text render mode is invisible (3,
+    as OCR layers over scans use) or clip-only (7), or its fill is fully transparent. Generated
+    characters (spaces, line breaks) have no text object and are not hidden."""
+    mode, fill = _paint(textpage, index)
+    return mode in _UNPAINTED or (fill is not None and fill[3] == 0)
+
+
+def white_char(textpage, index: int) -> bool:
+    """Whether PDFium's character ``index`` is filled opaque white (components >= 250 of 255): on
+    the white page it hides text, on a dark banner or cell it is the text, and the page's colour
+    under it is not known here."""
+    mode, fill = _paint(textpage, index)
+    return mode not in _UNPAINTED and fill is not None and fill[3] != 0 and min(fill[:3]) >= _WHITE
+
+
+def _paint(textpage, index: int) -> tuple[int | None, tuple[int, int, int, int] | None]:
+    """The text render mode of character ``index`` and its fill colour (RGBA) where it is filled."""
     import ctypes
 
     import pypdfium2.raw as pdfium_c
 
     obj = pdfium_c.FPDFText_GetTextObject(textpage, index)
     if not obj:
-        return False
+        return None, None
     mode = pdfium_c.FPDFTextObj_GetTextRenderMode(obj)
-    if mode in _UNPAINTED:
-        return True
     r, g, b, a = (ctypes.c_uint() for _ in range(4))
     if mode not in _FILLED or not pdfium_c.FPDFText_GetFillColor(textpage, index, r, g, b, a):
-        return False
-    return a.value == 0 or min(r.value, g.value, b.value) >= _WHITE
+        return mode, None
+    return mode, (r.value, g.value, b.value, a.value)
 
 
 def read_page_text(page) -> PageText:
@@ -167,6 +180,7 @@ def read_page_text(page) -> PageText:
                     pdfium_c.FPDFText_HasUnicodeMapError(textpage, i) == 1,
                     angle,
                     hidden_char(textpage, i),
+                    white_char(textpage, i),
                 )
             )
     finally:
