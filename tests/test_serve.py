@@ -667,3 +667,11 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
     text = "\n".join(lines)
     for secret in (PASSWORD, UPLOAD_NAME, ALPHA, BETA, "Synthetic page 0"):
         assert secret not in text
+
+
+def test_the_replaced_pixel_budget_flag_names_its_replacement(capsys):
+    from mineru_fast.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--pixel-budget", "600"])
+    assert stopped.value.code == 2 and "--pixel-budget was replaced by --decode-budget-mb" in capsys.readouterr().err

@@ -22,6 +22,15 @@ __all__ = ["add_serve_command", "config_from_args", "run_serve_command"]
 _WORK_THREADS = ("model-loader", "parse-worker")  # thread names given in app.py and jobs.py
 
 
+class _Replaced(argparse.Action):
+    """``--pixel-budget`` (megapixels, before 2026-12): an error naming its replacement, not
+    argparse's "unrecognized arguments"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        parser.error("--pixel-budget was replaced by --decode-budget-mb: the budget is now the bytes that "
+                     "decoding the pages and images in flight takes (README, HTTP service)")  # fmt: skip
+
+
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subparser (the options flags are ``parse``'s, see ``cli_options``)."""
     v = sub.add_parser("serve", help="HTTP service (needs the serve extra: pip install 'mineru-fast[serve]')")
@@ -77,6 +86,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         metavar="MIB",
         help="page and image memory of queued and running jobs and chat images at most; beyond it 429 (default: 4096)",
     )
+    v.add_argument("--pixel-budget", action=_Replaced, help=argparse.SUPPRESS)
     v.add_argument(
         "--allowed-hosts",
         metavar="H1,H2",
