@@ -412,3 +412,20 @@ def test_inspection_rows_carry_their_own_pages_not_the_document_task_list(tmp_pa
     (refused,) = rows(1_000_000)  # over the page cap: one error row, at once
     outcome = pickle.loads(refused[ITEM])
     assert outcome.kind == "error" and outcome.error.startswith("TooManyPages: 1,000,000 pages selected")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+def test_joining_a_cluster_passes_the_prepared_cache_switch_to_its_workers(monkeypatch):
+    """``--no-prepared-cache`` sets the variable in the driver only; a cluster's workers on other
+    nodes would still write 1.4 GB entries. It travels in the job's runtime environment."""
+    import ray
+
+    from mineru_fast.distributed import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("MINERU_FAST_PREPARED_CACHE", "off")
+    init_ray("127.0.0.1:6379")  # nothing is contacted: ray.init is the stand-in above
+    monkeypatch.delenv("MINERU_FAST_PREPARED_CACHE")
+    init_ray("127.0.0.1:6379")
+    assert [c["runtime_env"] for c in calls] == [{"env_vars": {"MINERU_FAST_PREPARED_CACHE": "off"}}, None]

@@ -18,7 +18,10 @@ Importing this package needs no Ray; ``batch``, ``serve_app`` and ``job_store`` 
 
 from __future__ import annotations
 
+import os
+
 from ..errors import MineruFastError
+from ..hub import PREPARED_CACHE_ENV
 
 __all__ = ["PAGES_PER_TASK", "RayClusterUnreachable", "RayDependencyError", "init_ray", "require_ray"]
 
@@ -65,8 +68,11 @@ def init_ray(address: str | None, log_to_driver: bool = True, num_cpus: int | No
     if address is None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
         return
+    # A local Ray's workers inherit this environment; a cluster's get the prepared-cache switch
+    # (--no-prepared-cache sets it) from the job's runtime environment.
+    shared = {name: os.environ[name] for name in (PREPARED_CACHE_ENV,) if name in os.environ}
     try:
-        ray.init(address=address, log_to_driver=log_to_driver)
+        ray.init(address=address, log_to_driver=log_to_driver, runtime_env={"env_vars": shared} if shared else None)
     except ConnectionError as exc:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise RayClusterUnreachable(f"cannot join the Ray cluster at {address!r}: {reason}") from exc
