@@ -423,19 +423,29 @@ class OpenedDocument:
 
 def _render_worker(conn: Connection, data: bytes, password: str | None) -> None:
     """The render process: opens the PDF once, then renders ``(index, scale)`` requests until
-    the pipe closes, answering ``("ok", (width, height), rgb_bytes)`` or ``("error", message)``."""
+    the pipe closes, answering ``("ok", (width, height), rgb_bytes)`` or ``("error", message)``.
+    It ends quietly when the parent is gone (a pipe closed under it) and ignores Ctrl-C meant for
+    the server: either printed a traceback into the server's JSON log at shutdown. The parent ends
+    this process when it closes the renderer."""
+    import signal
+
     import pypdfium2 as pdfium
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _render_requests(conn, pdfium, data, password)
+    except (EOFError, OSError):  # the parent closed the pipe or ended
+        return
+
+
+def _render_requests(conn: Connection, pdfium, data: bytes, password: str | None) -> None:  # noqa: ANN001
     try:
         pdf = pdfium.PdfDocument(data, password=password)
     except pdfium.PdfiumError as exc:
         conn.send(("error", str(exc)))
         return
     while True:
-        try:
-            index, scale = conn.recv()
-        except EOFError:
-            return
+        index, scale = conn.recv()
         try:
             image = pdf[index].render(scale=scale, may_draw_forms=True).to_pil().convert("RGB")
         except pdfium.PdfiumError as exc:

@@ -72,6 +72,7 @@ def test_warm_start_reads_the_entry_and_decodes_the_same_tokens(model, tmp_path,
     assert not list(root.glob(".tmp-*")) and not list(root.glob(".trash-*"))
 
 
+@pytest.mark.slow  # several engine builds: ~10 s under load
 def test_a_changed_checkpoint_or_setting_gets_a_new_entry_and_the_stale_one_goes(model, tmp_path):
     root = tmp_path / "prepared"
     make_engine(model, root).close()
@@ -90,6 +91,7 @@ def test_a_changed_checkpoint_or_setting_gets_a_new_entry_and_the_stale_one_goes
     assert make_engine(model, root, lm_head_quant=None).prepared_from == "cache"
 
 
+@pytest.mark.slow  # several engine builds: ~10 s under load
 def test_a_truncated_entry_is_discarded_and_prepared_again(model, tmp_path, uncached, caplog):
     root = tmp_path / "prepared"
     make_engine(model, root).close()
@@ -120,6 +122,7 @@ def test_of_two_writers_of_one_entry_one_commits_and_the_other_drops_its_copy(mo
     assert make_engine(model, root).prepared_from == "cache"
 
 
+@pytest.mark.slow  # several engine builds: ~10 s under load
 def test_the_environment_variable_and_the_flag_bypass_the_cache(model, tmp_path, monkeypatch):
     monkeypatch.setenv("MINERU_FAST_CACHE", str(tmp_path / "cache"))
     options = ParserOptions(threads=1, slots=2, max_seq_len=2048)
@@ -157,6 +160,7 @@ def test_a_layer_rebuilt_from_its_prepared_state_gives_the_same_outputs(kind, bi
     assert torch.equal(rebuilt(x), layer(x))
 
 
+@pytest.mark.slow  # several engine builds: ~10 s under load
 def test_a_float_head_tied_to_the_embedding_stays_tied_cold_and_warm(model, tmp_path):
     root = tmp_path / "prepared"
     float_head = {"lm_head_quant": None}
