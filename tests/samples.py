@@ -77,14 +77,7 @@ def claimed_pages_pdf(count: int) -> bytes:
         b"<< /Type /Pages /Kids [3 0 R] /Count %d >>" % count,
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>",
     ]
-    out, offsets = b"%PDF-1.4\n", []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return raw_pdf(objects)
 
 
 def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int], **kwargs: object) -> bytes:
@@ -252,6 +245,11 @@ def stroked_lines_pdf(lines_per_page: list[int]) -> bytes:
         stream = zlib.compress(b"0.5 w 10 10 m 600 780 l S\n" * lines, 9)
         objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R >>" % (4 + 2 * i))
         objects.append(b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(stream), stream))
+    return raw_pdf(objects)
+
+
+def raw_pdf(objects: list[bytes]) -> bytes:
+    """A PDF of ``objects`` (object 1 the catalog) with its cross-reference table and trailer."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for number, body in enumerate(objects, start=1):
