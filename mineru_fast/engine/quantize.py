@@ -120,10 +120,12 @@ def _per_channel_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tens
     return q, scale
 
 
-def _onednn_matmul(qx: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def _onednn_matmul(
+    qx: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
     """``(qx - 128) @ W_q^T * weight_scale`` in float32: ``qx`` ``[M, K]`` uint8, ``packed`` from
-    ``onednn.qlinear_prepack``, ``weight_scale`` ``[N]`` float32."""
-    zero_points = torch.zeros(weight_scale.shape[0], dtype=torch.long)
+    ``onednn.qlinear_prepack``, ``weight_scale`` ``[N]`` float32, ``zero_points`` ``[N]`` int64
+    zeros (symmetric weights; passed in so a decode step does not build one per layer)."""
     return torch.ops.onednn.qlinear_pointwise(
         qx, 1.0, 128, packed, weight_scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
     )
@@ -150,7 +152,9 @@ def int8_weight_max(backend: str) -> int:
         exact = x.double() @ weight.double().t()
         if backend == "onednn":
             packed = torch.ops.onednn.qlinear_prepack(weight, None)
-            got = _onednn_matmul((x.int() + 128).to(torch.uint8), packed, torch.ones(n))
+            got = _onednn_matmul(
+                (x.int() + 128).to(torch.uint8), packed, torch.ones(n), torch.zeros(n, dtype=torch.long)
+            )
         else:
             got = _int_mm_matmul(x, weight.t().contiguous())
         if not torch.equal(got.double(), exact):
@@ -263,6 +267,7 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
 
     def _pack(self, q: torch.Tensor) -> None:
         self.weight_packed = torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN blocked layout: no buffer
+        self.weight_zero_points = torch.zeros(q.shape[0], dtype=torch.long)  # not state: always zeros
 
     def _weight_state(self) -> dict[str, torch.Tensor]:
         # The packed weight read back ([in, out], plain layout) and stored [out, in], as quantized,
@@ -283,7 +288,7 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
         # and the float -> uint8 conversion's truncation rounds half up, in two passes.
         shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
         qx = _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted)
-        y = _onednn_matmul(qx, self.weight_packed, self.weight_scale)
+        y = _onednn_matmul(qx, self.weight_packed, self.weight_scale, self.weight_zero_points)
         return self._finish(y, x_scale, shape, dtype)
 
 
