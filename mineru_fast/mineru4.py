@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from copy import deepcopy
 from typing import Any
 
 from .document import Block
+from .html_fragment import Element, Text, parse_fragment, serialize
 
 __all__ = ["page_model", "TITLE_LEVEL_PARAGRAPH"]
 
@@ -232,7 +234,7 @@ def _analysis_blocks(blocks: list[Block]) -> list[dict]:
         if kind == "title":
             item["type"], item["level"] = "paragraph_title", TITLE_LEVEL_PARAGRAPH
         model.append(item)
-    model = _merge_formula_numbers(model)
+    model = collapse_image_blocks(_merge_formula_numbers(model))
     out = []
     for item in model:
         kind, content = item["type"], item.get("content")
@@ -273,6 +275,36 @@ def to_spans_raw(content: str, *, strip: bool = True) -> list[dict]:
     return strip_spans(spans) if strip else spans
 
 
+IMAGE_BLOCK_CONTAINMENT = 0.8  # docvortex 0.6.4 document/pdf/constants.py IMAGE_BLOCK_CONTAINMENT_THRESHOLD
+
+
+def collapse_image_blocks(model: list[dict]) -> list[dict]:
+    """Each ``image_block`` container becomes one ``image`` with the container's box, and every other
+    block at least 80 % of whose area lies inside a container is dropped (inner images, labels,
+    captions alike), as docvortex's ``document.pdf.visuals._collapse_image_blocks`` does before
+    mineru 4.0.12 names its crops; boxes are compared as the 0..1 floats the model gave.
+
+    Args:
+        model: a page's model list (dicts with ``type`` and ``bbox``), in reading order.
+
+    Returns:
+        The list without the contained blocks (the containers renamed in place).
+    """
+    containers = [item for item in model if item["type"] == "image_block"]
+    if not containers:
+        return model
+    kept = []
+    for item in model:
+        if item["type"] == "image_block":
+            item["type"] = "image"
+            kept.append(item)
+        elif not any(
+            _inside_ratio(tuple(item["bbox"]), tuple(c["bbox"])) >= IMAGE_BLOCK_CONTAINMENT for c in containers
+        ):
+            kept.append(item)
+    return kept
+
+
 def _merge_formula_numbers(model: list[dict]) -> list[dict]:
     """A ``formula_number`` joins the equation before it (else the one after it, unless that one has
     its own number next) as ``\\tag{..}`` with the union box; an orphan number becomes text."""
@@ -304,12 +336,85 @@ def _join_number(equation: dict, number: dict) -> None:
         equation["content"] = tagged
 
 
+_OPAQUE_TAGS = frozenset(
+    {
+        "eq",
+        "math",
+        "pre",
+        "code",
+        "script",
+        "style",
+        "svg",
+        "template",
+        "textarea",
+        "object",
+        "embed",
+        "canvas",
+        "iframe",
+    }
+)  # docvortex 0.6.4 content/normalization.py _OPAQUE_HTML_TAGS
+_OPAQUE_BLOCK_TYPES = frozenset({"equation", "code", "code_body", "algorithm", "algorithm_body"})
+_CELL_BARRIERS = frozenset({"table", "br", "hr", "img"})
+
+
+def _is_opaque(element: Element) -> bool:
+    """Formulas, code and other non-text carriers whose text is never normalized."""
+    attrs = element.attrs
+    return (
+        element.name.split(":")[-1].lower() in _OPAQUE_TAGS
+        or attrs.get("data-block-type") in _OPAQUE_BLOCK_TYPES
+        or "data-docvortex-latex" in attrs
+        or "data-formula-display" in attrs
+        or "docvortex-math" in attrs.get("class", "").split()
+    )
+
+
+def _cell_parts(node: Element | Text) -> Iterator[tuple[Text | None, str]]:
+    """A cell's visible text nodes; opaque elements, nested tables and breaks are barriers."""
+    if isinstance(node, Text):
+        if node.kind == "text" and node.container == "plain":
+            yield node, node.value
+    elif _is_opaque(node) or node.name in _CELL_BARRIERS:
+        yield None, "\0"
+    else:
+        for child in node.children:
+            yield from _cell_parts(child)
+
+
+def _cells(node: Element) -> Iterator[Element]:
+    """``td`` / ``th`` elements in document order, none inside an opaque element."""
+    for child in node.children:
+        if isinstance(child, Element) and not _is_opaque(child):
+            if child.name in ("td", "th"):
+                yield child
+            yield from _cells(child)
+
+
 def _normalize_table(markup: str) -> str:
-    """Half-width text in table cells (tags, ``<eq>`` formulas and entities left alone)."""
-    if not _FULLWIDTH.search(markup):
+    """Half-width letters, digits and symbols in the visible text of table cells; when any text
+    changes the whole table is written anew (``html_fragment``), else the markup is kept as is.
+
+    Mirrors docvortex ``content.normalization._normalize_table`` (mineru 4.0.12's PDF text
+    normalization): text nodes of one cell are normalized together (``normalize_text``, formulas
+    kept) and cut back to their lengths.
+    """
+    if not _FULLWIDTH.search(markup) and "&#" not in markup:
         return markup
-    parts = re.split(r"(<eq>.*?</eq>|<[^>]*>)", markup, flags=re.DOTALL)
-    return "".join(p if i % 2 else normalize_text(p) for i, p in enumerate(parts))
+    tree = parse_fragment(markup)
+    changed = False
+    for cell in _cells(tree):
+        entries = [part for child in cell.children for part in _cell_parts(child)]
+        source = "".join(text for _, text in entries)
+        normalized = normalize_text(source)
+        if normalized == source:
+            continue
+        offset = 0
+        for node, text in entries:
+            replacement = normalized[offset : offset + len(text)]
+            offset += len(text)
+            if node is not None and replacement != text:
+                node.value, changed = replacement, True
+    return serialize(tree) if changed else markup
 
 
 # ---------------------------------------------------------------- document model steps (docvortex)
