@@ -39,6 +39,7 @@ class _Grid:
     cells: list[list[Element]]
     columns: int
     spans: bool  # any rowspan / colspan other than 1, or a nested table
+    rectangular: bool  # every row holds ``columns`` cells, all its own children
 
 
 def _calc_box(bbox: Any) -> tuple[int, int, int, int] | None:
@@ -106,7 +107,9 @@ def _grid(table: dict) -> _Grid | None:
         columns = max(columns, max(occupied.get(r, {-1})) + 1)
     if columns <= 0 or not any(cells):
         return None
-    return _Grid(tree, container, rows, cells, columns, spans)
+    direct = [[c for c in row.children if isinstance(c, Element) and c.name in ("td", "th")] for row in rows]
+    rectangular = all(len(d) == len(c) == columns for d, c in zip(direct, cells, strict=True))
+    return _Grid(tree, container, rows, cells, columns, spans, rectangular)
 
 
 def _cell_text(cell: Element | Text) -> str:
@@ -201,18 +204,18 @@ def merge_tables(previous: dict, current: dict, columns: Any = None) -> tuple[di
         return None
     if grid_a is None or grid_b is None or grid_a.spans or grid_b.spans:
         return None
-    header = _header_rows(grid_a, grid_b)
-    appended = grid_b.rows[header:]
-    boundary_full = len(grid_a.cells[-1]) == grid_a.columns
-    if not appended or not boundary_full or len(grid_b.cells[header]) != grid_a.columns:
+    if not (grid_a.rectangular and grid_b.rectangular):  # official aligns only whole grids
+        return None
+    appended = grid_b.rows[_header_rows(grid_a, grid_b) :]
+    if not appended:
         return None
     grid_a.container.children.extend(appended)
     body = _body(previous)
     assert body is not None  # _grid found it
     body["content"] = serialize(grid_a.tree)
-    indices = [c["index"] for c in _children(previous) if isinstance(c.get("index"), int)]
-    base = max(indices) if isinstance(body.get("index"), int) else None
     kept = [c for c in previous["content"] if not (isinstance(c, dict) and c.get("type") == "table_footnote")]
+    indices = [c["index"] for c in kept if isinstance(c, dict) and isinstance(c.get("index"), int)]
+    base = max(indices) if isinstance(body.get("index"), int) else None
     footnotes = [c for c in _children(current) if c.get("type") == "table_footnote"]
     for offset, footnote in enumerate(footnotes, start=1):
         kept.append({**footnote, "index": 0 if base is None else base + offset})

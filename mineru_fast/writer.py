@@ -344,7 +344,7 @@ class _PageRenderer:
         if kind == "list":
             return self.list_markdown(block)
         if kind == "index":
-            lines = [render_spans(child["content"]).strip() for child in content]
+            lines = [render_spans(strip_index_page_tail(child["content"])).strip() for child in content]
             return "\n".join(f"- {line}" for line in lines if line)
         if kind in ("image", "table", "chart", "code"):
             return _join([self.visual_child(block, child) for child in content])
@@ -411,7 +411,7 @@ class _PageRenderer:
             items = [render_spans(child["content"]) for child in content if child["content"]]
             item = {"type": "list", "sub_type": block.get("sub_type") or "text", "list_items": items}
         elif kind == "index":
-            lines = [render_spans(child["content"]).strip() for child in content]
+            lines = [render_spans(strip_index_page_tail(child["content"])).strip() for child in content]
             item = {"type": "index", "list_items": [f"- {line}" for line in lines if line]}
         elif kind in ("image", "table", "chart"):
             item = self.visual_item(block)
@@ -483,6 +483,33 @@ def _reference_item(blocks: list[dict], page_idx: int) -> dict:
 
 def _annotations(group: dict, kind: str) -> list[str]:
     return [render_spans(c["content"]) for c in sorted(group["content"], key=lambda c: c["index"]) if c["type"] == kind]
+
+
+_INDEX_ROMAN = re.compile(r"[ivxlcdm]+", re.IGNORECASE)
+
+
+def strip_index_page_tail(spans: list[dict]) -> list[dict]:
+    """An index entry without the page number after its last tab (digits, a roman numeral or one
+    letter, at most 12 characters), its other tabs made spaces.
+
+    Mirrors docvortex ``render._internal.common.index.strip_index_page_tail``.
+    """
+    text = plain_text(spans)
+    if "\t" not in text:
+        return spans
+    cut = text.rfind("\t")
+    tail = text[cut + 1 :].strip()
+    if tail and len(tail) <= 12 and (tail.isdigit() or _INDEX_ROMAN.fullmatch(tail) or re.fullmatch("[A-Za-z]", tail)):
+        kept, offset = [], 0
+        for span in spans:
+            if offset >= cut:
+                break
+            length = len(span["content"])
+            kept.append({**span, "content": span["content"][: cut - offset]} if span["type"] == "text" else span)
+            offset += length
+        spans = kept
+    out = [{**s, "content": s["content"].replace("\t", " ")} if s["type"] == "text" else s for s in spans]
+    return [s for s in out if s["type"] != "text" or s["content"]]
 
 
 _REFERENCE_NUMBER = re.compile(r"^\D{0,4}\d")  # a (Unicode) digit among the first five characters

@@ -36,6 +36,17 @@ def page(*lines_and_contents: tuple[str, str | None]) -> PageTrace:
     return PageTrace("\n".join(ln for ln, _ in lines_and_contents), [c for _, c in lines_and_contents])
 
 
+# Image analysis outputs as MinerU2.5-Pro writes them (mineru-vl-utils post_process.image_analysis_postprocess).
+IMAGE_ANALYSIS_CHART = (
+    "<|class_start|>chart<|class_end|><|sub_class_start|>bar<|sub_class_end|><|caption_start|>Sales<|caption_end|>"
+    "<|content_start|>| year | sales |\n| --- | --- |\n| 2020 | 5 |\n| 2021 | 7 |<|content_end|>"
+)
+IMAGE_ANALYSIS_FLOW = (
+    "<|class_start|>flowchart<|class_end|><|sub_class_start|>flowchart<|sub_class_end|>"
+    "<|caption_start|>Steps<|caption_end|><|content_start|>graph TD\n    A[start] --> B[end]<|content_end|>"
+)
+
+
 # Every block type of mineru-vl-utils 2.x (and one it does not know), rotated blocks, equation blocks,
 # nested captions, [Non-Text], inline math, text and tables that need escaping.
 SYNTHETIC: dict[str, list[PageTrace]] = {
@@ -192,6 +203,35 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
             (line("100 050 900 400", "table"), "<fcel>p<fcel>q<fcel>r<nl><fcel>1<fcel>2<fcel>3<nl>"),
         ),
     ],
+    # Image analysis outputs (read only by MinerU2.5-Pro): a chart read as a table, a flowchart as
+    # mermaid, a photo with its caption, and a chart block.
+    "image_analysis": [
+        page(
+            (line("100 050 900 300", "image"), IMAGE_ANALYSIS_CHART),
+            (line("100 310 900 330", "image_caption"), "Figure 1: sales"),
+            (line("100 350 900 600", "image"), IMAGE_ANALYSIS_FLOW),
+            (
+                line("100 620 500 900", "image"),
+                "<|class_start|>natural_image<|class_end|><|caption_start|>A cat<|caption_end|>",
+            ),
+            (line("520 620 900 900", "chart"), IMAGE_ANALYSIS_CHART),
+        )
+    ],
+    # Rules not exercised elsewhere: an index's tab-separated page numbers, a "continued" line
+    # leading the page above a table, a page footnote over two lines, empty equation and table
+    # contents (their crops instead), carriage returns kept as written, a doc title.
+    "more_rules": [
+        page(
+            (line("100 020 900 040", "text"), "Table 3 (continued)"),
+            (line("100 045 900 200", "table"), "<fcel>a<fcel>b<nl><fcel>1<fcel>2<nl>"),
+            (line("100 210 900 240", "doc_title"), "A Title\nOver Two Lines"),
+            (line("100 250 900 300", "index"), "Intro\t1\nMethods\tand more\tv\nAppendix\tB\tnot a page"),
+            (line("100 310 900 340", "text"), "line one\r\nline two"),
+            (line("100 350 900 400", "equation"), ""),
+            (line("100 410 900 500", "table"), ""),
+            (line("100 900 900 950", "page_footnote"), "1 first line\nsecond line"),
+        )
+    ],
 }
 
 
@@ -309,3 +349,110 @@ def test_long_document_pages_past_the_window_are_replayed(tmp_root):
     items = json.loads(official_cl)
     opened = {i["page_idx"]: i["text"] for i in items if i["type"] == "text" and i["text"].endswith("opens.")}
     assert opened[0] == "Page 0 opens." and opened[64] == "Page 64 opens." and opened[65] == "Page 65 opens."
+
+
+# Markup the HTML round trip must write as BeautifulSoup does: references, attributes, void and
+# stray tags, special strings, whitespace runs, script text, unclosed and misnested tags.
+HTML_CASES = [
+    "<table><tr><td>A&amp;B</td><td>it&#x27;s &quot;q&quot; &lt; 5</td></tr></table>",
+    "<table><tr><td colspan=2>x<br>y</td></tr></table>",
+    "<TD COLSPAN='2' Class='a  b'>x</td>",
+    "<p>a &foo; &amp b &#0; &#x80; &#x81; &#xD800; &#1114112; &#65;&#x42; &#x;</p>",
+    "<img src=x><br/></br><hr></hr>",
+    "<!-- c --> <![CDATA[x<y]]> <!DOCTYPE html><?php x ?>",
+    "<script>a<b && c</script><style>p>q{}</style>",
+    "<div>  \n  </div><pre>   </pre><span> </span>",
+    "<b><i>x</b>y</i>z",
+    "</x>text<td/>",
+    '<a title=\'say "hi"\' alt="it\'s" data-x="both \' and &quot;" b>q</a>',
+    "<td a=1 a=2>dup</td>",
+    "a < b > c & d",
+    "<rt>ruby</rt><template>t</template>",
+    "<p>unclosed<td>cell",
+    "text &nbsp; &copy &AMP;",
+]
+HTML_TOKENS = [
+    "<td>", "</td>", "<tr>", "</tr>", "<table>", "</table>", "<br>", "</br>", "<br/>", "<b>", "</b>", " ", "\n", "x",
+    "Ａ", "&amp;", "&#39;", "&quot;", "&lt;", "<", ">", "&", "'", '"', '<td colspan="2">',
+    "<th rowspan=3 class=' a b '>", "<!--c-->", "<pre>", "</pre>", "<eq>", "</eq>", "&nbsp;", "&zz;",
+    "<img src='a\"b'>", "<p>", "\t", "<script>", "</script>", "\\(", "\\)", "１", "＆", "<code>", "</code>",
+    "<span class='docvortex-math'>", "</span>", "<rt>",
+]  # fmt: skip
+
+
+def random_markup(rng, n: int) -> str:
+    return "".join(rng.choice(HTML_TOKENS) for _ in range(rng.randint(1, n)))
+
+
+def test_html_fragment_writes_what_beautifulsoup_writes():
+    """``html_fragment`` reproduces ``str(BeautifulSoup(markup, "html.parser"))``, which official
+    uses to write a table anew."""
+    import random
+
+    from bs4 import BeautifulSoup
+
+    from mineru_fast.html_fragment import parse_fragment, serialize
+
+    rng = random.Random(0)
+    cases = HTML_CASES + [random_markup(rng, 25) for _ in range(600)]
+    assert [serialize(parse_fragment(c)) for c in cases] == [str(BeautifulSoup(c, "html.parser")) for c in cases]
+
+
+def test_table_normalization_matches_docvortex():
+    """Half-width table text, and the table written anew only when it changed, as docvortex does."""
+    import random
+
+    from docvortex.content.normalization import _normalize_table as official
+
+    from mineru_fast.mineru4 import _normalize_table
+
+    rng = random.Random(1)
+    cases = [f"<table><tr>{random_markup(rng, 30)}</tr></table>" for _ in range(600)]
+    assert [_normalize_table(c) for c in cases] == [official(c) for c in cases]
+
+
+def test_table_join_matches_docvortex():
+    """Plain grids split across pages (headers repeated or not, ragged rows, captions with and
+    without "continued", footnotes, other widths) join as docvortex joins them, or stay apart."""
+    import random
+
+    from docvortex.content.table.content import merge_table_content
+
+    from mineru_fast.table_merge import merge_tables
+
+    rng = random.Random(2)
+
+    def table(columns: int, rows: int, right: float, caption: str | None, footnote: bool, ragged: bool) -> dict:
+        cells = [[f"h{c}" for c in range(columns)]] if rng.random() < 0.7 else []
+        cells += [[rng.choice(["a", "b", "Ａ", "1"]) for _ in range(columns)] for _ in range(rows)]
+        if ragged:
+            cells[-1] = cells[-1][:-1]
+        body = (
+            "<table>" + "".join("<tr>" + "".join(f"<td>{t}</td>" for t in row) + "</tr>" for row in cells) + "</table>"
+        )
+        children = [{"type": "table_body", "bbox": [0.1, 0.05, right, 0.4], "content": body, "index": 1}]
+        if caption:
+            spans = [{"type": "text", "content": caption}]
+            children.insert(0, {"type": "table_caption", "bbox": [0.1, 0.01, 0.5, 0.03], "content": spans, "index": 0})
+        if footnote:
+            spans = [{"type": "text", "content": "note"}]
+            children.append({"type": "table_footnote", "bbox": [0.1, 0.41, 0.5, 0.43], "content": spans, "index": 2})
+        return {"type": "table", "bbox": [0.1, 0.05, right, 0.4], "content": children, "index": 1}
+
+    joined = 0
+    for _ in range(400):
+        columns = rng.choice([2, 3])
+        previous = table(
+            columns, rng.randint(1, 3), 0.9, rng.choice([None, "Table 1"]), rng.random() < 0.2, rng.random() < 0.1
+        )
+        caption = rng.choice([None, None, "Table 1 (continued)", "Table 2"])
+        current = table(
+            columns, rng.randint(1, 3), rng.choice([0.9, 0.88, 0.6]), caption, rng.random() < 0.3, rng.random() < 0.1
+        )
+        official, fast = merge_table_content(previous, current), merge_tables(previous, current)
+        assert (official is None) == (fast is None)
+        if official is not None and fast is not None:
+            joined += 1
+            shape = [(c["type"], c.get("index"), c["content"]) for c in official["content"]]
+            assert shape == [(c["type"], c.get("index"), c["content"]) for c in fast[0]["content"]]
+    assert joined > 50  # the cases exercise the join, not only its refusals
