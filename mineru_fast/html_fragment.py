@@ -5,7 +5,7 @@ _normalize_table``: ``str(BeautifulSoup(markup, "html.parser"))``). This module 
 round trip with the standard library's ``html.parser`` (the parser BeautifulSoup drives there) and
 the behaviour of beautifulsoup4 4.15's tree builder and "minimal" formatter, read from its source:
 
-- character and entity references are decoded (an unknown ``&name`` stays literal text; numeric
+- character and entity references are decoded (an unknown ``&name;`` stays text, its ``;`` dropped; numeric
   references follow the HTML rule: 0, surrogates and values past U+10FFFF give U+FFFD, 0x80..0x9F
   are read as Windows-1252);
 - a run of ASCII whitespace alone becomes one newline (if it held one) or one space, except
