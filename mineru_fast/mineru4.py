@@ -72,7 +72,10 @@ _CONTINUATION_END = [
 
 
 def full_to_half(text: str, *, punctuation: bool) -> str:
-    """Full-width ASCII forms (U+FF01..FF5E) to ASCII: letters and digits only, or all of them."""
+    """Full-width ASCII forms (U+FF01..FF5E) to ASCII: letters and digits only, or all of them.
+
+    Mirrors docvortex ``foundation._text.full_to_half_exclude_marks`` / ``full_to_half``.
+    """
     out = []
     for char in text:
         code = ord(char)
@@ -87,7 +90,10 @@ _FORMULA_OPENING = re.compile(r"\\[\(\[]")
 
 
 def normalize_text(content: str) -> str:
-    """Half-width letters, digits and a whitelist of symbols outside ``\\(..\\)`` / ``\\[..\\]``."""
+    """Half-width letters, digits and a whitelist of symbols outside ``\\(..\\)`` / ``\\[..\\]``.
+
+    Mirrors docvortex ``content.normalization._normalize_text``.
+    """
     if not _FULLWIDTH.search(content):
         return content
     parts, cursor = [], 0
@@ -106,7 +112,11 @@ def normalize_text(content: str) -> str:
 
 def to_spans(content: str) -> list[dict]:
     """Natural-language text -> spans: ``\\(..\\)`` becomes an inline equation (an empty one is
-    dropped); text is made half-width and otherwise kept as is (surrounding whitespace too)."""
+    dropped); text is made half-width and otherwise kept as is (surrounding whitespace too).
+
+    Mirrors mineru ``backend.analysis.pdf.normalization._natural_language_spans`` (before its strip)
+    and docvortex ``content.normalization._normalize_spans``.
+    """
     spans: list[dict] = []
 
     def add_text(text: str) -> None:
@@ -129,7 +139,10 @@ def to_spans(content: str) -> list[dict]:
 
 
 def strip_spans(spans: list[dict]) -> list[dict]:
-    """Strip leading / trailing whitespace of the visible text (equations count as visible)."""
+    """Strip leading / trailing whitespace of the visible text (equations count as visible).
+
+    Mirrors docvortex ``content.spans.strip_span_dicts``.
+    """
     spans = [dict(s) for s in spans]
     if spans and spans[0]["type"] == "text":
         spans[0]["content"] = spans[0]["content"].lstrip()
@@ -170,7 +183,10 @@ def _merge_spans(spans: list[dict]) -> list[dict]:
 
 
 def clean_isolated_formula(content: str) -> str:
-    """An equation's LaTeX without one surrounding ``\\[ .. \\]``, stripped."""
+    """An equation's LaTeX without one surrounding ``\\[ .. \\]``, stripped.
+
+    Mirrors docvortex ``foundation._text.clean_isolated_formula``.
+    """
     if content.startswith("\\["):
         content = content[2:]
     if content.endswith("\\]"):
@@ -190,7 +206,7 @@ def tagged_formula(formula: str, tag: str) -> str | None:
 
 
 def code_content_clean(content: str | None) -> str:
-    """Code without a surrounding Markdown fence."""
+    """Code without a surrounding Markdown fence (docvortex ``postprocess.content.code_content_clean``)."""
     if not content:
         return ""
     lines = content.splitlines()
@@ -202,7 +218,10 @@ def code_content_clean(content: str | None) -> str:
 
 
 def is_table_continuation_text(text: str) -> bool:
-    """Text saying "table continued" (``续表``, ``(continued)``, ...)."""
+    """Text saying "table continued" (``续表``, ``(continued)``, ...).
+
+    Mirrors docvortex ``content.table.rules.is_table_continuation_text``.
+    """
     text = full_to_half((text or "").strip(), punctuation=True).lower()
     if not text:
         return False
@@ -223,7 +242,13 @@ for the writer's optional ``mf_confidence`` field (MinerU has no such key)."""
 
 
 def _analysis_blocks(blocks: list[Block]) -> list[dict]:
-    """mineru's xhigh steps from the VLM blocks to its normalized model list of one page."""
+    """mineru's xhigh steps from the VLM blocks to its normalized model list of one page.
+
+    Mirrors mineru ``backend.analysis.pdf.window._finish_pdf_window`` (``layout.
+    _normalize_xhigh_vlm_blocks``, ``normalization._apply_layout_title_split`` without a layout
+    model, formula numbers, ``docvortex.document.pdf.visuals._collapse_image_blocks``) and
+    ``normalization._normalize_pdf_model_list``.
+    """
     model: list[dict] = []
     for block in blocks:
         kind = _CAPTION_TYPES.get(block.type) or _FOOTNOTE_TYPES.get(block.type) or block.type
@@ -307,7 +332,10 @@ def collapse_image_blocks(model: list[dict]) -> list[dict]:
 
 def _merge_formula_numbers(model: list[dict]) -> list[dict]:
     """A ``formula_number`` joins the equation before it (else the one after it, unless that one has
-    its own number next) as ``\\tag{..}`` with the union box; an orphan number becomes text."""
+    its own number next) as ``\\tag{..}`` with the union box; an orphan number becomes text.
+
+    Mirrors mineru ``backend.analysis.pdf.formulas.optimize_hybrid_formula_number_blocks``.
+    """
     out: list[dict] = []
     for i, item in enumerate(model):
         if item["type"] != "formula_number":
@@ -423,6 +451,9 @@ def _normalize_table(markup: str) -> str:
 def page_model(blocks: list[Block]) -> list[dict]:
     """The MinerU 4 page model of a page's final blocks (see the module docstring).
 
+    Mirrors docvortex ``postprocess.page_blocks.process_page_blocks`` (on the output of
+    ``_analysis_blocks``).
+
     Returns:
         Top-level blocks in reading order. Each has ``type``, ``index`` (its position in mineru's
         model list, which names its image file), ``bbox`` (0..1 floats) and ``content``: spans for
@@ -464,6 +495,8 @@ def page_model(blocks: list[Block]) -> list[dict]:
 
 
 def _collapse_newlines(spans: list[dict]) -> list[dict]:
+    """A title's newlines and the whitespace after them as one space (docvortex
+    ``postprocess.content.collapse_inline_newlines``)."""
     out = []
     for span in spans:
         if span["type"] == "text":
@@ -490,7 +523,10 @@ def _inside_ratio(inner: tuple, outer: tuple) -> float:
 def _lists_and_indexes(model: list[dict]) -> tuple[list, list, list, list]:
     """Text and ref_text at least 80 % inside a list box become its items (first list wins); an
     empty list is dropped; its ``sub_type`` is its items' most common type. ``index`` blocks are
-    split into one text child per line."""
+    split into one text child per line.
+
+    Mirrors docvortex ``postprocess.lists.fix_pdf_list_blocks`` and ``fix_pdf_index_blocks``.
+    """
     texts = [b for b in model if b["type"] == "text"]
     refs = [b for b in model if b["type"] == "ref_text"]
     lists = [b for b in model if b["type"] == "list"]
@@ -540,7 +576,11 @@ def _caption_fallbacks(model: list[dict]) -> None:
     """docvortex's caption fallbacks with bboxes: a text/footnote on the same line as a caption
     right above a visual body becomes a caption; single-line text/footnote fragments in the caption
     cluster right above a table become captions; single-line "continued" text leading the page right
-    above a table becomes a caption."""
+    above a table becomes a caption.
+
+    Mirrors docvortex ``postprocess.visual.fallback_inline_caption_fragments`` and
+    ``fallback_leading_table_continuation_captions``.
+    """
     ordered = sorted(model, key=lambda b: b["index"])
     if len(model) >= 3:
         for pos, block in enumerate(ordered):
@@ -638,7 +678,8 @@ def _stacked_cluster(table: dict, model: list[dict]) -> list[dict]:
 
 
 def _regroup_visuals(model: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Visual bodies grouped with their captions / footnotes (docvortex ``regroup_visual_blocks``)."""
+    """Visual bodies grouped with their captions / footnotes (docvortex
+    ``postprocess.visual.regroup_visual_blocks``)."""
     ordered = sorted(model, key=lambda b: b["index"])
     relation = [b for b in ordered if not (b["type"] == "list" and not b.get("content"))]
     position = {b["index"]: p for p, b in enumerate(relation)}

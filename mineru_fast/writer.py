@@ -99,7 +99,10 @@ _BLOCK_PREFIX = re.compile(r"^(?P<indent>[ \t]{0,3})(?P<marker>#{1,6}|[+-])(?=[ 
 
 
 def _escape_markdown_chars(text: str) -> str:
-    """Backslash before ``* _ ` ~ $`` unless already escaped by an odd run of backslashes."""
+    """Backslash before ``* _ ` ~ $`` unless already escaped by an odd run of backslashes.
+
+    Mirrors docvortex ``render._internal.markdown.escaping.escape_conservative_markdown_text``.
+    """
     out, backslashes = [], 0
     for char in text:
         if char == "\\":
@@ -114,12 +117,16 @@ def _escape_markdown_chars(text: str) -> str:
 
 
 def _escape_entities(text: str) -> str:
+    """``&`` of text an HTML parser would read as a reference made ``&amp;`` (docvortex
+    ``render._internal.markdown.inline._escape_entity_like_text``)."""
     return _ENTITY_LIKE.sub(
         lambda m: f"&amp;{m.group(0)[1:]}" if html.unescape(m.group(0)) != m.group(0) else m.group(0), text
     )
 
 
 def _escape_text(text: str) -> str:
+    """Plain text as Markdown: characters escaped, tag-like text made inert (docvortex
+    ``render._internal.markdown.inline._escape_plain_markdown_text``)."""
     parts, cursor = [], 0
     for match in _HTML_LIKE.finditer(text):
         parts.append(_escape_entities(_escape_markdown_chars(text[cursor : match.start()])))
@@ -130,16 +137,22 @@ def _escape_text(text: str) -> str:
 
 
 def render_spans(spans: list[dict]) -> str:
-    """Markdown of text / inline-equation spans: text escaped, equations as ``$..$``."""
+    """Markdown of text / inline-equation spans: text escaped, equations as ``$..$``.
+
+    Mirrors docvortex ``render._internal.markdown.inline.render_inline_spans``.
+    """
     return "".join(_escape_text(s["content"]) if s["type"] == "text" else f"${s['content']}$" for s in spans)
 
 
 def _escape_prefix(text: str) -> str:
+    """A leading ``#``/``-``/``+`` block marker escaped (docvortex
+    ``render._internal.markdown.escaping.escape_text_block_markdown_prefix``)."""
     match = _BLOCK_PREFIX.match(text)
     return f"{text[: match.start('marker')]}\\{text[match.start('marker') :]}" if match else text
 
 
 def _escape_rule(text: str) -> str:
+    """A line of only ``_`` or only ``-`` escaped (docvortex ``escaping.escape_standalone_marker_rule``)."""
     return f"\\{text}" if text and (set(text) == {"_"} or set(text) == {"-"}) else text
 
 
@@ -207,6 +220,7 @@ _EQ_RE = re.compile(r"<eq>(?P<latex>.*?)</eq>", re.IGNORECASE | re.DOTALL)
 
 
 def _format_embedded_html(markup: str) -> str:
+    """``<eq>`` formulas of embedded HTML as `` $..$ `` (docvortex ``markdown.table.format_embedded_html``)."""
     return _EQ_RE.sub(lambda m: f" ${html.unescape(m.group('latex')).strip()}$ ", markup)
 
 
@@ -253,7 +267,10 @@ def _normalize_cell(text: str) -> str:
 
 def render_table(markup: str) -> str | None:
     """A table body as Markdown: a pipe table when GFM can hold it without loss, else its HTML
-    (inline ``<eq>`` formulas as ``$..$``); None when the markup holds no table."""
+    (inline ``<eq>`` formulas as ``$..$``); None when the markup holds no table.
+
+    Mirrors docvortex ``render._internal.markdown.table.render_html_table``.
+    """
     tree = _Tree()
     tree.feed(markup)
     tree.close()
@@ -304,6 +321,7 @@ def _join(parts: list[str]) -> str:
 
 
 def _details(content: str, summary: str) -> str:
+    """A collapsed HTML details block (docvortex ``markdown.blocks._render_details``)."""
     return f"<details>\n<summary>{html.escape(summary, quote=False)}</summary>\n\n{content.strip()}\n</details>"
 
 
@@ -324,6 +342,7 @@ class _PageRenderer:
 
     # -- markdown
     def markdown(self, block: dict) -> str:
+        """A top-level block's Markdown (docvortex ``markdown.blocks.render_planned_block``)."""
         kind, content = block["type"], _content(block)
         if kind in _AUXILIARY:
             return ""
@@ -351,6 +370,8 @@ class _PageRenderer:
         return render_spans(content) if isinstance(content, list) else ""
 
     def list_markdown(self, block: dict) -> str:
+        """A list's Markdown, reference lists bulleted when mostly unnumbered (docvortex
+        ``markdown.blocks._render_list``)."""
         children = block["content"]
         bullets = block.get("sub_type") == "ref_text" and _needs_bullets(children)
         lines = []
@@ -367,6 +388,8 @@ class _PageRenderer:
         return "\n".join(lines)
 
     def visual_child(self, group: dict, child: dict) -> str:
+        """One child of an image, table, chart or code group (docvortex
+        ``markdown.blocks._render_visual_body_child``)."""
         kind = child["type"]
         if not kind.endswith("_body"):
             return _escape_rule(render_spans(child["content"]))
@@ -394,6 +417,7 @@ class _PageRenderer:
 
     # -- content list
     def item(self, block: dict) -> dict | None:
+        """A block's content-list item (mineru ``render._internal.content_list.v1._render_unit_content``)."""
         kind, content = block["type"], _content(block)
         if kind == "text":
             item: dict = {"type": "text", "text": render_spans(content)}
@@ -432,6 +456,8 @@ class _PageRenderer:
         return item
 
     def visual_item(self, group: dict) -> dict:
+        """An image, table or chart item (mineru ``content_list.v1._render_image`` / ``_render_table``
+        / ``_render_chart``)."""
         visual = group["type"]
         body = next(c for c in group["content"] if c["type"] == f"{visual}_body")
         content = _format_embedded_html(body.get("content") or "").strip()
@@ -470,6 +496,7 @@ def confidence_field(entries: list[dict]) -> dict | None:
 
 
 def _reference_item(blocks: list[dict], page_idx: int) -> dict:
+    """A run of reference entries as one list item (mineru ``content_list.common.iter_page_units``, v1)."""
     boxes = [b["bbox"] for b in blocks]
     bbox = [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)]
     return {
@@ -529,12 +556,14 @@ def _needs_bullets(children: list[dict]) -> bool:
 
 
 def _fenced(content: str, language: str = "") -> str:
+    """Content in a fence longer than its backtick runs (docvortex ``markdown.blocks._render_fenced_content``)."""
     longest = max((len(m.group(0)) for m in re.finditer(r"`+", content)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{language}\n{content}{'' if content.endswith(chr(10)) else chr(10)}{fence}"
 
 
 def _algorithm_html(spans: list[dict]) -> str:
+    """An algorithm as preformatted HTML (docvortex ``markdown.blocks._render_algorithm_html``)."""
     parts, previous_eq = [], False
     for span in spans:
         is_eq = span["type"] == "equation_inline"
