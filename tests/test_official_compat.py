@@ -248,7 +248,8 @@ def long_document(pages: int = 66) -> list[PageTrace]:
             lines = [(line("100 050 900 200", "list"), None), (line("100 050 900 090", "ref_text"), "[2] Next ref.")]
             lines += [(line("100 600 900 950", "table"), "<fcel>k<fcel>v<nl><fcel>a<fcel>1<nl>")]
         if n == 64:
-            lines = [(line("100 050 900 400", "table"), "<fcel>k<fcel>v<nl><fcel>b<fcel>2<nl>")] + lines
+            table = (line("100 050 900 400", "table"), "<fcel>k<fcel>v<nl><fcel>b<fcel>2<nl>")
+            lines = [table, (line("100 420 900 450", "text"), f"Page {n} opens.")]
         if n == 65:
             lines += [
                 (line("100 300 600 700", "image"), None),
