@@ -7,10 +7,11 @@ joins them when Markdown is rendered). Tables here are page-model groups (``mine
 in ``table_body``'s ``content``.
 
 Ported: the decision (``can_merge_tables``: captions and footnotes, widths within 10 %, column
-counts) and the join of two plain grids (``merge_tables``: the same column count, no row or column
-span, no nested table; repeated header rows dropped, the continuation's rows appended, its
-footnotes kept). Not ported: official's alignment of grids whose column counts or spans differ
-(``content.table.grid``); such parts stay two tables here (README, "Output format").
+counts) and the join of two grids of the same column count (``merge_tables``: repeated header rows
+dropped, with their row spans; the continuation's rows appended when its first row's cells line up
+with the previous table's last row; its footnotes kept). Not ported: official's alignment of grids
+whose column counts differ (``content.table.grid``) and of row spans that run past the break; such
+parts stay two tables here (README, "Output format").
 """
 
 from __future__ import annotations
@@ -31,15 +32,20 @@ WIDTH_TOLERANCE = 0.1  # docvortex structure._table_widths_are_compatible: relat
 
 @dataclass
 class _Grid:
-    """What the rules read of a table body: its tree, rows, cells per row and column count."""
+    """What the rules read of a table body (docvortex ``TableMergeState``, ``html._scan_rows``).
+
+    ``cells[r]`` are row ``r``'s cells (nested ones included, as official counts them),
+    ``owners[r]`` maps each column row ``r`` covers to the ``(row, cell)`` that covers it (row spans
+    included), ``tail`` the columns row spans hold below the last row.
+    """
 
     tree: Element
     container: Element  # the first ``tbody``, else the first ``table``: where joined rows go
     rows: list[Element]
     cells: list[list[Element]]
+    owners: list[dict[int, tuple[int, int]]]
     columns: int
-    spans: bool  # any rowspan / colspan other than 1, or a nested table
-    rectangular: bool  # every row holds ``columns`` cells, all its own children
+    tail: bool
 
 
 def _calc_box(bbox: Any) -> tuple[int, int, int, int] | None:
@@ -78,7 +84,11 @@ def _span(cell: Element, name: str) -> int:
 
 
 def _grid(table: dict) -> _Grid | None:
-    """The grid of a table's body, or None when it has no rows (docvortex ``_build_table_state``)."""
+    """The grid of a table's body, or None when it has no rows (docvortex ``_build_table_state``).
+
+    Raises:
+        ValueError: a span that is not an integer.
+    """
     body = _body(table)
     markup = body.get("content") if body is not None else None
     if not isinstance(markup, str) or not markup:
@@ -91,25 +101,65 @@ def _grid(table: dict) -> _Grid | None:
     if container is None or not rows:
         return None
     cells = [_find_all(row, {"td", "th"}) for row in rows]
-    occupied: dict[int, set[int]] = {}
-    columns, spans = 0, len(_find_all(tree, {"table"})) > 1
+    occupied: dict[int, dict[int, tuple[int, int]]] = {}
+    columns = 0
     for r, row_cells in enumerate(cells):
+        owned = occupied.setdefault(r, {})
         column = 0
-        for cell in row_cells:
-            while column in occupied.get(r, ()):
+        for i, cell in enumerate(row_cells):
+            while column in owned:
                 column += 1
             colspan, rowspan = _span(cell, "colspan"), _span(cell, "rowspan")
-            spans = spans or colspan != 1 or rowspan != 1
             for dr in range(rowspan):
-                occupied.setdefault(r + dr, set()).update(range(column, column + colspan))
+                occupied.setdefault(r + dr, {}).update(dict.fromkeys(range(column, column + colspan), (r, i)))
             column += colspan
             columns = max(columns, column)
-        columns = max(columns, max(occupied.get(r, {-1})) + 1)
+        columns = max(columns, max(owned, default=-1) + 1)
     if columns <= 0 or not any(cells):
         return None
-    direct = [[c for c in row.children if isinstance(c, Element) and c.name in ("td", "th")] for row in rows]
-    rectangular = all(len(d) == len(c) == columns for d, c in zip(direct, cells, strict=True))
-    return _Grid(tree, container, rows, cells, columns, spans, rectangular)
+    owners = [occupied.get(r, {}) for r in range(len(rows))]
+    tail = any(occupied[r] for r in occupied if r >= len(rows))
+    return _Grid(tree, container, rows, cells, owners, columns, tail)
+
+
+def _segments(grid: _Grid, row: int) -> list[tuple[int, int]]:
+    """The ``(first, end)`` columns of each rendered cell of a row: runs of columns one cell covers,
+    cells spanning down from rows above included (docvortex ``html.build_row_rendered_cell_segments``)."""
+    out: list[tuple[int, int]] = []
+    owner, start = None, 0
+    for column in range(grid.columns + 1):
+        current = grid.owners[row].get(column) if column < grid.columns else None
+        if current != owner:
+            if owner is not None:
+                out.append((start, column))
+            owner, start = current, column
+    return out
+
+
+def _whole(grid: _Grid, rows: list[Element]) -> bool:
+    """Whether ``rows`` form a whole grid of ``grid.columns``: each row's own cells (no nested
+    table) with their spans cover every column once (docvortex ``grid._snapshot_table_grid``)."""
+    occupied: dict[int, set[int]] = {}
+    for r, row in enumerate(rows):
+        owned = occupied.setdefault(r, set())
+        column = 0
+        for cell in (c for c in row.children if isinstance(c, Element) and c.name in ("td", "th")):
+            if _find_all(cell, {"table"}):
+                return False
+            while column in owned:
+                column += 1
+            colspan, rowspan = _span(cell, "colspan"), _span(cell, "rowspan")
+            if colspan <= 0 or rowspan <= 0 or column + colspan > grid.columns:
+                return False
+            for dr in range(rowspan):
+                target = occupied.setdefault(r + dr, set())
+                if target & set(range(column, column + colspan)):
+                    return False
+                target.update(range(column, column + colspan))
+            column += colspan
+        if owned != set(range(grid.columns)):
+            return False
+    return True
 
 
 def _cell_text(cell: Element | Text) -> str:
@@ -119,17 +169,39 @@ def _cell_text(cell: Element | Text) -> str:
     return "".join(_cell_text(child) for child in cell.children)
 
 
+def _normalized(cell: Element) -> str:
+    return "".join(full_to_half(_cell_text(cell), punctuation=True).split())
+
+
 def _header_rows(previous: _Grid, current: _Grid) -> int:
-    """How many leading rows the continuation repeats (same cells, same half-width text without
-    whitespace), up to five (docvortex ``structure.detect_table_headers`` on span-free grids)."""
-    count = 0
-    for a, b in list(zip(previous.cells, current.cells, strict=False))[:MAX_HEADER_ROWS]:
-        texts_a = ["".join(full_to_half(_cell_text(c), punctuation=True).split()) for c in a]
-        texts_b = ["".join(full_to_half(_cell_text(c), punctuation=True).split()) for c in b]
-        if texts_a != texts_b:
-            break
-        count += 1
-    return count
+    """How many leading rows the continuation repeats, up to five, widened to the rows its header
+    cells span (docvortex ``structure.detect_table_headers`` and ``_expand_header_count_by_rowspan``).
+
+    A row repeats when its cells, their spans, the columns it covers and their half-width text
+    without whitespace are the same; failing that on the first row, when its texts and rendered
+    cells are.
+    """
+
+    def signature(grid: _Grid, r: int) -> tuple:
+        row = grid.cells[r]
+        spans = tuple((_span(c, "colspan"), _span(c, "rowspan")) for c in row)
+        return spans, max(grid.owners[r], default=-1) + 1, tuple(_normalized(c) for c in row)
+
+    rows = min(len(previous.rows), len(current.rows), MAX_HEADER_ROWS)
+    count = next((r for r in range(rows) if signature(previous, r) != signature(current, r)), rows)
+    if count == 0:
+        for r in range(rows):
+            same_text = [_normalized(c) for c in previous.cells[r]] == [_normalized(c) for c in current.cells[r]]
+            if not same_text or len(_segments(previous, r)) != len(_segments(current, r)):
+                break
+            count += 1
+    expanded, r = min(count, len(current.rows)), 0
+    while r < expanded:
+        for cell in current.cells[r]:
+            if _span(cell, "rowspan") > 1:
+                expanded = min(max(expanded, r + _span(cell, "rowspan")), len(current.rows))
+        r += 1
+    return expanded
 
 
 def _caption_continues(table: dict, caption: dict) -> bool | None:
@@ -202,13 +274,18 @@ def merge_tables(previous: dict, current: dict, columns: Any = None) -> tuple[di
         grid_a, grid_b = _grid(previous), _grid(current)
     except ValueError:
         return None
-    if grid_a is None or grid_b is None or grid_a.spans or grid_b.spans:
+    if grid_a is None or grid_b is None or grid_a.columns != grid_b.columns or grid_a.tail:
         return None
-    if not (grid_a.rectangular and grid_b.rectangular):  # official aligns only whole grids
+    header = _header_rows(grid_a, grid_b)
+    appended = grid_b.rows[header:]
+    if not appended or not (_whole(grid_a, grid_a.rows) and _whole(grid_b, grid_b.rows)):
         return None
-    appended = grid_b.rows[_header_rows(grid_a, grid_b) :]
-    if not appended:
-        return None
+    boundary = _segments(grid_b, header)
+    covered = [start for start, _ in boundary] == [0, *(end for _, end in boundary[:-1])]
+    if not boundary or not covered or boundary[-1][1] != grid_a.columns:
+        return None  # the continuation's first row leaves a gap (official: no column mapping)
+    if boundary != _segments(grid_a, len(grid_a.rows) - 1) or not _whole(grid_a, grid_a.rows + appended):
+        return None  # the boundary rows' cells do not line up
     grid_a.container.children.extend(appended)
     body = _body(previous)
     assert body is not None  # _grid found it

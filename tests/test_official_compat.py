@@ -188,7 +188,8 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
         )
     ],
     # A table split across a page break (same columns, header repeated) is one table in official's
-    # Markdown; a table of another width on the next page is not joined.
+    # Markdown; a table of other columns on the next page is not joined; one whose first row's
+    # cells line up with the last row of the table before (column spans) is, a running head between.
     "table_across_pages": [
         page(
             (line("100 100 900 140", "text"), "Results follow."),
@@ -200,7 +201,11 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
             (line("100 600 900 950", "table"), "<fcel>x<fcel>y<nl><fcel>1<fcel>2<nl>"),
         ),
         page(
-            (line("100 050 900 400", "table"), "<fcel>p<fcel>q<fcel>r<nl><fcel>1<fcel>2<fcel>3<nl>"),
+            (line("100 050 900 400", "table"), "<fcel>p<fcel>q<fcel>r<nl><fcel>1<lcel><fcel>3<nl>"),
+        ),
+        page(
+            (line("100 020 900 040", "header"), "Running head"),
+            (line("100 050 900 400", "table"), "<fcel>4<lcel><fcel>6<nl><fcel>7<fcel>8<fcel>9<nl>"),
         ),
     ],
     # Image analysis outputs (read only by MinerU2.5-Pro): a chart read as a table, a flowchart as
@@ -413,24 +418,35 @@ def test_table_normalization_matches_docvortex():
 
 
 def test_table_join_matches_docvortex():
-    """Plain grids split across pages (headers repeated or not, ragged rows, captions with and
-    without "continued", footnotes, other widths) join as docvortex joins them, or stay apart."""
+    """Tables split across pages (headers repeated or not, column and row spans, ragged rows,
+    captions with and without "continued", footnotes, other widths) join as docvortex joins them,
+    or stay apart; the one case not ported is a join of grids whose column counts differ."""
     import random
 
     from docvortex.content.table.content import merge_table_content
 
-    from mineru_fast.table_merge import merge_tables
+    from mineru_fast.table_merge import _grid, merge_tables
 
     rng = random.Random(2)
 
-    def table(columns: int, rows: int, right: float, caption: str | None, footnote: bool, ragged: bool) -> dict:
-        cells = [[f"h{c}" for c in range(columns)]] if rng.random() < 0.7 else []
-        cells += [[rng.choice(["a", "b", "Ａ", "1"]) for _ in range(columns)] for _ in range(rows)]
-        if ragged:
-            cells[-1] = cells[-1][:-1]
-        body = (
-            "<table>" + "".join("<tr>" + "".join(f"<td>{t}</td>" for t in row) + "</tr>" for row in cells) + "</table>"
-        )
+    def row(columns: int) -> str:
+        cells, column = [], 0
+        while column < columns:
+            draw = rng.random()
+            if draw < 0.15 and column + 1 < columns:
+                cells.append(f'<td colspan="2">{rng.choice("ab")}</td>')
+                column += 2
+                continue
+            if draw < 0.25:
+                cells.append(f'<td rowspan="2">{rng.choice("ab")}</td>')
+            elif draw >= 0.3:  # else a cell left out: a ragged row
+                cells.append(f"<td>{rng.choice(['a', 'b', 'Ａ', '1'])}</td>")
+            column += 1
+        return "<tr>" + "".join(cells) + "</tr>"
+
+    def table(columns: int, right: float, caption: str | None, footnote: bool) -> dict:
+        rows = ["<tr>" + "".join(f"<td>h{c}</td>" for c in range(columns)) + "</tr>"] if rng.random() < 0.6 else []
+        body = "<table>" + "".join(rows + [row(columns) for _ in range(rng.randint(1, 3))]) + "</table>"
         children = [{"type": "table_body", "bbox": [0.1, 0.05, right, 0.4], "content": body, "index": 1}]
         if caption:
             spans = [{"type": "text", "content": caption}]
@@ -441,17 +457,15 @@ def test_table_join_matches_docvortex():
         return {"type": "table", "bbox": [0.1, 0.05, right, 0.4], "content": children, "index": 1}
 
     joined = 0
-    for _ in range(400):
-        columns = rng.choice([2, 3])
-        previous = table(
-            columns, rng.randint(1, 3), 0.9, rng.choice([None, "Table 1"]), rng.random() < 0.2, rng.random() < 0.1
-        )
+    for _ in range(1500):
+        previous = table(rng.choice([2, 3]), 0.9, rng.choice([None, "Table 1"]), rng.random() < 0.2)
         caption = rng.choice([None, None, "Table 1 (continued)", "Table 2"])
-        current = table(
-            columns, rng.randint(1, 3), rng.choice([0.9, 0.88, 0.6]), caption, rng.random() < 0.3, rng.random() < 0.1
-        )
+        current = table(rng.choice([2, 3]), rng.choice([0.9, 0.9, 0.88, 0.6]), caption, rng.random() < 0.2)
         official, fast = merge_table_content(previous, current), merge_tables(previous, current)
-        assert (official is None) == (fast is None)
+        grids = _grid(previous), _grid(current)
+        if fast is None and official is not None and grids[0] and grids[1] and grids[0].columns != grids[1].columns:
+            continue  # not ported (README, "Output format")
+        assert (official is None) == (fast is None), (previous, current)
         if official is not None and fast is not None:
             joined += 1
             shape = [(c["type"], c.get("index"), c["content"]) for c in official["content"]]

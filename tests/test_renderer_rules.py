@@ -127,6 +127,17 @@ def test_table_split_across_pages_is_one_table_in_markdown_and_two_in_the_conten
     assert Document("doc", pages).to_markdown() == expected
 
 
+def test_tables_with_column_spans_join_when_the_boundary_rows_line_up():
+    span = '<td colspan="2">'
+    previous = f"<table><tr><td>p</td><td>q</td><td>r</td></tr><tr>{span}1</td><td>3</td></tr></table>"
+    lined_up = f"<table><tr>{span}4</td><td>6</td></tr></table>"
+    offset = "<table><tr><td>4</td><td>5</td><td>6</td></tr></table>"
+    joined = render_markdown([table_page(0, previous, top=False), table_page(1, lined_up, top=True)])
+    assert joined == previous.replace("</table>", f"<tr>{span}4</td><td>6</td></tr></table>")
+    apart = render_markdown([table_page(0, previous, top=False), table_page(1, offset, top=True)])
+    assert apart == f"{previous}\n\n| 4 | 5 | 6 |\n| --- | --- | --- |"
+
+
 def test_tables_of_other_widths_or_columns_or_with_a_new_caption_stay_apart():
     previous = render_page(table_page(0, table_html(("a", "1")), top=False)).pieces[0].block
     narrow = render_page(Page(1, SIZE, [block("table", (100, 50, 500, 400), table_html(("b", "2")))])).pieces[0].block
