@@ -6,12 +6,14 @@ joins them when Markdown is rendered). Tables here are page-model groups (``mine
 ``{"type": "table", "bbox", "content": [caption / body / footnote children]}`` with the body's HTML
 in ``table_body``'s ``content``.
 
-Ported: the decision (``can_merge_tables``: captions and footnotes, widths within 10 %, column
-counts) and the join of two grids of the same column count (``merge_tables``: repeated header rows
-dropped, with their row spans; the continuation's rows appended when its first row's cells line up
-with the previous table's last row; its footnotes kept). Not ported: official's alignment of grids
-whose column counts differ (``content.table.grid``) and of row spans that run past the break; such
-parts stay two tables here (README, "Output format").
+Ported for tables as the VLM writes them: the decision (``can_merge_tables``: captions and
+footnotes, widths within 10 %, column counts or boundary rows) and the join (``merge_tables``:
+repeated header rows dropped with the rows their cells span, the narrower grid's column spans
+widened onto the wider one's through the boundary rows, empty row-span placeholders under spans
+from the page before cut, the continuation's rows appended, its footnotes kept). Not ported:
+official's per-cell joins across the break (``cell_merge`` flags, written only by its optional
+LLM-aided step, off by default, or its VLM cross-page step, off in mineru 4.0.12) and its refusal
+for captions carrying bookmark anchors (which VLM pages never have).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class _Grid:
     cells: list[list[Element]]
     owners: list[dict[int, tuple[int, int]]]
     columns: int
-    tail: bool
+    tail: dict[int, set[int]]
 
 
 def _calc_box(bbox: Any) -> tuple[int, int, int, int] | None:
@@ -100,6 +102,18 @@ def _grid(table: dict) -> _Grid | None:
     rows = _find_all(tree, {"tr"})
     if container is None or not rows:
         return None
+    cells, owners, columns, tail = _scan(rows)
+    if columns <= 0 or not any(cells):
+        return None
+    return _Grid(tree, container, rows, cells, owners, columns, tail)
+
+
+def _scan(
+    rows: list[Element],
+) -> tuple[list[list[Element]], list[dict[int, tuple[int, int]]], int, dict[int, set[int]]]:
+    """``(cells per row, column owners per row, column count, tail)`` of rows: cells placed left to
+    right past the columns row spans from above hold (docvortex ``html._scan_rows``); ``tail`` maps
+    rows below the last (0 = the first one below) to the columns row spans still hold there."""
     cells = [_find_all(row, {"td", "th"}) for row in rows]
     occupied: dict[int, dict[int, tuple[int, int]]] = {}
     columns = 0
@@ -115,11 +129,80 @@ def _grid(table: dict) -> _Grid | None:
             column += colspan
             columns = max(columns, column)
         columns = max(columns, max(owned, default=-1) + 1)
-    if columns <= 0 or not any(cells):
-        return None
     owners = [occupied.get(r, {}) for r in range(len(rows))]
-    tail = any(occupied[r] for r in occupied if r >= len(rows))
-    return _Grid(tree, container, rows, cells, owners, columns, tail)
+    tail = {r - len(rows): set(occupied[r]) for r in occupied if r >= len(rows) and occupied[r]}
+    return cells, owners, columns, tail
+
+
+def _has_content(cell: Element) -> bool:
+    """Visible text or a visual element (docvortex ``content._cell_has_semantic_content``)."""
+    if _cell_text(cell).strip():
+        return True
+    return bool(_find_all(cell, {"img", "svg", "math", "eq", "table", "figure", "object", "embed", "canvas"}))
+
+
+def _start_columns(rows: list[Element], r: int) -> list[int]:
+    """The first column of each cell of row ``r`` (docvortex ``html.build_visual_col_mapping``)."""
+    _, owners, _, _ = _scan(rows[: r + 1])
+    starts, column = [], 0
+    for cell in _find_all(rows[r], {"td", "th"}):
+        while column in owners[r] and owners[r][column][0] < r:
+            column += 1
+        starts.append(column)
+        column += _span(cell, "colspan")
+    return starts
+
+
+def _clip_blank_row_spans(rows: list[Element], held: dict[int, set[int]]) -> None:
+    """Empty row-spanning cells of the continuation that lie under row spans still running from the
+    page before are cut by the rows they overlap (a cell moved down keeps the rest of its span)
+    (docvortex ``content._clip_overlapped_blank_rowspan_cells``)."""
+    removed, moved = [], []
+    for r, row in enumerate(rows):
+        for cell, start in zip(_find_all(row, {"td", "th"}), _start_columns(rows, r), strict=False):
+            rowspan = _span(cell, "rowspan")
+            if rowspan <= 1 or _has_content(cell):
+                continue
+            columns = set(range(start, start + _span(cell, "colspan")))
+            overlap = 0
+            while columns and overlap < rowspan and columns <= held.get(r + overlap, set()):
+                overlap += 1
+            if not columns or overlap == 0 or (rowspan > overlap and r + overlap >= len(rows)):
+                continue
+            removed.append(cell)
+            if rowspan > overlap:
+                copy = deepcopy(cell)
+                if rowspan - overlap > 1:
+                    copy.attrs["rowspan"] = str(rowspan - overlap)
+                else:
+                    copy.attrs.pop("rowspan", None)
+                moved.append((r + overlap, start, copy))
+    for cell in removed:
+        _detach(rows, cell)
+    for r, start, cell in sorted(moved, key=lambda m: (m[0], m[1]), reverse=True):
+        targets = _find_all(rows[r], {"td", "th"})
+        before = next((t for t, s in zip(targets, _start_columns(rows, r), strict=False) if s >= start), None)
+        if before is None:
+            rows[r].children.append(cell)
+        else:
+            parent = _parent(rows[r], before)
+            parent.children.insert(parent.children.index(before), cell)
+
+
+def _parent(root: Element, node: Element) -> Element:
+    for element in (root, *root.iter()):
+        if any(child is node for child in element.children):
+            return element
+    raise ValueError("cell not found in its row")
+
+
+def _detach(rows: list[Element], cell: Element) -> None:
+    for row in rows:
+        for element in (row, *row.iter()):
+            for i, child in enumerate(element.children):
+                if child is cell:
+                    del element.children[i]
+                    return
 
 
 def _segments(grid: _Grid, row: int) -> list[tuple[int, int]]:
@@ -136,30 +219,53 @@ def _segments(grid: _Grid, row: int) -> list[tuple[int, int]]:
     return out
 
 
-def _whole(grid: _Grid, rows: list[Element]) -> bool:
-    """Whether ``rows`` form a whole grid of ``grid.columns``: each row's own cells (no nested
-    table) with their spans cover every column once (docvortex ``grid._snapshot_table_grid``)."""
+def _placements(rows: list[Element], columns: int) -> list[tuple[Element, int, int]] | None:
+    """``(cell, first column, end column)`` of each row's own cells when ``rows`` form a whole grid
+    of ``columns``: no nested table, spans covering every column of every row once; else None
+    (docvortex ``grid._snapshot_table_grid``)."""
     occupied: dict[int, set[int]] = {}
+    placed = []
     for r, row in enumerate(rows):
         owned = occupied.setdefault(r, set())
         column = 0
         for cell in (c for c in row.children if isinstance(c, Element) and c.name in ("td", "th")):
             if _find_all(cell, {"table"}):
-                return False
+                return None
             while column in owned:
                 column += 1
             colspan, rowspan = _span(cell, "colspan"), _span(cell, "rowspan")
-            if colspan <= 0 or rowspan <= 0 or column + colspan > grid.columns:
-                return False
+            if colspan <= 0 or rowspan <= 0 or column + colspan > columns:
+                return None
             for dr in range(rowspan):
                 target = occupied.setdefault(r + dr, set())
                 if target & set(range(column, column + colspan)):
-                    return False
+                    return None
                 target.update(range(column, column + colspan))
+            placed.append((cell, column, column + colspan))
             column += colspan
-        if owned != set(range(grid.columns)):
-            return False
-    return True
+        if owned != set(range(columns)):
+            return None
+    return placed
+
+
+def _boundaries(source: _Grid, source_row: int, target: _Grid, target_row: int) -> dict[int, int] | None:
+    """Column boundaries of ``source`` mapped onto ``target`` by pairing the rendered cells of two
+    boundary rows in order, or None when they do not pair (a gap, another count, a grid not
+    covered, equal widths with other cell edges) (docvortex ``grid._boundary_column_mapping``)."""
+    source_cells, target_cells = _segments(source, source_row), _segments(target, target_row)
+    if not source_cells or len(source_cells) != len(target_cells):
+        return None
+    mapping, source_end, target_end = {0: 0}, 0, 0
+    for (source_start, source_stop), (target_start, target_stop) in zip(source_cells, target_cells, strict=True):
+        if source_start != source_end or target_start != target_end:
+            return None
+        source_end, target_end = source_stop, target_stop
+        mapping[source_end] = target_end
+    if source_end != source.columns or target_end != target.columns:
+        return None
+    if source.columns == target.columns:  # equal widths: the same edges, then every column maps to itself
+        return None if any(a != b for a, b in mapping.items()) else {c: c for c in range(source.columns + 1)}
+    return mapping
 
 
 def _cell_text(cell: Element | Text) -> str:
@@ -222,8 +328,8 @@ def can_merge_tables(current: dict, previous: dict) -> bool:
     Mirrors docvortex ``content.table.structure.can_merge_tables``: the continuation's captions
     (those not below its body without a marker) must all be absent or one say "continued" (then the
     previous table may have one footnote, else none); the widths differ by less than 10 %; both
-    bodies have rows; the column counts are equal (official also joins tables whose boundary rows
-    line up when the counts differ: not ported, see the module docstring).
+    bodies have rows; the column counts are equal, or else the boundary rows agree
+    (``_rows_match``).
 
     Args:
         current, previous: page-model table groups.
@@ -246,15 +352,41 @@ def can_merge_tables(current: dict, previous: dict) -> bool:
         grid_a, grid_b = _grid(current), _grid(previous)
     except ValueError:
         return False
-    return grid_a is not None and grid_b is not None and grid_a.columns == grid_b.columns
+    if grid_a is None or grid_b is None:
+        return False
+    return grid_a.columns == grid_b.columns or _rows_match(grid_b, grid_a)
+
+
+def _rows_match(previous: _Grid, current: _Grid) -> bool:
+    """Whether the last non-empty row before the break and the continuation's first row after its
+    header rows cover as many columns, hold as many column units or render as many cells
+    (docvortex ``structure.check_rows_match``; the first row is looked for among the first six)."""
+    last = max(r for r, row in enumerate(previous.cells) if row)
+    first = _header_rows(previous, current)
+    if first >= min(len(current.rows), MAX_HEADER_ROWS + 1):
+        return False
+
+    def effective(grid: _Grid, r: int) -> int:
+        return max(grid.owners[r], default=-1) + 1
+
+    def units(grid: _Grid, r: int) -> int:
+        return sum(_span(cell, "colspan") for cell in grid.cells[r])
+
+    return (
+        effective(previous, last) == effective(current, first)
+        or units(previous, last) == units(current, first)
+        or len(_segments(previous, last)) == len(_segments(current, first))
+    )
 
 
 def merge_tables(previous: dict, current: dict, columns: Any = None) -> tuple[dict, Any] | None:
     """``previous`` with ``current`` joined into it, or None when they are not joined.
 
-    Mirrors docvortex ``content.table.content._merge_table_content_with_columns`` for two plain
-    grids (see the module docstring): the rows ``current`` repeats at its top are dropped, the
-    others appended to ``previous``'s body (its markup written anew, ``html_fragment``),
+    Mirrors docvortex ``content.table.content._merge_table_content_with_columns`` (see the module
+    docstring): the rows ``current`` repeats at its top are dropped; when the continuation's first
+    row and the last row before the break pair cell by cell, the narrower grid's column spans are
+    widened onto the wider one's columns and the rows appended to ``previous``'s body (its markup
+    written anew, ``html_fragment``),
     ``previous``'s footnotes replaced by ``current``'s (indexed after the body); ``current``'s
     captions are not kept. Neither input is changed.
 
@@ -274,18 +406,32 @@ def merge_tables(previous: dict, current: dict, columns: Any = None) -> tuple[di
         grid_a, grid_b = _grid(previous), _grid(current)
     except ValueError:
         return None
-    if grid_a is None or grid_b is None or grid_a.columns != grid_b.columns or grid_a.tail:
+    if grid_a is None or grid_b is None:
         return None
-    header = _header_rows(grid_a, grid_b)
-    appended = grid_b.rows[header:]
-    if not appended or not (_whole(grid_a, grid_a.rows) and _whole(grid_b, grid_b.rows)):
+    appended = grid_b.rows[_header_rows(grid_a, grid_b) :]
+    header, last = len(grid_b.rows) - len(appended), len(grid_a.rows) - 1
+    placed_a, placed_b = _placements(grid_a.rows, grid_a.columns), _placements(grid_b.rows, grid_b.columns)
+    if not appended or placed_a is None or placed_b is None:
         return None
-    boundary = _segments(grid_b, header)
-    covered = [start for start, _ in boundary] == [0, *(end for _, end in boundary[:-1])]
-    if not boundary or not covered or boundary[-1][1] != grid_a.columns:
-        return None  # the continuation's first row leaves a gap (official: no column mapping)
-    if boundary != _segments(grid_a, len(grid_a.rows) - 1) or not _whole(grid_a, grid_a.rows + appended):
-        return None  # the boundary rows' cells do not line up
+    # The narrower grid's column edges mapped onto the wider one through the boundary rows.
+    map_a: dict[int, int] | None = {c: c for c in range(grid_a.columns + 1)}
+    map_b: dict[int, int] | None = {c: c for c in range(grid_b.columns + 1)}
+    if grid_a.columns >= grid_b.columns:
+        map_b = _boundaries(grid_b, header, grid_a, last)
+    else:
+        map_a = _boundaries(grid_a, last, grid_b, header)
+    if map_a is None or map_b is None:
+        return None
+    pairs = ((placed_a, map_a), (placed_b, map_b))
+    if any(start not in m or end not in m for placed, m in pairs for _, start, end in placed):
+        return None  # a cell edge the other grid does not have
+    for placed, mapping in pairs:
+        for cell, start, end in placed:
+            if mapping[end] - mapping[start] != end - start:
+                cell.attrs["colspan"] = str(mapping[end] - mapping[start])
+    _clip_blank_row_spans(appended, _scan(grid_a.rows)[3])
+    if _placements(grid_a.rows + appended, max(grid_a.columns, grid_b.columns)) is None:
+        return None
     grid_a.container.children.extend(appended)
     body = _body(previous)
     assert body is not None  # _grid found it
