@@ -379,25 +379,22 @@ def _rows_match(previous: _Grid, current: _Grid) -> bool:
     )
 
 
-def merge_tables(previous: dict, current: dict, columns: Any = None) -> tuple[dict, Any] | None:
+def merge_tables(previous: dict, current: dict) -> dict | None:
     """``previous`` with ``current`` joined into it, or None when they are not joined.
 
     Mirrors docvortex ``content.table.content._merge_table_content_with_columns`` (see the module
     docstring): the rows ``current`` repeats at its top are dropped; when the continuation's first
     row and the last row before the break pair cell by cell, the narrower grid's column spans are
     widened onto the wider one's columns and the rows appended to ``previous``'s body (its markup
-    written anew, ``html_fragment``),
-    ``previous``'s footnotes replaced by ``current``'s (indexed after the body); ``current``'s
-    captions are not kept. Neither input is changed.
+    written anew, ``html_fragment``), ``previous``'s footnotes replaced by ``current``'s (indexed
+    after the body); ``current``'s captions are not kept. Neither input is changed.
 
     Args:
         previous: the table so far (a page-model group, possibly joined before).
         current: the continuation.
-        columns: what an earlier join returned as its second item (official's column mapping,
-            the identity here).
 
     Returns:
-        ``(joined table, column mapping)`` or None.
+        The joined table (a new group), or None.
     """
     if not can_merge_tables(current, previous):
         return None
@@ -443,4 +440,4 @@ def merge_tables(previous: dict, current: dict, columns: Any = None) -> tuple[di
     for offset, footnote in enumerate(footnotes, start=1):
         kept.append({**footnote, "index": 0 if base is None else base + offset})
     previous["content"] = kept
-    return previous, columns
+    return previous

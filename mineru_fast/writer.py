@@ -661,7 +661,6 @@ class MarkdownJoiner:
         self._held: _Held | None = None
         self._page = -1  # the page of the last piece seen
         self._page_started = False  # whether that page had a non-transparent piece yet
-        self._table_columns: Any = None  # table_merge's column mapping of the last table joined
 
     def add(self, pieces: Iterable[MarkdownPiece]) -> list[str]:
         """Take the next pieces, in document order; return the Markdown chunks now final."""
@@ -681,7 +680,7 @@ class MarkdownJoiner:
                 continue
             out.extend(self._release())
             if piece.kind in ("ref_list", "table"):
-                self._held, self._table_columns = _Held(piece, piece.block, piece), None
+                self._held = _Held(piece, piece.block, piece)
             else:
                 out.append(piece.text)
         return [text.strip("\n") for text in out if text and text.strip()]
@@ -707,10 +706,10 @@ class MarkdownJoiner:
                 return False
             if not can_merge_tables(piece.block, last.block):
                 return False
-            merged = merge_tables(held.block, piece.block, self._table_columns)
+            merged = merge_tables(held.block, piece.block)
             if merged is None:
                 return False
-            held.block, self._table_columns = merged
+            held.block = merged
         held.last, held.changed = piece, True
         return True
 

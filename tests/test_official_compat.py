@@ -467,5 +467,5 @@ def test_table_join_matches_docvortex():
         if official is not None and fast is not None:
             joined += 1
             shape = [(c["type"], c.get("index"), c["content"]) for c in official["content"]]
-            assert shape == [(c["type"], c.get("index"), c["content"]) for c in fast[0]["content"]]
+            assert shape == [(c["type"], c.get("index"), c["content"]) for c in fast["content"]]
     assert joined > 50  # the cases exercise the join, not only its refusals
