@@ -192,4 +192,8 @@ def fast_outputs(images: list[Image.Image], pages: list[PageTrace], *, image_ana
         with DocumentWriter(tmp, "doc", overlays=False) as writer:
             for i, (image, trace) in enumerate(zip(images, pages, strict=True)):
                 writer.add_page(fast_page(image, trace, i, image_analysis=image_analysis))
-        return Path(tmp, "doc.md").read_bytes(), Path(tmp, "doc_content_list.json").read_bytes()
+        # Whatever the layout's file names (``doc.md`` / ``markdown.md``): the one Markdown file and
+        # the one content list the writer wrote.
+        (markdown,) = Path(tmp).glob("*.md")
+        (content_list,) = Path(tmp).glob("*content_list*.json")
+        return markdown.read_bytes(), content_list.read_bytes()
