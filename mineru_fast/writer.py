@@ -589,6 +589,9 @@ def _piece_kind(block: dict) -> str:
 def render_page(page: Page, image_dir: str = "images", *, confidence: bool = False) -> PageOutput:
     """Render one finished page as mineru 4.0.12 would (see the module docstring).
 
+    Mirrors docvortex ``render._internal.markdown.renderer._render_page`` (DEFAULT mode) and mineru
+    ``render._internal.content_list.v1.render_content_list`` for one page.
+
     Args:
         page: a parsed page (its image is not needed here; crops are only named).
         image_dir: the folder that image paths in the outputs point into.
@@ -715,7 +718,10 @@ class MarkdownJoiner:
 
 
 def render_markdown(pages: Iterable[Page], image_dir: str = "images") -> str:
-    """A document's Markdown from its pages in order (``render_page`` + ``MarkdownJoiner``)."""
+    """A document's Markdown from its pages in order (``render_page`` + ``MarkdownJoiner``).
+
+    Mirrors docvortex ``render._internal.markdown.renderer.render_markdown`` (DEFAULT mode).
+    """
     joiner = MarkdownJoiner()
     chunks = [chunk for page in pages for chunk in joiner.add(render_page(page, image_dir).pieces)]
     return "\n\n".join([*chunks, *joiner.finish()])
