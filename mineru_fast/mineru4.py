@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from copy import deepcopy
 from typing import Any
 
+from bs4 import BeautifulSoup, NavigableString, PageElement, Tag
+
 from .document import Block
-from .html_fragment import Element, Text, parse_fragment, serialize
 
 __all__ = ["page_model", "TITLE_LEVEL_PARAGRAPH"]
 
@@ -385,52 +386,47 @@ _OPAQUE_BLOCK_TYPES = frozenset({"equation", "code", "code_body", "algorithm", "
 _CELL_BARRIERS = frozenset({"table", "br", "hr", "img"})
 
 
-def _is_opaque(element: Element) -> bool:
-    """Formulas, code and other non-text carriers whose text is never normalized."""
-    attrs = element.attrs
+def _is_opaque(element: Tag) -> bool:
+    """Formulas, code and other non-text carriers whose text is never normalized (docvortex
+    ``content.normalization._is_opaque_html_node``)."""
     return (
         element.name.split(":")[-1].lower() in _OPAQUE_TAGS
-        or attrs.get("data-block-type") in _OPAQUE_BLOCK_TYPES
-        or "data-docvortex-latex" in attrs
-        or "data-formula-display" in attrs
-        or "docvortex-math" in attrs.get("class", "").split()
+        or element.get("data-block-type") in _OPAQUE_BLOCK_TYPES
+        or element.has_attr("data-docvortex-latex")
+        or element.has_attr("data-formula-display")
+        or "docvortex-math" in element.get_attribute_list("class")
     )
 
 
-def _cell_parts(node: Element | Text) -> Iterator[tuple[Text | None, str]]:
-    """A cell's visible text nodes; opaque elements, nested tables and breaks are barriers."""
-    if isinstance(node, Text):
-        if node.kind == "text" and node.container == "plain":
-            yield node, node.value
-    elif _is_opaque(node) or node.name in _CELL_BARRIERS:
-        yield None, "\0"
-    else:
-        for child in node.children:
-            yield from _cell_parts(child)
-
-
-def _cells(node: Element) -> Iterator[Element]:
-    """``td`` / ``th`` elements in document order, none inside an opaque element."""
-    for child in node.children:
-        if isinstance(child, Element) and not _is_opaque(child):
-            if child.name in ("td", "th"):
-                yield child
-            yield from _cells(child)
+def _cell_parts(node: PageElement) -> Iterator[tuple[NavigableString | None, str]]:
+    """A cell's visible text nodes (plain character data: not comments, CDATA, script or ruby
+    text); opaque elements, nested tables and breaks are barriers."""
+    if type(node) is NavigableString:
+        yield node, str(node)
+    elif isinstance(node, Tag):
+        if _is_opaque(node) or node.name in _CELL_BARRIERS:
+            yield None, "\0"
+        else:
+            for child in node.children:
+                yield from _cell_parts(child)
 
 
 def _normalize_table(markup: str) -> str:
     """Half-width letters, digits and symbols in the visible text of table cells; when any text
-    changes the whole table is written anew (``html_fragment``), else the markup is kept as is.
+    changes the whole table is written anew (``str(BeautifulSoup(markup, "html.parser"))``), else
+    the markup is kept as is.
 
     Mirrors docvortex ``content.normalization._normalize_table`` (mineru 4.0.12's PDF text
-    normalization): text nodes of one cell are normalized together (``normalize_text``, formulas
-    kept) and cut back to their lengths.
+    normalization): cells inside opaque elements are skipped; text nodes of one cell are
+    normalized together (``normalize_text``, formulas kept) and cut back to their lengths.
     """
     if not _FULLWIDTH.search(markup) and "&#" not in markup:
         return markup
-    tree = parse_fragment(markup)
+    soup = BeautifulSoup(markup, "html.parser")
     changed = False
-    for cell in _cells(tree):
+    for cell in soup.find_all(["td", "th"]):
+        if any(_is_opaque(element) for element in (cell, *cell.parents)):
+            continue
         entries = [part for child in cell.children for part in _cell_parts(child)]
         source = "".join(text for _, text in entries)
         normalized = normalize_text(source)
@@ -441,8 +437,9 @@ def _normalize_table(markup: str) -> str:
             replacement = normalized[offset : offset + len(text)]
             offset += len(text)
             if node is not None and replacement != text:
-                node.value, changed = replacement, True
-    return serialize(tree) if changed else markup
+                node.replace_with(NavigableString(replacement))
+                changed = True
+    return str(soup) if changed else markup
 
 
 # ---------------------------------------------------------------- document model steps (docvortex)
