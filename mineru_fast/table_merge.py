@@ -23,7 +23,8 @@ from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
-from .html_fragment import Element, Text, parse_fragment, serialize
+from bs4 import BeautifulSoup, Tag
+
 from .mineru4 import full_to_half, is_table_continuation_text
 
 __all__ = ["can_merge_tables", "merge_tables"]
@@ -41,10 +42,10 @@ class _Grid:
     included), ``tail`` the columns row spans hold below the last row.
     """
 
-    tree: Element
-    container: Element  # the first ``tbody``, else the first ``table``: where joined rows go
-    rows: list[Element]
-    cells: list[list[Element]]
+    tree: BeautifulSoup
+    container: Tag  # the first ``tbody``, else the first ``table``: where joined rows go
+    rows: list[Tag]
+    cells: list[list[Tag]]
     owners: list[dict[int, tuple[int, int]]]
     columns: int
     tail: dict[int, set[int]]
@@ -77,12 +78,18 @@ def _text(block: dict) -> str:
     return "".join(_text(c) for c in content if isinstance(c, dict)) if isinstance(content, list) else ""
 
 
-def _find_all(node: Element, names: set[str]) -> list[Element]:
-    return [e for e in node.iter() if e.name in names]
+def _cells(node: Tag) -> list[Tag]:
+    """The ``td`` / ``th`` elements inside ``node``, nested ones included."""
+    return list(node.find_all(["td", "th"]))
 
 
-def _span(cell: Element, name: str) -> int:
-    return int(cell.attrs.get(name, "1"))  # int() of a bad value raises ValueError: no join
+def _span(cell: Tag, name: str) -> int:
+    """A cell's ``colspan`` or ``rowspan`` (docvortex ``html._colspan`` / ``_rowspan``).
+
+    Raises:
+        ValueError: a value that is not an integer (then the tables are not joined).
+    """
+    return int(str(cell.get(name, "1")))  # single-valued attributes: beautifulsoup keeps them strings
 
 
 def _grid(table: dict) -> _Grid | None:
@@ -95,11 +102,9 @@ def _grid(table: dict) -> _Grid | None:
     markup = body.get("content") if body is not None else None
     if not isinstance(markup, str) or not markup:
         return None
-    tree = parse_fragment(markup)
-    container = next((e for e in tree.iter() if e.name == "tbody"), None) or next(
-        (e for e in tree.iter() if e.name == "table"), None
-    )
-    rows = _find_all(tree, {"tr"})
+    tree = BeautifulSoup(markup, "html.parser")
+    container = tree.find("tbody") or tree.find("table")
+    rows = list(tree.find_all("tr"))
     if container is None or not rows:
         return None
     cells, owners, columns, tail = _scan(rows)
@@ -109,12 +114,12 @@ def _grid(table: dict) -> _Grid | None:
 
 
 def _scan(
-    rows: list[Element],
-) -> tuple[list[list[Element]], list[dict[int, tuple[int, int]]], int, dict[int, set[int]]]:
+    rows: list[Tag],
+) -> tuple[list[list[Tag]], list[dict[int, tuple[int, int]]], int, dict[int, set[int]]]:
     """``(cells per row, column owners per row, column count, tail)`` of rows: cells placed left to
     right past the columns row spans from above hold (docvortex ``html._scan_rows``); ``tail`` maps
     rows below the last (0 = the first one below) to the columns row spans still hold there."""
-    cells = [_find_all(row, {"td", "th"}) for row in rows]
+    cells = [_cells(row) for row in rows]
     occupied: dict[int, dict[int, tuple[int, int]]] = {}
     columns = 0
     for r, row_cells in enumerate(cells):
@@ -134,18 +139,18 @@ def _scan(
     return cells, owners, columns, tail
 
 
-def _has_content(cell: Element) -> bool:
+def _has_content(cell: Tag) -> bool:
     """Visible text or a visual element (docvortex ``content._cell_has_semantic_content``)."""
-    if _cell_text(cell).strip():
+    if cell.get_text(strip=True):
         return True
-    return bool(_find_all(cell, {"img", "svg", "math", "eq", "table", "figure", "object", "embed", "canvas"}))
+    return cell.find(["img", "svg", "math", "eq", "table", "figure", "object", "embed", "canvas"]) is not None
 
 
-def _start_columns(rows: list[Element], r: int) -> list[int]:
+def _start_columns(rows: list[Tag], r: int) -> list[int]:
     """The first column of each cell of row ``r`` (docvortex ``html.build_visual_col_mapping``)."""
     _, owners, _, _ = _scan(rows[: r + 1])
     starts, column = [], 0
-    for cell in _find_all(rows[r], {"td", "th"}):
+    for cell in _cells(rows[r]):
         while column in owners[r] and owners[r][column][0] < r:
             column += 1
         starts.append(column)
@@ -153,13 +158,13 @@ def _start_columns(rows: list[Element], r: int) -> list[int]:
     return starts
 
 
-def _clip_blank_row_spans(rows: list[Element], held: dict[int, set[int]]) -> None:
+def _clip_blank_row_spans(rows: list[Tag], held: dict[int, set[int]]) -> None:
     """Empty row-spanning cells of the continuation that lie under row spans still running from the
     page before are cut by the rows they overlap (a cell moved down keeps the rest of its span)
     (docvortex ``content._clip_overlapped_blank_rowspan_cells``)."""
     removed, moved = [], []
     for r, row in enumerate(rows):
-        for cell, start in zip(_find_all(row, {"td", "th"}), _start_columns(rows, r), strict=False):
+        for cell, start in zip(_cells(row), _start_columns(rows, r), strict=False):
             rowspan = _span(cell, "rowspan")
             if rowspan <= 1 or _has_content(cell):
                 continue
@@ -173,36 +178,19 @@ def _clip_blank_row_spans(rows: list[Element], held: dict[int, set[int]]) -> Non
             if rowspan > overlap:
                 copy = deepcopy(cell)
                 if rowspan - overlap > 1:
-                    copy.attrs["rowspan"] = str(rowspan - overlap)
+                    copy["rowspan"] = str(rowspan - overlap)
                 else:
                     copy.attrs.pop("rowspan", None)
                 moved.append((r + overlap, start, copy))
     for cell in removed:
-        _detach(rows, cell)
+        cell.extract()
     for r, start, cell in sorted(moved, key=lambda m: (m[0], m[1]), reverse=True):
-        targets = _find_all(rows[r], {"td", "th"})
+        targets = _cells(rows[r])
         before = next((t for t, s in zip(targets, _start_columns(rows, r), strict=False) if s >= start), None)
         if before is None:
-            rows[r].children.append(cell)
+            rows[r].append(cell)
         else:
-            parent = _parent(rows[r], before)
-            parent.children.insert(parent.children.index(before), cell)
-
-
-def _parent(root: Element, node: Element) -> Element:
-    for element in (root, *root.iter()):
-        if any(child is node for child in element.children):
-            return element
-    raise ValueError("cell not found in its row")
-
-
-def _detach(rows: list[Element], cell: Element) -> None:
-    for row in rows:
-        for element in (row, *row.iter()):
-            for i, child in enumerate(element.children):
-                if child is cell:
-                    del element.children[i]
-                    return
+            before.insert_before(cell)
 
 
 def _segments(grid: _Grid, row: int) -> list[tuple[int, int]]:
@@ -219,7 +207,7 @@ def _segments(grid: _Grid, row: int) -> list[tuple[int, int]]:
     return out
 
 
-def _placements(rows: list[Element], columns: int) -> list[tuple[Element, int, int]] | None:
+def _placements(rows: list[Tag], columns: int) -> list[tuple[Tag, int, int]] | None:
     """``(cell, first column, end column)`` of each row's own cells when ``rows`` form a whole grid
     of ``columns``: no nested table, spans covering every column of every row once; else None
     (docvortex ``grid._snapshot_table_grid``)."""
@@ -228,8 +216,8 @@ def _placements(rows: list[Element], columns: int) -> list[tuple[Element, int, i
     for r, row in enumerate(rows):
         owned = occupied.setdefault(r, set())
         column = 0
-        for cell in (c for c in row.children if isinstance(c, Element) and c.name in ("td", "th")):
-            if _find_all(cell, {"table"}):
+        for cell in row.find_all(["td", "th"], recursive=False):
+            if cell.find("table") is not None:
                 return None
             while column in owned:
                 column += 1
@@ -268,15 +256,9 @@ def _boundaries(source: _Grid, source_row: int, target: _Grid, target_row: int) 
     return mapping
 
 
-def _cell_text(cell: Element | Text) -> str:
-    """A cell's text as beautifulsoup's ``get_text`` reads it: character data and CDATA."""
-    if isinstance(cell, Text):
-        return cell.value if (cell.kind == "text" and cell.container == "plain") or cell.kind == "cdata" else ""
-    return "".join(_cell_text(child) for child in cell.children)
-
-
-def _normalized(cell: Element) -> str:
-    return "".join(full_to_half(_cell_text(cell), punctuation=True).split())
+def _normalized(cell: Tag) -> str:
+    """A cell's half-width text without whitespace (docvortex ``html._normalize_cell_text``)."""
+    return "".join(full_to_half(cell.get_text(), punctuation=True).split())
 
 
 def _header_rows(previous: _Grid, current: _Grid) -> int:
@@ -386,7 +368,7 @@ def merge_tables(previous: dict, current: dict) -> dict | None:
     docstring): the rows ``current`` repeats at its top are dropped; when the continuation's first
     row and the last row before the break pair cell by cell, the narrower grid's column spans are
     widened onto the wider one's columns and the rows appended to ``previous``'s body (its markup
-    written anew, ``html_fragment``), ``previous``'s footnotes replaced by ``current``'s (indexed
+    written anew with ``str()`` of its BeautifulSoup tree), ``previous``'s footnotes replaced by ``current``'s (indexed
     after the body); ``current``'s captions are not kept. Neither input is changed.
 
     Args:
@@ -429,10 +411,11 @@ def merge_tables(previous: dict, current: dict) -> dict | None:
     _clip_blank_row_spans(appended, _scan(grid_a.rows)[3])
     if _placements(grid_a.rows + appended, max(grid_a.columns, grid_b.columns)) is None:
         return None
-    grid_a.container.children.extend(appended)
+    for row in appended:
+        grid_a.container.append(row)
     body = _body(previous)
     assert body is not None  # _grid found it
-    body["content"] = serialize(grid_a.tree)
+    body["content"] = str(grid_a.tree)
     kept = [c for c in previous["content"] if not (isinstance(c, dict) and c.get("type") == "table_footnote")]
     indices = [c["index"] for c in kept if isinstance(c, dict) and isinstance(c.get("index"), int)]
     base = max(indices) if isinstance(body.get("index"), int) else None
