@@ -277,9 +277,9 @@ class Document:
     def to_markdown(self, image_dir: str = "images") -> str:
         """MinerU 4 Markdown (see ``writer``): headers, footers, page numbers and side notes left
         out, images linked under ``image_dir``; no trailing newline, as mineru writes it."""
-        from .writer import join_markdown, render_page
+        from .writer import render_markdown
 
-        return join_markdown([render_page(page, image_dir).markdown for page in self.pages])
+        return render_markdown(self.pages, image_dir)
 
     def to_content_list(self, image_dir: str = "images", *, confidence: bool = False) -> list[dict]:
         """MinerU 4 ``content_list.json`` items (content list V1), in reading order, paratext included.

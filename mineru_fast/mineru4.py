@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from copy import deepcopy
 from typing import Any
+
+from bs4 import BeautifulSoup, NavigableString, PageElement, Tag
 
 from .document import Block
 
@@ -70,7 +73,10 @@ _CONTINUATION_END = [
 
 
 def full_to_half(text: str, *, punctuation: bool) -> str:
-    """Full-width ASCII forms (U+FF01..FF5E) to ASCII: letters and digits only, or all of them."""
+    """Full-width ASCII forms (U+FF01..FF5E) to ASCII: letters and digits only, or all of them.
+
+    Mirrors docvortex ``foundation._text.full_to_half_exclude_marks`` / ``full_to_half``.
+    """
     out = []
     for char in text:
         code = ord(char)
@@ -85,7 +91,10 @@ _FORMULA_OPENING = re.compile(r"\\[\(\[]")
 
 
 def normalize_text(content: str) -> str:
-    """Half-width letters, digits and a whitelist of symbols outside ``\\(..\\)`` / ``\\[..\\]``."""
+    """Half-width letters, digits and a whitelist of symbols outside ``\\(..\\)`` / ``\\[..\\]``.
+
+    Mirrors docvortex ``content.normalization._normalize_text``.
+    """
     if not _FULLWIDTH.search(content):
         return content
     parts, cursor = [], 0
@@ -104,7 +113,11 @@ def normalize_text(content: str) -> str:
 
 def to_spans(content: str) -> list[dict]:
     """Natural-language text -> spans: ``\\(..\\)`` becomes an inline equation (an empty one is
-    dropped); text is made half-width and otherwise kept as is (surrounding whitespace too)."""
+    dropped); text is made half-width and otherwise kept as is (surrounding whitespace too).
+
+    Mirrors mineru ``backend.analysis.pdf.normalization._natural_language_spans`` (before its strip)
+    and docvortex ``content.normalization._normalize_spans``.
+    """
     spans: list[dict] = []
 
     def add_text(text: str) -> None:
@@ -127,7 +140,10 @@ def to_spans(content: str) -> list[dict]:
 
 
 def strip_spans(spans: list[dict]) -> list[dict]:
-    """Strip leading / trailing whitespace of the visible text (equations count as visible)."""
+    """Strip leading / trailing whitespace of the visible text (equations count as visible).
+
+    Mirrors docvortex ``content.spans.strip_span_dicts``.
+    """
     spans = [dict(s) for s in spans]
     if spans and spans[0]["type"] == "text":
         spans[0]["content"] = spans[0]["content"].lstrip()
@@ -168,7 +184,10 @@ def _merge_spans(spans: list[dict]) -> list[dict]:
 
 
 def clean_isolated_formula(content: str) -> str:
-    """An equation's LaTeX without one surrounding ``\\[ .. \\]``, stripped."""
+    """An equation's LaTeX without one surrounding ``\\[ .. \\]``, stripped.
+
+    Mirrors docvortex ``foundation._text.clean_isolated_formula``.
+    """
     if content.startswith("\\["):
         content = content[2:]
     if content.endswith("\\]"):
@@ -188,7 +207,7 @@ def tagged_formula(formula: str, tag: str) -> str | None:
 
 
 def code_content_clean(content: str | None) -> str:
-    """Code without a surrounding Markdown fence."""
+    """Code without a surrounding Markdown fence (docvortex ``postprocess.content.code_content_clean``)."""
     if not content:
         return ""
     lines = content.splitlines()
@@ -200,7 +219,10 @@ def code_content_clean(content: str | None) -> str:
 
 
 def is_table_continuation_text(text: str) -> bool:
-    """Text saying "table continued" (``续表``, ``(continued)``, ...)."""
+    """Text saying "table continued" (``续表``, ``(continued)``, ...).
+
+    Mirrors docvortex ``content.table.rules.is_table_continuation_text``.
+    """
     text = full_to_half((text or "").strip(), punctuation=True).lower()
     if not text:
         return False
@@ -221,7 +243,13 @@ for the writer's optional ``mf_confidence`` field (MinerU has no such key)."""
 
 
 def _analysis_blocks(blocks: list[Block]) -> list[dict]:
-    """mineru's xhigh steps from the VLM blocks to its normalized model list of one page."""
+    """mineru's xhigh steps from the VLM blocks to its normalized model list of one page.
+
+    Mirrors mineru ``backend.analysis.pdf.window._finish_pdf_window`` (``layout.
+    _normalize_xhigh_vlm_blocks``, ``normalization._apply_layout_title_split`` without a layout
+    model, formula numbers, ``docvortex.document.pdf.visuals._collapse_image_blocks``) and
+    ``normalization._normalize_pdf_model_list``.
+    """
     model: list[dict] = []
     for block in blocks:
         kind = _CAPTION_TYPES.get(block.type) or _FOOTNOTE_TYPES.get(block.type) or block.type
@@ -232,7 +260,7 @@ def _analysis_blocks(blocks: list[Block]) -> list[dict]:
         if kind == "title":
             item["type"], item["level"] = "paragraph_title", TITLE_LEVEL_PARAGRAPH
         model.append(item)
-    model = _merge_formula_numbers(model)
+    model = collapse_image_blocks(_merge_formula_numbers(model))
     out = []
     for item in model:
         kind, content = item["type"], item.get("content")
@@ -273,9 +301,42 @@ def to_spans_raw(content: str, *, strip: bool = True) -> list[dict]:
     return strip_spans(spans) if strip else spans
 
 
+IMAGE_BLOCK_CONTAINMENT = 0.8  # docvortex 0.6.4 document/pdf/constants.py IMAGE_BLOCK_CONTAINMENT_THRESHOLD
+
+
+def collapse_image_blocks(model: list[dict]) -> list[dict]:
+    """Each ``image_block`` container becomes one ``image`` with the container's box, and every other
+    block at least 80 % of whose area lies inside a container is dropped (inner images, labels,
+    captions alike), as docvortex's ``document.pdf.visuals._collapse_image_blocks`` does before
+    mineru 4.0.12 names its crops; boxes are compared as the 0..1 floats the model gave.
+
+    Args:
+        model: a page's model list (dicts with ``type`` and ``bbox``), in reading order.
+
+    Returns:
+        The list without the contained blocks (the containers renamed in place).
+    """
+    containers = [item for item in model if item["type"] == "image_block"]
+    if not containers:
+        return model
+    kept = []
+    for item in model:
+        if item["type"] == "image_block":
+            item["type"] = "image"
+            kept.append(item)
+        elif not any(
+            _inside_ratio(tuple(item["bbox"]), tuple(c["bbox"])) >= IMAGE_BLOCK_CONTAINMENT for c in containers
+        ):
+            kept.append(item)
+    return kept
+
+
 def _merge_formula_numbers(model: list[dict]) -> list[dict]:
     """A ``formula_number`` joins the equation before it (else the one after it, unless that one has
-    its own number next) as ``\\tag{..}`` with the union box; an orphan number becomes text."""
+    its own number next) as ``\\tag{..}`` with the union box; an orphan number becomes text.
+
+    Mirrors mineru ``backend.analysis.pdf.formulas.optimize_hybrid_formula_number_blocks``.
+    """
     out: list[dict] = []
     for i, item in enumerate(model):
         if item["type"] != "formula_number":
@@ -304,12 +365,81 @@ def _join_number(equation: dict, number: dict) -> None:
         equation["content"] = tagged
 
 
+_OPAQUE_TAGS = frozenset(
+    {
+        "eq",
+        "math",
+        "pre",
+        "code",
+        "script",
+        "style",
+        "svg",
+        "template",
+        "textarea",
+        "object",
+        "embed",
+        "canvas",
+        "iframe",
+    }
+)  # docvortex 0.6.4 content/normalization.py _OPAQUE_HTML_TAGS
+_OPAQUE_BLOCK_TYPES = frozenset({"equation", "code", "code_body", "algorithm", "algorithm_body"})
+_CELL_BARRIERS = frozenset({"table", "br", "hr", "img"})
+
+
+def _is_opaque(element: Tag) -> bool:
+    """Formulas, code and other non-text carriers whose text is never normalized (docvortex
+    ``content.normalization._is_opaque_html_node``)."""
+    return (
+        element.name.split(":")[-1].lower() in _OPAQUE_TAGS
+        or element.get("data-block-type") in _OPAQUE_BLOCK_TYPES
+        or element.has_attr("data-docvortex-latex")
+        or element.has_attr("data-formula-display")
+        or "docvortex-math" in element.get_attribute_list("class")
+    )
+
+
+def _cell_parts(node: PageElement) -> Iterator[tuple[NavigableString | None, str]]:
+    """A cell's visible text nodes (plain character data: not comments, CDATA, script or ruby
+    text); opaque elements, nested tables and breaks are barriers."""
+    if type(node) is NavigableString:
+        yield node, str(node)
+    elif isinstance(node, Tag):
+        if _is_opaque(node) or node.name in _CELL_BARRIERS:
+            yield None, "\0"
+        else:
+            for child in node.children:
+                yield from _cell_parts(child)
+
+
 def _normalize_table(markup: str) -> str:
-    """Half-width text in table cells (tags, ``<eq>`` formulas and entities left alone)."""
-    if not _FULLWIDTH.search(markup):
+    """Half-width letters, digits and symbols in the visible text of table cells; when any text
+    changes the whole table is written anew (``str(BeautifulSoup(markup, "html.parser"))``), else
+    the markup is kept as is.
+
+    Mirrors docvortex ``content.normalization._normalize_table`` (mineru 4.0.12's PDF text
+    normalization): cells inside opaque elements are skipped; text nodes of one cell are
+    normalized together (``normalize_text``, formulas kept) and cut back to their lengths.
+    """
+    if not _FULLWIDTH.search(markup) and "&#" not in markup:
         return markup
-    parts = re.split(r"(<eq>.*?</eq>|<[^>]*>)", markup, flags=re.DOTALL)
-    return "".join(p if i % 2 else normalize_text(p) for i, p in enumerate(parts))
+    soup = BeautifulSoup(markup, "html.parser")
+    changed = False
+    for cell in soup.find_all(["td", "th"]):
+        if any(_is_opaque(element) for element in (cell, *cell.parents)):
+            continue
+        entries = [part for child in cell.children for part in _cell_parts(child)]
+        source = "".join(text for _, text in entries)
+        normalized = normalize_text(source)
+        if normalized == source:
+            continue
+        offset = 0
+        for node, text in entries:
+            replacement = normalized[offset : offset + len(text)]
+            offset += len(text)
+            if node is not None and replacement != text:
+                node.replace_with(NavigableString(replacement))
+                changed = True
+    return str(soup) if changed else markup
 
 
 # ---------------------------------------------------------------- document model steps (docvortex)
@@ -317,6 +447,9 @@ def _normalize_table(markup: str) -> str:
 
 def page_model(blocks: list[Block]) -> list[dict]:
     """The MinerU 4 page model of a page's final blocks (see the module docstring).
+
+    Mirrors docvortex ``postprocess.page_blocks.process_page_blocks`` (on the output of
+    ``_analysis_blocks``).
 
     Returns:
         Top-level blocks in reading order. Each has ``type``, ``index`` (its position in mineru's
@@ -359,6 +492,8 @@ def page_model(blocks: list[Block]) -> list[dict]:
 
 
 def _collapse_newlines(spans: list[dict]) -> list[dict]:
+    """A title's newlines and the whitespace after them as one space (docvortex
+    ``postprocess.content.collapse_inline_newlines``)."""
     out = []
     for span in spans:
         if span["type"] == "text":
@@ -385,7 +520,10 @@ def _inside_ratio(inner: tuple, outer: tuple) -> float:
 def _lists_and_indexes(model: list[dict]) -> tuple[list, list, list, list]:
     """Text and ref_text at least 80 % inside a list box become its items (first list wins); an
     empty list is dropped; its ``sub_type`` is its items' most common type. ``index`` blocks are
-    split into one text child per line."""
+    split into one text child per line.
+
+    Mirrors docvortex ``postprocess.lists.fix_pdf_list_blocks`` and ``fix_pdf_index_blocks``.
+    """
     texts = [b for b in model if b["type"] == "text"]
     refs = [b for b in model if b["type"] == "ref_text"]
     lists = [b for b in model if b["type"] == "list"]
@@ -435,7 +573,11 @@ def _caption_fallbacks(model: list[dict]) -> None:
     """docvortex's caption fallbacks with bboxes: a text/footnote on the same line as a caption
     right above a visual body becomes a caption; single-line text/footnote fragments in the caption
     cluster right above a table become captions; single-line "continued" text leading the page right
-    above a table becomes a caption."""
+    above a table becomes a caption.
+
+    Mirrors docvortex ``postprocess.visual.fallback_inline_caption_fragments`` and
+    ``fallback_leading_table_continuation_captions``.
+    """
     ordered = sorted(model, key=lambda b: b["index"])
     if len(model) >= 3:
         for pos, block in enumerate(ordered):
@@ -533,7 +675,8 @@ def _stacked_cluster(table: dict, model: list[dict]) -> list[dict]:
 
 
 def _regroup_visuals(model: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Visual bodies grouped with their captions / footnotes (docvortex ``regroup_visual_blocks``)."""
+    """Visual bodies grouped with their captions / footnotes (docvortex
+    ``postprocess.visual.regroup_visual_blocks``)."""
     ordered = sorted(model, key=lambda b: b["index"])
     relation = [b for b in ordered if not (b["type"] == "list" and not b.get("content"))]
     position = {b["index"]: p for p, b in enumerate(relation)}

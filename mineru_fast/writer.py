@@ -22,7 +22,7 @@ import html
 import json
 import re
 import textwrap
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -32,12 +32,15 @@ from typing import IO, Any
 from .document import Confidence, Page, ParseError
 from .errors import OutputError
 from .metadata import head_dict
-from .mineru4 import CONFIDENCE_KEY, page_model, plain_text
+from .mineru4 import CONFIDENCE_KEY, TRANSPARENT, page_model, plain_text
+from .table_merge import can_merge_tables, merge_tables
 
 __all__ = [
     "PageOutput",
     "render_page",
-    "join_markdown",
+    "render_markdown",
+    "MarkdownJoiner",
+    "MarkdownPiece",
     "DocumentWriter",
     "render_spans",
     "remove_outputs",
@@ -56,11 +59,35 @@ class PageOutput:
         markdown: the page's Markdown ("" when it has nothing to show).
         content_list: its ``content_list.json`` items.
         crops: ``(file name under images/, bbox as 0..1 floats)`` of the crops it references.
+        pieces: the Markdown of each top-level block, for ``MarkdownJoiner`` (which joins what
+            continues across blocks and pages).
     """
 
     markdown: str
     content_list: list[dict] = field(default_factory=list)
     crops: list[tuple[str, tuple[float, float, float, float]]] = field(default_factory=list)
+    pieces: list[MarkdownPiece] = field(default_factory=list)
+
+
+@dataclass
+class MarkdownPiece:
+    """The Markdown of one top-level block of a page.
+
+    Attributes:
+        text: its Markdown on its own ("" when it shows nothing).
+        kind: ``"ref_list"`` (a reference list, which a following one continues), ``"table"`` (a
+            table, which one at the top of the next page may continue), ``"transparent"`` (page
+            furniture and page footnotes: they never break a continuation) or ``"block"``.
+        page_index: the page it is on.
+        block: its page-model block (``mineru4.page_model``).
+        render: renders a block of this page (used when a continuation changed ``block``).
+    """
+
+    text: str
+    kind: str
+    page_index: int
+    block: dict
+    render: Callable[[dict], str]
 
 
 # ---------------------------------------------------------------- inline text
@@ -72,7 +99,10 @@ _BLOCK_PREFIX = re.compile(r"^(?P<indent>[ \t]{0,3})(?P<marker>#{1,6}|[+-])(?=[ 
 
 
 def _escape_markdown_chars(text: str) -> str:
-    """Backslash before ``* _ ` ~ $`` unless already escaped by an odd run of backslashes."""
+    """Backslash before ``* _ ` ~ $`` unless already escaped by an odd run of backslashes.
+
+    Mirrors docvortex ``render._internal.markdown.escaping.escape_conservative_markdown_text``.
+    """
     out, backslashes = [], 0
     for char in text:
         if char == "\\":
@@ -87,12 +117,16 @@ def _escape_markdown_chars(text: str) -> str:
 
 
 def _escape_entities(text: str) -> str:
+    """``&`` of text an HTML parser would read as a reference made ``&amp;`` (docvortex
+    ``render._internal.markdown.inline._escape_entity_like_text``)."""
     return _ENTITY_LIKE.sub(
         lambda m: f"&amp;{m.group(0)[1:]}" if html.unescape(m.group(0)) != m.group(0) else m.group(0), text
     )
 
 
 def _escape_text(text: str) -> str:
+    """Plain text as Markdown: characters escaped, tag-like text made inert (docvortex
+    ``render._internal.markdown.inline._escape_plain_markdown_text``)."""
     parts, cursor = [], 0
     for match in _HTML_LIKE.finditer(text):
         parts.append(_escape_entities(_escape_markdown_chars(text[cursor : match.start()])))
@@ -103,16 +137,22 @@ def _escape_text(text: str) -> str:
 
 
 def render_spans(spans: list[dict]) -> str:
-    """Markdown of text / inline-equation spans: text escaped, equations as ``$..$``."""
+    """Markdown of text / inline-equation spans: text escaped, equations as ``$..$``.
+
+    Mirrors docvortex ``render._internal.markdown.inline.render_inline_spans``.
+    """
     return "".join(_escape_text(s["content"]) if s["type"] == "text" else f"${s['content']}$" for s in spans)
 
 
 def _escape_prefix(text: str) -> str:
+    """A leading ``#``/``-``/``+`` block marker escaped (docvortex
+    ``render._internal.markdown.escaping.escape_text_block_markdown_prefix``)."""
     match = _BLOCK_PREFIX.match(text)
     return f"{text[: match.start('marker')]}\\{text[match.start('marker') :]}" if match else text
 
 
 def _escape_rule(text: str) -> str:
+    """A line of only ``_`` or only ``-`` escaped (docvortex ``escaping.escape_standalone_marker_rule``)."""
     return f"\\{text}" if text and (set(text) == {"_"} or set(text) == {"-"}) else text
 
 
@@ -180,6 +220,7 @@ _EQ_RE = re.compile(r"<eq>(?P<latex>.*?)</eq>", re.IGNORECASE | re.DOTALL)
 
 
 def _format_embedded_html(markup: str) -> str:
+    """``<eq>`` formulas of embedded HTML as `` $..$ `` (docvortex ``markdown.table.format_embedded_html``)."""
     return _EQ_RE.sub(lambda m: f" ${html.unescape(m.group('latex')).strip()}$ ", markup)
 
 
@@ -226,7 +267,10 @@ def _normalize_cell(text: str) -> str:
 
 def render_table(markup: str) -> str | None:
     """A table body as Markdown: a pipe table when GFM can hold it without loss, else its HTML
-    (inline ``<eq>`` formulas as ``$..$``); None when the markup holds no table."""
+    (inline ``<eq>`` formulas as ``$..$``); None when the markup holds no table.
+
+    Mirrors docvortex ``render._internal.markdown.table.render_html_table``.
+    """
     tree = _Tree()
     tree.feed(markup)
     tree.close()
@@ -277,6 +321,7 @@ def _join(parts: list[str]) -> str:
 
 
 def _details(content: str, summary: str) -> str:
+    """A collapsed HTML details block (docvortex ``markdown.blocks._render_details``)."""
     return f"<details>\n<summary>{html.escape(summary, quote=False)}</summary>\n\n{content.strip()}\n</details>"
 
 
@@ -297,6 +342,7 @@ class _PageRenderer:
 
     # -- markdown
     def markdown(self, block: dict) -> str:
+        """A top-level block's Markdown (docvortex ``markdown.blocks.render_planned_block``)."""
         kind, content = block["type"], _content(block)
         if kind in _AUXILIARY:
             return ""
@@ -317,13 +363,15 @@ class _PageRenderer:
         if kind == "list":
             return self.list_markdown(block)
         if kind == "index":
-            lines = [render_spans(child["content"]).strip() for child in content]
+            lines = [render_spans(strip_index_page_tail(child["content"])).strip() for child in content]
             return "\n".join(f"- {line}" for line in lines if line)
         if kind in ("image", "table", "chart", "code"):
             return _join([self.visual_child(block, child) for child in content])
         return render_spans(content) if isinstance(content, list) else ""
 
     def list_markdown(self, block: dict) -> str:
+        """A list's Markdown, reference lists bulleted when mostly unnumbered (docvortex
+        ``markdown.blocks._render_list``)."""
         children = block["content"]
         bullets = block.get("sub_type") == "ref_text" and _needs_bullets(children)
         lines = []
@@ -332,7 +380,7 @@ class _PageRenderer:
             if not item:
                 continue
             item_lines = _escape_rule(item).splitlines() or [item]
-            if bullets and not re.match(r"^\s*-\s", plain_text(child["content"])):
+            if bullets and not _UNORDERED_MARKER.match(plain_text(child["content"])):
                 lines.append(f"- {item_lines[0]}")
                 lines.extend(f"  {line}" for line in item_lines[1:])
             else:
@@ -340,6 +388,8 @@ class _PageRenderer:
         return "\n".join(lines)
 
     def visual_child(self, group: dict, child: dict) -> str:
+        """One child of an image, table, chart or code group (docvortex
+        ``markdown.blocks._render_visual_body_child``)."""
         kind = child["type"]
         if not kind.endswith("_body"):
             return _escape_rule(render_spans(child["content"]))
@@ -367,6 +417,7 @@ class _PageRenderer:
 
     # -- content list
     def item(self, block: dict) -> dict | None:
+        """A block's content-list item (mineru ``render._internal.content_list.v1._render_unit_content``)."""
         kind, content = block["type"], _content(block)
         if kind == "text":
             item: dict = {"type": "text", "text": render_spans(content)}
@@ -384,7 +435,7 @@ class _PageRenderer:
             items = [render_spans(child["content"]) for child in content if child["content"]]
             item = {"type": "list", "sub_type": block.get("sub_type") or "text", "list_items": items}
         elif kind == "index":
-            lines = [render_spans(child["content"]).strip() for child in content]
+            lines = [render_spans(strip_index_page_tail(child["content"])).strip() for child in content]
             item = {"type": "index", "list_items": [f"- {line}" for line in lines if line]}
         elif kind in ("image", "table", "chart"):
             item = self.visual_item(block)
@@ -405,6 +456,8 @@ class _PageRenderer:
         return item
 
     def visual_item(self, group: dict) -> dict:
+        """An image, table or chart item (mineru ``content_list.v1._render_image`` / ``_render_table``
+        / ``_render_chart``)."""
         visual = group["type"]
         body = next(c for c in group["content"] if c["type"] == f"{visual}_body")
         content = _format_embedded_html(body.get("content") or "").strip()
@@ -443,6 +496,7 @@ def confidence_field(entries: list[dict]) -> dict | None:
 
 
 def _reference_item(blocks: list[dict], page_idx: int) -> dict:
+    """A run of reference entries as one list item (mineru ``content_list.common.iter_page_units``, v1)."""
     boxes = [b["bbox"] for b in blocks]
     bbox = [min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)]
     return {
@@ -458,20 +512,58 @@ def _annotations(group: dict, kind: str) -> list[str]:
     return [render_spans(c["content"]) for c in sorted(group["content"], key=lambda c: c["index"]) if c["type"] == kind]
 
 
+_INDEX_ROMAN = re.compile(r"[ivxlcdm]+", re.IGNORECASE)
+
+
+def strip_index_page_tail(spans: list[dict]) -> list[dict]:
+    """An index entry without the page number after its last tab (digits, a roman numeral or one
+    letter, at most 12 characters), its other tabs made spaces.
+
+    Mirrors docvortex ``render._internal.common.index.strip_index_page_tail``.
+    """
+    text = plain_text(spans)
+    if "\t" not in text:
+        return spans
+    cut = text.rfind("\t")
+    tail = text[cut + 1 :].strip()
+    if tail and len(tail) <= 12 and (tail.isdigit() or _INDEX_ROMAN.fullmatch(tail) or re.fullmatch("[A-Za-z]", tail)):
+        kept, offset = [], 0
+        for span in spans:
+            if offset >= cut:
+                break
+            length = len(span["content"])
+            kept.append({**span, "content": span["content"][: cut - offset]} if span["type"] == "text" else span)
+            offset += length
+        spans = kept
+    out = [{**s, "content": s["content"].replace("\t", " ")} if s["type"] == "text" else s for s in spans]
+    return [s for s in out if s["type"] != "text" or s["content"]]
+
+
+_REFERENCE_NUMBER = re.compile(r"^\D{0,4}\d")  # a (Unicode) digit among the first five characters
+_UNORDERED_MARKER = re.compile(r"^[ \t]*-[ \t]+")
+
+
 def _needs_bullets(children: list[dict]) -> bool:
+    """Whether a reference list's items get ``- `` bullets: when at most half of its non-empty items
+    carry a number in their first five characters (``[1]``, ``1 Smith``, ``【1】``, ``1、``).
+
+    Mirrors docvortex ``render._internal.common.list_items.reference_list_needs_bullets``.
+    """
     visible = [plain_text(c["content"]).lstrip() for c in children]
     visible = [v for v in visible if v]
-    numbered = sum(1 for v in visible if re.match(r"^(?:\[\d+\]|\(\d+\)|\d+[.)])", v))
+    numbered = sum(1 for v in visible if _REFERENCE_NUMBER.match(v))
     return bool(visible) and numbered * 2 <= len(visible)
 
 
 def _fenced(content: str, language: str = "") -> str:
+    """Content in a fence longer than its backtick runs (docvortex ``markdown.blocks._render_fenced_content``)."""
     longest = max((len(m.group(0)) for m in re.finditer(r"`+", content)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{language}\n{content}{'' if content.endswith(chr(10)) else chr(10)}{fence}"
 
 
 def _algorithm_html(spans: list[dict]) -> str:
+    """An algorithm as preformatted HTML (docvortex ``markdown.blocks._render_algorithm_html``)."""
     parts, previous_eq = [], False
     for span in spans:
         is_eq = span["type"] == "equation_inline"
@@ -486,8 +578,19 @@ def _algorithm_html(spans: list[dict]) -> str:
     return f'<div class="docvortex-algorithm" style="white-space: pre-wrap; font-family:monospace;">\n{body}\n</div>'
 
 
+def _piece_kind(block: dict) -> str:
+    if block["type"] == "list" and block.get("sub_type") == "ref_text":
+        return "ref_list"
+    if block["type"] == "table":
+        return "table"
+    return "transparent" if block["type"] in TRANSPARENT else "block"
+
+
 def render_page(page: Page, image_dir: str = "images", *, confidence: bool = False) -> PageOutput:
     """Render one finished page as mineru 4.0.12 would (see the module docstring).
+
+    Mirrors docvortex ``render._internal.markdown.renderer._render_page`` (DEFAULT mode) and mineru
+    ``render._internal.content_list.v1.render_content_list`` for one page.
 
     Args:
         page: a parsed page (its image is not needed here; crops are only named).
@@ -495,16 +598,16 @@ def render_page(page: Page, image_dir: str = "images", *, confidence: bool = Fal
         confidence: add the ``mf_confidence`` extension field to each content-list item.
 
     Returns:
-        The page's Markdown chunk, content-list items and the crops they reference.
+        The page's Markdown (what continues within the page joined; ``MarkdownJoiner`` joins across
+        pages), its pieces, its content-list items and the crops they reference.
     """
     renderer = _PageRenderer(page, image_dir)
     blocks = page_model(page.blocks)
-    chunks, items = [], []
-    for block in blocks:
-        text = renderer.markdown(block)
-        if text and text.strip():
-            chunks.append(text.strip("\n"))
+    pieces = [MarkdownPiece(renderer.markdown(b), _piece_kind(b), page.index, b, renderer.markdown) for b in blocks]
+    joiner = MarkdownJoiner()
+    markdown = "\n\n".join([*joiner.add(pieces), *joiner.finish()])
     renderer.crops.clear()  # the content list names every crop the page has; collect them once
+    items = []
     references: list[dict] = []
     for entry in [*blocks, None]:
         if entry is not None and entry["type"] == "ref_text":
@@ -519,12 +622,109 @@ def render_page(page: Page, image_dir: str = "images", *, confidence: bool = Fal
             if confidence:
                 item[CONFIDENCE_FIELD] = confidence_field([entry])
             items.append(item)
-    return PageOutput("\n\n".join(chunks), items, list(dict.fromkeys(renderer.crops)))
+    return PageOutput(markdown, items, list(dict.fromkeys(renderer.crops)), pieces)
 
 
-def join_markdown(chunks: list[str]) -> str:
-    """A document's Markdown from its pages' chunks (empty pages contribute nothing)."""
-    return "\n\n".join(chunk for chunk in chunks if chunk)
+@dataclass
+class _Held:
+    """A reference list or table that a later block may still continue, and what follows it."""
+
+    head: MarkdownPiece
+    block: dict  # the head's block with what joined it (the pieces themselves are never changed)
+    last: MarkdownPiece  # the piece last joined into ``head`` (the head itself at first)
+    changed: bool = False
+    after: list[MarkdownPiece] = field(default_factory=list)  # transparent pieces after the head
+
+    def texts(self) -> list[str]:
+        head = self.head.render(self.block) if self.changed else self.head.text
+        return [head, *(piece.text for piece in self.after)]
+
+
+class MarkdownJoiner:
+    """Joins a document's Markdown block by block, page by page, as mineru 4.0.12 renders it.
+
+    What official's middle JSON marks as continuing is joined into what it continues (docvortex
+    ``postprocess.paragraphs.merge_para_text_blocks`` and ``content.table.document.merge_table``
+    set the marks; ``render._internal.common.planner`` joins):
+
+    - a reference list after another one, with only page furniture or page footnotes between, on
+      the same or the next page, adds its items to the first list (whose bullets are then decided
+      on all of them);
+    - a table that opens a page continues the table that closed the page before when
+      ``table_merge.can_merge_tables`` allows it, and is joined into it (``table_merge.merge_tables``).
+
+    Text blocks never continue here: official decides that from OCR text lines, and with one line
+    per block (its detector finds none on VLM pages, mineru-fast has none) it never joins them.
+
+    Only the last such list or table (and the transparent blocks after it) is held back, so memory
+    stays flat on long documents.
+    """
+
+    def __init__(self) -> None:
+        self._held: _Held | None = None
+        self._page = -1  # the page of the last piece seen
+        self._page_started = False  # whether that page had a non-transparent piece yet
+
+    def add(self, pieces: Iterable[MarkdownPiece]) -> list[str]:
+        """Take the next pieces, in document order; return the Markdown chunks now final."""
+        out: list[str] = []
+        for piece in pieces:
+            opens_page = piece.page_index != self._page or not self._page_started
+            if piece.page_index != self._page:
+                self._page, self._page_started = piece.page_index, False
+            if piece.kind == "transparent":
+                if self._held is None:
+                    out.append(piece.text)
+                else:
+                    self._held.after.append(piece)
+                continue
+            self._page_started = True
+            if self._held is not None and self._continues(self._held, piece, opens_page):
+                continue
+            out.extend(self._release())
+            if piece.kind in ("ref_list", "table"):
+                self._held = _Held(piece, piece.block, piece)
+            else:
+                out.append(piece.text)
+        return [text.strip("\n") for text in out if text and text.strip()]
+
+    def finish(self) -> list[str]:
+        """The chunks still held back, at the end of the document."""
+        return [text.strip("\n") for text in self._release() if text and text.strip()]
+
+    def _release(self) -> list[str]:
+        held, self._held = self._held, None
+        return held.texts() if held is not None else []
+
+    def _continues(self, held: _Held, piece: MarkdownPiece, opens_page: bool) -> bool:
+        head, last = held.head, held.last
+        if piece.kind != head.kind:
+            return False
+        if head.kind == "ref_list":
+            if piece.page_index - last.page_index not in (0, 1):
+                return False
+            held.block = {**held.block, "content": [*held.block["content"], *piece.block["content"]]}
+        else:
+            if piece.page_index != last.page_index + 1 or not opens_page:
+                return False
+            if not can_merge_tables(piece.block, last.block):
+                return False
+            merged = merge_tables(held.block, piece.block)
+            if merged is None:
+                return False
+            held.block = merged
+        held.last, held.changed = piece, True
+        return True
+
+
+def render_markdown(pages: Iterable[Page], image_dir: str = "images") -> str:
+    """A document's Markdown from its pages in order (``render_page`` + ``MarkdownJoiner``).
+
+    Mirrors docvortex ``render._internal.markdown.renderer.render_markdown`` (DEFAULT mode).
+    """
+    joiner = MarkdownJoiner()
+    chunks = [chunk for page in pages for chunk in joiner.add(render_page(page, image_dir).pieces)]
+    return "\n\n".join([*chunks, *joiner.finish()])
 
 
 def _write_json_array(out: IO[str], items: Iterable[object], indent: int, level: int = 0) -> None:
@@ -597,7 +797,8 @@ class DocumentWriter:
     ``layout/`` page by page, so memory stays flat however long the document is.
 
     Each ``add_page`` renders the page, writes its crops and overlay at once, appends its Markdown
-    and content-list items to the open output files and its full record to ``<stem>.pages.jsonl``,
+    (all but a reference list or table the next page may continue: ``MarkdownJoiner``) and
+    content-list items to the open output files and its full record to ``<stem>.pages.jsonl``,
     then (``release``) drops the page's images. While a long document runs, the pages already done
     are on disk, in ``<stem>.md.part`` and ``<stem>_content_list.json.part``. ``close`` finishes the
     files, assembles ``<stem>.json`` from the recorded pages, one page at a time, removes the
@@ -641,6 +842,7 @@ class DocumentWriter:
         self.metadata, self.confidence = metadata, confidence
         self._handles: list[IO[str]] = []
         self._md_started = self._cl_started = False
+        self._joiner = MarkdownJoiner()  # what may still continue on the next page is held there
         self.statuses: list[str] = []
         self.timings: dict[str, float] = {}
         self.counts: dict[str, int] = {}
@@ -699,9 +901,7 @@ class DocumentWriter:
         return output
 
     def _write_page(self, page: Page, output: PageOutput) -> None:
-        if output.markdown:
-            self._md.write(("\n\n" if self._md_started else "") + output.markdown)
-            self._md_started = True
+        self._write_markdown(self._joiner.add(output.pieces))
         for item in output.content_list:
             text = textwrap.indent(json.dumps(item, ensure_ascii=False, indent=2), "  ")
             self._cl.write((",\n" if self._cl_started else "[\n") + text)
@@ -716,6 +916,11 @@ class DocumentWriter:
             self.timings[key] = self.timings.get(key, 0.0) + value
         for key, count in page.counts.items():
             self.counts[key] = self.counts.get(key, 0) + count
+
+    def _write_markdown(self, chunks: list[str]) -> None:
+        for chunk in chunks:
+            self._md.write(("\n\n" if self._md_started else "") + chunk)
+            self._md_started = True
 
     def __enter__(self) -> DocumentWriter:
         return self
@@ -752,6 +957,7 @@ class DocumentWriter:
         status = status_of(errors, self.statuses)
         head = head_dict(self.name, status, self.metadata, errors, timings, self.counts)
         with self._output_errors():
+            self._write_markdown(self._joiner.finish())
             self._cl.write("\n]" if self._cl_started else "[]")
             for handle in (self._md, self._cl, self._pages):
                 handle.close()

@@ -1,10 +1,17 @@
 """Replay the same raw model outputs through official MinerU 4.0.12 and through mineru-fast.
 
-Official path: ``MinerUParser(tier="advanced").parse`` -> ``doc_analyze`` (effort ``xhigh``) ->
-``MinerUClient.batch_two_step_extract`` whose VLM client answers from the trace, then
-``ParseResult.save`` (Markdown) and ``render_content_list`` on the materialized middle JSON. The
-local layout model (PP-DocLayoutV2) finds nothing and the OCR text detector finds no line: both need
-weights. mineru-fast path: ``page_protocol`` + ``writer`` on the same page image and trace.
+Official path: ``MinerUParser(tier="advanced", image_analysis=...).parse`` -> ``doc_analyze``
+(effort ``xhigh``, windows of 64 pages) -> ``MinerUClient.batch_two_step_extract`` whose VLM client
+answers from the recorded outputs, then ``ParseResult.save`` (``markdown.md``, read back as bytes)
+and ``render_content_list`` on the materialized middle JSON, serialized as mineru's CLI writes it.
+The local layout model (PP-DocLayoutV2) finds nothing and the OCR text detector finds no line: both
+need weights. Only official code and this module run on that side: a content request is matched to
+its recorded output by the box, type and angle of the official block against the recorded layout
+lines (read with mineru-vl-utils' own line grammar), and each window's pages are found by the page
+images official hands to its layout step.
+
+mineru-fast path: ``page_protocol`` on the same page image and outputs, then ``writer.DocumentWriter``
+page by page; its files are read back as bytes.
 
 Needs the official packages (``mineru``, ``mineru-vl-utils``, ``docvortex``); imported only by
 ``test_official_compat.py``, which skips without them.
@@ -13,7 +20,9 @@ Needs the official packages (``mineru``, ``mineru-vl-utils``, ``docvortex``); im
 from __future__ import annotations
 
 import json
+import re
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
@@ -21,27 +30,64 @@ from PIL import Image
 from mineru_fast.document import Page
 from mineru_fast.page_protocol import ContentOutput, finish_blocks, plan_content, read_layout
 from mineru_fast.traces import PageTrace
-from mineru_fast.writer import join_markdown, render_page
+from mineru_fast.writer import DocumentWriter
+
+ANGLES = {"<|rotate_up|>": 0, "<|rotate_right|>": 90, "<|rotate_down|>": 180, "<|rotate_left|>": 270}
+
+
+@dataclass
+class RecordedPage:
+    """One page's recorded outputs as plain data: the layout text and one content per layout line."""
+
+    layout: str
+    contents: list[str | None] = field(default_factory=list)
+
+    def content_of(self, block) -> str:
+        """The recorded content of an official ``ContentBlock`` ("" when none was recorded).
+
+        Lines are read with mineru-vl-utils' own layout grammar (``mineru_client._layout_re``); the
+        j-th matching line owns ``contents[j]``. Official reads an ``unknown`` line as an image.
+        """
+        from mineru_vl_utils.mineru_client import _layout_re
+
+        wanted = (*(round(v * 1000) for v in block.bbox), block.type, block.angle)
+        for j, match in enumerate(re.finditer(_layout_re, self.layout, re.DOTALL)):
+            x1, y1, x2, y2 = (int(v) for v in match.group(1, 2, 3, 4))
+            kind = match.group(5).lower()
+            kind = "image" if kind == "unknown" else kind
+            angle = ANGLES.get(match.group(6) or "")
+            if (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2), kind, angle) == wanted:
+                return (self.contents[j] if j < len(self.contents) else None) or ""
+        raise AssertionError(f"no recorded line for official block {block.type} {block.bbox}")
 
 
 class ReplayVlmClient:
-    """A mineru-vl-utils VLM client that answers layout and content prompts from traces.
+    """A mineru-vl-utils VLM client that answers layout and content prompts from recorded pages.
 
-    Content requests are matched to blocks through ``prepare_for_extract`` (wrapped in ``install``),
-    which the official client calls page by page right before predicting that batch.
+    Layout requests take the next pages in document order (official sends one window at a time);
+    content requests are answered from the blocks ``prepare_for_extract`` chose, page by page.
     """
 
     def __init__(self) -> None:
-        self.pages: list[PageTrace] = []
-        self.prepared: list[tuple[int, list]] = []
+        self.pages: list[RecordedPage] = []
+        self.cursor = 0  # the next page a layout request answers
+        self.page_of_image: dict[int, int] = {}  # id(page image) -> page number, for this window
+        self.prepared: dict[int, list] = {}  # page number -> the blocks it asks content for
+
+    def reset(self, pages: list[RecordedPage]) -> None:
+        self.pages, self.cursor = pages, 0
+        self.page_of_image.clear()
+        self.prepared.clear()
 
     def batch_predict(self, images, prompts, params=None, priority=None, **_):
         from mineru_vl_utils.mineru_client import DEFAULT_PROMPTS
 
         prompts = [prompts] * len(images) if isinstance(prompts, str) else list(prompts)
         if prompts and all(p == DEFAULT_PROMPTS["[layout]"] for p in prompts):
-            return [page.layout for page in self.pages[: len(images)]]
-        out = [self.pages[page].content_for(block) or "" for page, blocks in self.prepared for block in blocks]
+            window = self.pages[self.cursor : self.cursor + len(images)]
+            self.cursor += len(images)
+            return [page.layout for page in window]
+        out = [self.pages[n].content_of(block) for n in sorted(self.prepared) for block in self.prepared[n]]
         self.prepared.clear()
         if len(out) != len(images):
             raise AssertionError(f"replay matched {len(out)} crops to {len(images)} requests")
@@ -62,14 +108,6 @@ def install() -> None:
 
     if getattr(client_module, "_mineru_fast_replay", False):
         return
-    original = client_module.MinerUClientHelper.prepare_for_extract
-
-    def prepare(self, image, blocks, not_extract_list=None, image_analysis=None):
-        result = original(self, image, blocks, not_extract_list, image_analysis)
-        _CLIENT.prepared.append((len(_CLIENT.prepared), [blocks[i] for i in result[3]]))
-        return result
-
-    client_module.MinerUClientHelper.prepare_for_extract = prepare
     client_module.new_vlm_client = lambda **_: _CLIENT
 
     class _NoLayout:
@@ -88,7 +126,8 @@ def install() -> None:
         ocr_model = type("Ocr", (), {"text_detector": _NoLines()})()
 
     hybrid.HybridLocalModelContextSingleton.get_model = lambda self: _LocalModels()
-    # As mineru 4.0.12 builds its client (model/vlm/runtime.py), minus the engine.
+    # As mineru 4.0.12 builds its client (model/vlm/runtime.py), minus the engine; image analysis is
+    # decided per call by MinerUParser(image_analysis=...).
     vlm = client_module.MinerUClient(
         backend="transformers",
         model=object(),
@@ -98,29 +137,47 @@ def install() -> None:
         enable_cross_page_table_merge=False,
         use_tqdm=False,
     )
+    # Only this client's methods are wrapped: mineru-fast's side runs the same library.
+    original_layout, original_prepare = vlm.batch_layout_detect, vlm.helper.prepare_for_extract
+
+    def batch_layout_detect(images, *args, **kwargs):
+        _CLIENT.page_of_image = {id(image): _CLIENT.cursor + n for n, image in enumerate(images)}
+        return original_layout(images, *args, **kwargs)
+
+    def prepare(image, blocks, not_extract_list=None, image_analysis=None):
+        page = _CLIENT.page_of_image[id(image)]
+        result = original_prepare(image, blocks, not_extract_list, image_analysis)
+        _CLIENT.prepared[page] = [blocks[i] for i in result[3]]
+        return result
+
+    vlm.batch_layout_detect, vlm.helper.prepare_for_extract = batch_layout_detect, prepare
     pipeline.get_vlm_predictor = lambda config=None: (vlm, "transformers")
     client_module._mineru_fast_replay = True
 
 
-def official_outputs(document: Path, pages: list[PageTrace]) -> tuple[str, str]:
-    """``(markdown, content_list JSON text)`` of official mineru for a document and its traces."""
+def official_outputs(document: Path, pages: list[RecordedPage], *, image_analysis: bool) -> tuple[bytes, bytes]:
+    """``(markdown.md bytes, content list JSON bytes)`` of official mineru for a document and its
+    recorded outputs; the content list is serialized as mineru's CLI writes its JSON files
+    (``json.dumps(..., ensure_ascii=False, indent=2)``, UTF-8)."""
     from docvortex.export import materialize_middle
     from mineru.parser.mineru_parser import MinerUParser
     from mineru.parser.writer import FileBasedDataWriter
     from mineru.render.content_list import render_content_list
 
     install()
-    _CLIENT.pages = pages
-    _CLIENT.prepared.clear()
-    result = MinerUParser(tier="advanced").parse(document)
+    _CLIENT.reset(pages)
+    result = MinerUParser(tier="advanced", image_analysis=image_analysis).parse(document)
+    if _CLIENT.cursor != len(pages):
+        raise AssertionError(f"official asked the layout of {_CLIENT.cursor} pages, the document has {len(pages)}")
     with tempfile.TemporaryDirectory() as tmp:
         result.save(FileBasedDataWriter(tmp))
-        markdown = Path(tmp, "markdown.md").read_text(encoding="utf-8")
+        markdown = Path(tmp, "markdown.md").read_bytes()
     middle, _ = materialize_middle(result.middle_json)
-    return markdown, json.dumps(render_content_list(middle), ensure_ascii=False, indent=2)
+    items = render_content_list(middle)
+    return markdown, json.dumps(items, ensure_ascii=False, indent=2).encode("utf-8")
 
 
-def fast_page(image: Image.Image, trace: PageTrace, index: int, *, image_analysis: bool = True) -> Page:
+def fast_page(image: Image.Image, trace: PageTrace, index: int, *, image_analysis: bool) -> Page:
     """A page through mineru-fast's protocol functions with the trace's outputs (no engine)."""
     layout = read_layout(trace.layout)
     requests = plan_content(image, layout, image_analysis=image_analysis)
@@ -128,9 +185,15 @@ def fast_page(image: Image.Image, trace: PageTrace, index: int, *, image_analysi
     return Page(index, image.size, finish_blocks(layout, outputs), image=image)
 
 
-def fast_outputs(images: list[Image.Image], pages: list[PageTrace]) -> tuple[str, str]:
-    """``(markdown, content_list JSON text)`` of mineru-fast for the same pages."""
-    pairs = enumerate(zip(images, pages, strict=True))
-    rendered = [render_page(fast_page(image, trace, i)) for i, (image, trace) in pairs]
-    items = [item for page in rendered for item in page.content_list]
-    return join_markdown([page.markdown for page in rendered]), json.dumps(items, ensure_ascii=False, indent=2)
+def fast_outputs(images: list[Image.Image], pages: list[PageTrace], *, image_analysis: bool) -> tuple[bytes, bytes]:
+    """``(Markdown bytes, content list bytes)`` that mineru-fast's ``DocumentWriter`` writes for the
+    same pages, added one at a time as a parse does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with DocumentWriter(tmp, "doc", overlays=False) as writer:
+            for i, (image, trace) in enumerate(zip(images, pages, strict=True)):
+                writer.add_page(fast_page(image, trace, i, image_analysis=image_analysis))
+        # Whatever the layout's file names (``doc.md`` / ``markdown.md``): the one Markdown file and
+        # the one content list the writer wrote.
+        (markdown,) = Path(tmp).glob("*.md")
+        (content_list,) = Path(tmp).glob("*content_list*.json")
+        return markdown.read_bytes(), content_list.read_bytes()

@@ -1,22 +1,31 @@
-"""Differential lane: official MinerU 4.0.12 and mineru-fast write the same files for the same raw
-model outputs (see ``official_replay``). Skips where the official packages are not installed; CI runs
-it in its own environment (``.ci/run``, official lane)."""
+"""Differential lane: official MinerU 4.0.12 and mineru-fast write the same bytes for the same raw
+model outputs (see ``official_replay``), for both model versions (2509: no image analysis;
+Pro-2605: image analysis), the workload pages and synthetic documents that exercise each rule of
+the official writer, one of them longer than official's 64-page processing window. Skips where the
+official packages are not installed; CI runs it in its own environment (``.ci/run``, official lane).
+
+Each test id names the model version, the document and the file: ``pytest -rA`` lists the per-page
+equality table."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import pytest
-from conftest import WORKLOAD, need
+from conftest import WORKLOAD
 from PIL import Image
 
 pytest.importorskip("mineru.parser.mineru_parser", reason="official mineru 4.0.12 not installed (official CI lane)")
 pytest.importorskip("docvortex", reason="docvortex (mineru's writer) not installed (official CI lane)")
 
-from official_replay import fast_outputs, official_outputs  # noqa: E402
+from official_replay import RecordedPage, fast_outputs, official_outputs  # noqa: E402
 
 from mineru_fast.traces import PageTrace, build_omnidocbench_traces, load_trace  # noqa: E402
+
+# Model version -> image analysis, as mineru-fast resolves it (ParserOptions.resolved_image_analysis).
+VERSIONS = {"2509": False, "pro-2605": True}
 
 
 def line(box: str, kind: str, tail: str = "<|rotate_up|>") -> str:
@@ -25,6 +34,17 @@ def line(box: str, kind: str, tail: str = "<|rotate_up|>") -> str:
 
 def page(*lines_and_contents: tuple[str, str | None]) -> PageTrace:
     return PageTrace("\n".join(ln for ln, _ in lines_and_contents), [c for _, c in lines_and_contents])
+
+
+# Image analysis outputs as MinerU2.5-Pro writes them (mineru-vl-utils post_process.image_analysis_postprocess).
+IMAGE_ANALYSIS_CHART = (
+    "<|class_start|>chart<|class_end|><|sub_class_start|>bar<|sub_class_end|><|caption_start|>Sales<|caption_end|>"
+    "<|content_start|>| year | sales |\n| --- | --- |\n| 2020 | 5 |\n| 2021 | 7 |<|content_end|>"
+)
+IMAGE_ANALYSIS_FLOW = (
+    "<|class_start|>flowchart<|class_end|><|sub_class_start|>flowchart<|sub_class_end|>"
+    "<|caption_start|>Steps<|caption_end|><|content_start|>graph TD\n    A[start] --> B[end]<|content_end|>"
+)
 
 
 # Every block type of mineru-vl-utils 2.x (and one it does not know), rotated blocks, equation blocks,
@@ -97,57 +117,323 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
             (line("200 820 900 840", "unknown"), None),
         )
     ],
+    # An image_block container: official collapses it into one image with the container's box and
+    # drops every block at least 80 % inside it (the inner images, a label, a caption); the caption
+    # below attaches to the collapsed image, later image names count the collapsed list.
+    "image_block": [
+        page(
+            (line("100 050 900 450", "image_block"), None),
+            (line("120 060 480 380", "image"), None),
+            (line("520 060 880 380", "image"), None),
+            (line("520 200 880 220", "text"), "label inside the figure"),
+            (line("120 385 480 440", "image_caption"), "(a) left"),
+            (line("850 300 990 600", "aside_text"), "half inside"),
+            (line("100 460 900 480", "image_caption"), "Figure 2: two panels"),
+            (line("100 500 900 540", "text"), "Body text after the figure."),
+            (line("100 560 500 800", "image"), None),
+            (line("100 810 500 830", "image_caption"), "Figure 3: alone"),
+        )
+    ],
+    # Tables whose cells hold full-width characters: official re-serializes the whole table.
+    "fullwidth_tables": [
+        page(
+            (
+                line("100 050 900 250", "table"),
+                '<fcel>Ａ＆Ｂ<fcel>it\'s "q" < 5<nl><fcel>１２<lcel><nl><fcel>x<ecel><nl>',
+            ),
+            (line("100 300 900 500", "table"), "<fcel>plain & simple<fcel>'a'<nl><fcel>1<fcel>2<nl>"),
+            (line("100 550 900 750", "table"), "<fcel>\\(Ｘ_1\\)<fcel>Ｙ\\(a\\)<nl><ucel><fcel>ｚ<nl>"),
+        )
+    ],
+    # Reference lists next to each other and across a page break (a running head between) are one
+    # list in official's Markdown; the content list keeps one item per list.
+    "reference_lists": [
+        page(
+            (line("100 050 900 080", "paragraph_title"), "References"),
+            (line("100 100 900 200", "list"), None),
+            (line("100 100 900 140", "ref_text"), "[1] A. One. A paper. 2020."),
+            (line("100 150 900 190", "ref_text"), "[2] B. Two. Another. 2021."),
+            (line("100 220 900 320", "list"), None),
+            (line("100 220 900 260", "ref_text"), "[3] C. Three. 2022."),
+            (line("100 270 900 310", "ref_text"), "[4] D. Four. 2023."),
+            (line("100 800 900 960", "list"), None),
+            (line("100 800 900 840", "ref_text"), "[5] E. Five. 2024."),
+            (line("450 970 550 990", "page_number"), "7"),
+        ),
+        page(
+            (line("100 020 900 040", "header"), "Running head"),
+            (line("100 100 900 200", "list"), None),
+            (line("100 100 900 140", "ref_text"), "[6] F. Six. 2025."),
+            (line("100 300 900 340", "text"), "Appendix text."),
+        ),
+    ],
+    # Official's numbered-item rule for reference lists: a digit in the first five characters.
+    "reference_numbering": [
+        page(
+            (line("100 050 900 200", "list"), None),
+            (line("100 050 900 090", "ref_text"), "1 Smith, J. A paper."),
+            (line("100 100 900 140", "ref_text"), "【2】 Doe, J. Another."),
+            (line("100 150 900 190", "ref_text"), "3、 Li, K. Third."),
+            (line("100 210 900 230", "text"), "Further reading"),
+            (line("100 250 900 400", "list"), None),
+            (line("100 250 900 290", "ref_text"), "Smith, J. No number."),
+            (line("100 300 900 340", "ref_text"), "Doe, J. None here either."),
+            (line("100 350 900 390", "ref_text"), "- Already a bullet."),
+            (line("100 410 900 430", "text"), "Mixed"),
+            (line("100 450 900 600", "list"), None),
+            (line("100 450 900 490", "ref_text"), "[1] Numbered."),
+            (line("100 500 900 540", "ref_text"), "Not numbered at all."),
+            (line("100 620 900 660", "ref_text"), "Standalone 12 reference."),
+            (line("100 670 900 710", "ref_text"), "Another standalone one."),
+        )
+    ],
+    # A table split across a page break (same columns, header repeated) is one table in official's
+    # Markdown; a table of other columns on the next page is not joined; one whose first row's
+    # cells line up with the last row of the table before (column spans) is, a running head between.
+    "table_across_pages": [
+        page(
+            (line("100 100 900 140", "text"), "Results follow."),
+            (line("100 600 900 950", "table"), "<fcel>name<fcel>value<nl><fcel>a<fcel>1<nl><fcel>b<fcel>2<nl>"),
+        ),
+        page(
+            (line("100 050 900 400", "table"), "<fcel>name<fcel>value<nl><fcel>c<fcel>3<nl><fcel>d<fcel>4<nl>"),
+            (line("100 420 900 460", "text"), "Another table:"),
+            (line("100 600 900 950", "table"), "<fcel>x<fcel>y<nl><fcel>1<fcel>2<nl>"),
+        ),
+        page(
+            (line("100 050 900 400", "table"), "<fcel>p<fcel>q<fcel>r<nl><fcel>1<lcel><fcel>3<nl>"),
+        ),
+        page(
+            (line("100 020 900 040", "header"), "Running head"),
+            (line("100 050 900 400", "table"), "<fcel>4<lcel><fcel>6<nl><fcel>7<fcel>8<fcel>9<nl>"),
+        ),
+    ],
+    # Image analysis outputs (read only by MinerU2.5-Pro): a chart read as a table, a flowchart as
+    # mermaid, a photo with its caption, and a chart block.
+    "image_analysis": [
+        page(
+            (line("100 050 900 300", "image"), IMAGE_ANALYSIS_CHART),
+            (line("100 310 900 330", "image_caption"), "Figure 1: sales"),
+            (line("100 350 900 600", "image"), IMAGE_ANALYSIS_FLOW),
+            (
+                line("100 620 500 900", "image"),
+                "<|class_start|>natural_image<|class_end|><|caption_start|>A cat<|caption_end|>",
+            ),
+            (line("520 620 900 900", "chart"), IMAGE_ANALYSIS_CHART),
+        )
+    ],
+    # Rules not exercised elsewhere: an index's tab-separated page numbers, a "continued" line
+    # leading the page above a table, a page footnote over two lines, empty equation and table
+    # contents (their crops instead), carriage returns kept as written, a doc title.
+    "more_rules": [
+        page(
+            (line("100 020 900 040", "text"), "Table 3 (continued)"),
+            (line("100 045 900 200", "table"), "<fcel>a<fcel>b<nl><fcel>1<fcel>2<nl>"),
+            (line("100 210 900 240", "doc_title"), "A Title\nOver Two Lines"),
+            (line("100 250 900 300", "index"), "Intro\t1\nMethods\tand more\tv\nAppendix\tB\tnot a page"),
+            (line("100 310 900 340", "text"), "line one\r\nline two"),
+            (line("100 350 900 400", "equation"), ""),
+            (line("100 410 900 500", "table"), ""),
+            (line("100 900 900 950", "page_footnote"), "1 first line\nsecond line"),
+        )
+    ],
 }
+
+
+def long_document(pages: int = 66) -> list[PageTrace]:
+    """A document longer than official's 64-page window: each page its own text, and across the
+    window boundary (pages 63 -> 64, 0-based) a reference list and a table that continue, and an
+    image past it (its file name carries the page number)."""
+    out = []
+    for n in range(pages):
+        lines = [(line("100 050 900 080", "text"), f"Page {n} opens.")]
+        if n == 62:
+            lines += [(line("100 800 900 960", "list"), None), (line("100 800 900 840", "ref_text"), "[1] Late ref.")]
+        if n == 63:
+            lines = [(line("100 050 900 200", "list"), None), (line("100 050 900 090", "ref_text"), "[2] Next ref.")]
+            lines += [(line("100 600 900 950", "table"), "<fcel>k<fcel>v<nl><fcel>a<fcel>1<nl>")]
+        if n == 64:
+            table = (line("100 050 900 400", "table"), "<fcel>k<fcel>v<nl><fcel>b<fcel>2<nl>")
+            lines = [table, (line("100 420 900 450", "text"), f"Page {n} opens.")]
+        if n == 65:
+            lines += [
+                (line("100 300 600 700", "image"), None),
+                (line("100 710 600 730", "image_caption"), "Late figure"),
+            ]
+        out.append(page(*lines))
+    return out
+
+
+SYNTHETIC["long_document"] = long_document()
 
 
 def workload_pages() -> list[str]:
     return sorted(p.stem for p in (WORKLOAD / "images").glob("*.jpg")) if WORKLOAD.exists() else []
 
 
-@pytest.fixture(scope="module")
-def workload_trace_dir(tmp_path_factory):
-    need(WORKLOAD)
-    out = tmp_path_factory.mktemp("official_traces")
+@functools.cache
+def workload_trace_dir(tmp_root: str):
+    from pathlib import Path
+
+    out = Path(tmp_root) / "official_traces"
+    out.mkdir(exist_ok=True)
     build_omnidocbench_traces(WORKLOAD / "annotations.json", WORKLOAD / "images", out)
     return out
 
 
-@pytest.mark.parametrize("name", workload_pages() or [pytest.param("none", marks=pytest.mark.skip("no workload"))])
-def test_workload_page_matches_official(name, workload_trace_dir):
-    trace = load_trace(workload_trace_dir / f"{name}.json")
-    image_path = WORKLOAD / "images" / f"{name}.jpg"
-    official_md, official_cl = official_outputs(image_path, trace.pages)
-    with Image.open(image_path) as image:
-        fast_md, fast_cl = fast_outputs([image.convert("RGB")], trace.pages)
-    assert fast_md == official_md
-    assert fast_cl == official_cl
+DOCUMENTS = [f"workload/{name}" for name in workload_pages()] + [f"synthetic/{name}" for name in sorted(SYNTHETIC)]
 
 
-def synthetic_outputs(name: str, tmp_path) -> tuple[tuple[str, str], tuple[str, str]]:
-    pages = SYNTHETIC[name]
-    images = [Image.new("RGB", (1240, 1754), "white") for _ in pages]
-    pdf = tmp_path / f"{name}.pdf"
-    images[0].save(pdf, save_all=True, append_images=images[1:], resolution=150)
-    return official_outputs(pdf, pages), fast_outputs(images, pages)
+@functools.cache
+def outputs(document: str, version: str, tmp_root: str) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """``((official md, official content list), (fast md, fast content list))`` of a document."""
+    from pathlib import Path
+
+    kind, name = document.split("/", 1)
+    analysis = VERSIONS[version]
+    if kind == "workload":
+        traces = load_trace(workload_trace_dir(tmp_root) / f"{name}.json").pages
+        source = WORKLOAD / "images" / f"{name}.jpg"
+        with Image.open(source) as image:
+            images = [image.convert("RGB")]
+    else:
+        traces = SYNTHETIC[name]
+        size = (620, 877) if len(traces) > 8 else (1240, 1754)  # small pages keep the long document quick
+        images = [Image.new("RGB", size, "white") for _ in traces]
+        source = Path(tmp_root) / f"{name}.pdf"
+        if not source.exists():
+            images[0].save(source, save_all=True, append_images=images[1:], resolution=size[0] / 8.27)
+    recorded = [RecordedPage(t.layout, list(t.contents)) for t in traces]
+    return official_outputs(source, recorded, image_analysis=analysis), fast_outputs(
+        images, traces, image_analysis=analysis
+    )
 
 
-def code_fence_language(markdown: str) -> str:
-    """The one documented difference: official guesses a code block's language with Magika (a
-    model); mineru-fast writes ``txt``. The fence line is compared without it."""
-    return re.sub(r"^(`{3,})[A-Za-z0-9_.+#-]*$", r"\1", markdown, flags=re.MULTILINE)
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("official_lane"))
 
 
-@pytest.mark.parametrize("name", sorted(set(SYNTHETIC) - {"unknown_type"}))
-def test_synthetic_page_matches_official(name, tmp_path):
-    (official_md, official_cl), (fast_md, fast_cl) = synthetic_outputs(name, tmp_path)
+def code_fence_language(markdown: bytes) -> bytes:
+    """The one documented difference in code: official guesses a code block's language with Magika
+    (a model); mineru-fast writes ``txt``. The fence line is compared without it."""
+    return re.sub(rb"^(`{3,})[A-Za-z0-9_.+#-]*$", rb"\1", markdown, flags=re.MULTILINE)
+
+
+# Documents with a difference by design (README, "Output format"); checked in their own tests.
+BY_DESIGN = {"synthetic/unknown_type"}
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if d not in BY_DESIGN])
+def test_markdown_matches_official(document, version, tmp_root):
+    (official_md, _), (fast_md, _) = outputs(document, version, tmp_root)
     assert code_fence_language(fast_md) == code_fence_language(official_md)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if d not in BY_DESIGN])
+def test_content_list_matches_official(document, version, tmp_root):
+    (_, official_cl), (_, fast_cl) = outputs(document, version, tmp_root)
     assert fast_cl == official_cl
 
 
-def test_unknown_type_is_kept_where_official_drops_it(tmp_path):
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_unknown_type_is_kept_where_official_drops_it(version, tmp_root):
     """The documented difference by design: official drops a block of a type it does not know (and
     its text); mineru-fast keeps it as text and says so. Everything else is the same."""
-    (official_md, official_cl), (fast_md, fast_cl) = synthetic_outputs("unknown_type", tmp_path)
-    assert official_md == "Known." and fast_md == "Known.\n\nKept."
+    (official_md, official_cl), (fast_md, fast_cl) = outputs("synthetic/unknown_type", version, tmp_root)
+    assert official_md == b"Known." and fast_md == b"Known.\n\nKept."
     extra = {"type": "text", "text": "Kept.", "bbox": [100, 300, 900, 400], "page_idx": 0}
     assert json.loads(fast_cl) == [*json.loads(official_cl), extra]
+
+
+def test_long_document_pages_past_the_window_are_replayed(tmp_root):
+    """Official reads a document longer than 64 pages window by window; the replay answers each
+    window with its own pages (a page's text lands on that page)."""
+    (_, official_cl), _ = outputs("synthetic/long_document", "2509", tmp_root)
+    items = json.loads(official_cl)
+    opened = {i["page_idx"]: i["text"] for i in items if i["type"] == "text" and i["text"].endswith("opens.")}
+    assert opened[0] == "Page 0 opens." and opened[64] == "Page 64 opens." and opened[65] == "Page 65 opens."
+
+
+# Pieces of table cell markup: references, attributes, void and stray tags, special strings,
+# whitespace runs, script and ruby text, formulas, full-width text.
+HTML_TOKENS = [
+    "<td>", "</td>", "<tr>", "</tr>", "<table>", "</table>", "<br>", "</br>", "<br/>", "<b>", "</b>", " ", "\n", "x",
+    "Ａ", "&amp;", "&#39;", "&quot;", "&lt;", "<", ">", "&", "'", '"', '<td colspan="2">',
+    "<th rowspan=3 class=' a b '>", "<!--c-->", "<pre>", "</pre>", "<eq>", "</eq>", "&nbsp;", "&zz;",
+    "<img src='a\"b'>", "<p>", "\t", "<script>", "</script>", "\\(", "\\)", "１", "＆", "<code>", "</code>",
+    "<span class='docvortex-math'>", "</span>", "<rt>",
+]  # fmt: skip
+
+
+def random_markup(rng, n: int) -> str:
+    return "".join(rng.choice(HTML_TOKENS) for _ in range(rng.randint(1, n)))
+
+
+def test_table_normalization_matches_docvortex():
+    """Half-width table text, and the table written anew only when it changed, as docvortex does."""
+    import random
+
+    from docvortex.content.normalization import _normalize_table as official
+
+    from mineru_fast.mineru4 import _normalize_table
+
+    rng = random.Random(1)
+    cases = [f"<table><tr>{random_markup(rng, 30)}</tr></table>" for _ in range(600)]
+    assert [_normalize_table(c) for c in cases] == [official(c) for c in cases]
+
+
+def test_table_join_matches_docvortex():
+    """Tables split across pages (headers repeated or not, other column counts, column and row
+    spans, empty row-span placeholders under spans from the page before, ragged rows, captions
+    with and without "continued", footnotes, other widths) join as docvortex joins them, or stay
+    apart."""
+    import random
+
+    from docvortex.content.table.content import merge_table_content
+
+    from mineru_fast.table_merge import merge_tables
+
+    rng = random.Random(2)
+
+    def row(columns: int) -> str:
+        cells, column = [], 0
+        while column < columns:
+            draw = rng.random()
+            if draw < 0.15 and column + 1 < columns:
+                cells.append(f'<td colspan="2">{rng.choice("ab")}</td>')
+                column += 2
+                continue
+            if draw < 0.25:  # a row span, often an empty placeholder
+                cells.append(f'<td rowspan="{rng.choice([2, 3])}">{rng.choice(["", "", "a"])}</td>')
+            elif draw >= 0.3:  # else a cell left out: a ragged row
+                cells.append(f"<td>{rng.choice(['a', 'b', 'Ａ', '1'])}</td>")
+            column += 1
+        return "<tr>" + "".join(cells) + "</tr>"
+
+    def table(columns: int, right: float, caption: str | None, footnote: bool) -> dict:
+        rows = ["<tr>" + "".join(f"<td>h{c}</td>" for c in range(columns)) + "</tr>"] if rng.random() < 0.6 else []
+        body = "<table>" + "".join(rows + [row(columns) for _ in range(rng.randint(1, 3))]) + "</table>"
+        children = [{"type": "table_body", "bbox": [0.1, 0.05, right, 0.4], "content": body, "index": 1}]
+        if caption:
+            spans = [{"type": "text", "content": caption}]
+            children.insert(0, {"type": "table_caption", "bbox": [0.1, 0.01, 0.5, 0.03], "content": spans, "index": 0})
+        if footnote:
+            spans = [{"type": "text", "content": "note"}]
+            children.append({"type": "table_footnote", "bbox": [0.1, 0.41, 0.5, 0.43], "content": spans, "index": 2})
+        return {"type": "table", "bbox": [0.1, 0.05, right, 0.4], "content": children, "index": 1}
+
+    joined = 0
+    for _ in range(2000):
+        previous = table(rng.choice([2, 3]), 0.9, rng.choice([None, "Table 1"]), rng.random() < 0.2)
+        caption = rng.choice([None, None, "Table 1 (continued)", "Table 2"])
+        current = table(rng.choice([2, 3]), rng.choice([0.9, 0.9, 0.88, 0.6]), caption, rng.random() < 0.2)
+        official, fast = merge_table_content(previous, current), merge_tables(previous, current)
+        assert (official is None) == (fast is None), (previous, current)
+        if official is not None and fast is not None:
+            joined += 1
+            shape = [(c["type"], c.get("index"), c["content"]) for c in official["content"]]
+            assert shape == [(c["type"], c.get("index"), c["content"]) for c in fast["content"]]
+    assert joined > 50  # the cases exercise the join, not only its refusals
