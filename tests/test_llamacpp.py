@@ -73,23 +73,24 @@ def fake_converter(tmp_path):
         f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
         "open(out, 'wb').write(b'GGUF' + (b'mmproj' if '--mmproj' in sys.argv else b'lm'))\n"
     )
-    return source, calls
+    tools = llamacpp.Tools(tmp_path, Path(sys.executable), tmp_path / "llama-server", source, tmp_path / "deps", {})
+    return tools, calls
 
 
 def test_convert_checkpoint_makes_the_pair_once(tmp_path, fake_converter):
-    source, calls = fake_converter
+    tools, calls = fake_converter
     checkpoint = _checkpoint(tmp_path / "full")
-    pair = llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", source, log=lambda _: None)
+    pair = llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", tools, log=lambda _: None)
     assert pair.model.name == "MinerU2.5-Pro-2605-1.2B-Q8_0.gguf" and pair.model.read_bytes() == b"GGUFlm"
     assert pair.mmproj.name == "mmproj-MinerU2.5-Pro-2605-1.2B-Q8_0.gguf" and pair.mmproj.read_bytes() == b"GGUFmmproj"
     assert pair.context_length == 32768
     lines = calls.read_text().splitlines()
     assert len(lines) == 2 and all("--outtype q8_0" in line for line in lines) and "--mmproj" in lines[1]
     assert not list((tmp_path / "gguf").glob("*.partial"))
-    llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", source, log=lambda _: None)
+    llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", tools, log=lambda _: None)
     assert len(calls.read_text().splitlines()) == 2  # same checkpoint files: reused
     (checkpoint / "model.safetensors").write_bytes(b"other weights")  # a new checkpoint: converted again
-    llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", source, log=lambda _: None)
+    llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", tools, log=lambda _: None)
     assert len(calls.read_text().splitlines()) == 4
 
 
@@ -99,8 +100,9 @@ def test_a_failing_converter_is_a_typed_error(tmp_path):
     (source / "convert_hf_to_gguf.py").write_text(
         "import sys\nprint('Model X is not supported', file=sys.stderr)\nsys.exit(1)\n"
     )
+    tools = llamacpp.Tools(tmp_path, Path(sys.executable), tmp_path / "llama-server", source, tmp_path / "deps", {})
     with pytest.raises(llamacpp.LlamaCppUnavailable, match="Model X is not supported"):
-        llamacpp.convert_checkpoint(_checkpoint(tmp_path / "m"), tmp_path / "out", source, log=lambda _: None)
+        llamacpp.convert_checkpoint(_checkpoint(tmp_path / "m"), tmp_path / "out", tools, log=lambda _: None)
 
 
 def test_the_benchmark_skips_with_its_reason(side_by_side, monkeypatch, capsys, tmp_path):
@@ -194,7 +196,7 @@ def test_llamacpp_serves_a_converted_checkpoint(side_by_side):
     if not tools_dir or not checkpoint:
         pytest.skip("set MINERU_FAST_LLAMACPP_TOOLS and MINERU_FAST_LLAMACPP_CHECKPOINT to run llama.cpp itself")
     tools = llamacpp.ensure_tools(Path(tools_dir), log=lambda _: None)
-    pair = llamacpp.convert_checkpoint(Path(checkpoint), tools.root / "gguf" / Path(checkpoint).name, tools.source)
+    pair = llamacpp.convert_checkpoint(Path(checkpoint), tools.root / "gguf" / Path(checkpoint).name, tools)
     port = side_by_side._free_port()
     server = side_by_side.Server(
         "shipped", "llama.cpp", [str(tools.server), *llamacpp.server_args(pair, 2, port)], "/health", port

