@@ -286,16 +286,15 @@ def test_own_children_are_not_other_load():
     assert live >= 0.4 and reaped >= 0.4
 
 
-def test_report_header_prints_the_load():
+def test_stage_notes_and_each_rows_load():
     from mineru_fast.bench.load import LoadReport
-    from mineru_fast.bench.report import _stage_notes
+    from mineru_fast.bench.report import _load_cell, _stage_notes
 
     assert "Not a full-size model" in _stage_notes({"header": {"full_size": False}})[1]
     assert len(_stage_notes({"header": {"full_size": True}})) == 1
     row = {**_row(), "load": LoadReport(10.0, 2, 0.9, (1, 1, 1), (1, 1, 1)).to_dict()}
-    from mineru_fast.bench.report import _load_cell
-
     assert _load_cell(row) == "0.90 (busy)"
+    assert _load_cell({**row, "load": LoadReport(10.0, 2, 0.1, (1, 1, 1), (1, 1, 1)).to_dict()}) == "0.10"
 
 
 def test_row_selection_and_unavailable_rows():
