@@ -739,10 +739,12 @@ def main(argv: list[str] | None = None) -> int:
         "preprocessing": preprocessing_notes(servers),
         "load": load.to_dict(),
         "samples": {s.name: s.samples for s in servers},
-        "figures": summarize(servers, args.items),
     }
     args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "llamacpp_side_by_side.json").write_text(json.dumps(results, indent=1))
+    raw = args.output / "llamacpp_side_by_side.json"
+    raw.write_text(json.dumps(results, indent=1))  # the samples are kept whatever follows
+    results["figures"] = summarize(servers, args.items)
+    raw.write_text(json.dumps(results, indent=1))
     text = markdown(results)
     (args.output / "llamacpp_side_by_side.md").write_text(text + "\n")
     print(text)
