@@ -552,6 +552,9 @@ def preprocessing_notes(servers: list[Server]) -> list[str]:
             for rep in reps:
                 for r in rep["requests"]:
                     overhead.setdefault(r["image_tokens"], set()).add(r["prompt_tokens"] - r["image_tokens"])
+        if not overhead:
+            notes.append(f"{server.name}: no layout or crop request in this run")
+            continue
         layout = overhead.get(image_tokens_of_layout())
         spread = sorted({v for values in overhead.values() for v in values})
         notes.append(
