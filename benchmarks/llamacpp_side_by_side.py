@@ -48,6 +48,7 @@ import http.client
 import io
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -588,6 +589,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-batches", default="1,4", help="decode batch sizes at the long context")
     p.add_argument("--native-items", default="layout_ttft,median_page,decode", help="what the native build runs")
     p.add_argument("--native-batches", default="1", help="the native build's decode batch sizes")
+    p.add_argument(
+        "--native-flags",
+        default="",
+        help="extra llama-server flags for the native build, e.g. --native-flags=--no-repack (0c1e570 built "
+        "with GGML_NATIVE crashes in weight repacking on an AMX Xeon)",
+    )
     p.add_argument("--long-context", type=int, default=1500, help="the long decode context, tokens")
     p.add_argument("--decode-base", type=int, default=8, help="T: output tokens of the shorter decode run")
     p.add_argument("--decode-tokens", type=int, default=64, help="n: extra output tokens of the longer run")
@@ -656,12 +663,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     binaries = [("shipped", "llama.cpp as MinerU 4 ships it", tools.server)] if tools else []
     binaries += [("native", NATIVE, native)] if native else []
+    extra = {"native": shlex.split(args.native_flags)}
     for key, name, binary in binaries:
         if key in args.engines and pair is not None:
             port = _free_port()
             servers.append(
                 Server(
-                    name, "llama.cpp", [str(binary), *llamacpp.server_args(pair, args.threads, port)], "/health", port
+                    name,
+                    "llama.cpp",
+                    [str(binary), *llamacpp.server_args(pair, args.threads, port), *extra.get(key, [])],
+                    "/health",
+                    port,
                 )
             )
     versions = dict(tools.versions) if tools else {}
@@ -710,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
                 "long_batches",
                 "native_items",
                 "native_batches",
+                "native_flags",
                 "long_context",
                 "decode_base",
                 "decode_tokens",
