@@ -78,12 +78,17 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert rows[0]["speedup"] == 1.0 and len(rows[0]["page_seconds"]) == 1
     assert [c["concurrency"] for c in results["concurrency"]] == [1, 2]
     assert all(len(c["latencies_s"]) == c["concurrency"] for c in results["concurrency"])
+    # one call of the page is the shipped row's own parse: one figure, not two
+    assert results["concurrency"][0]["wall_s"] == rows[1]["wall_s"] == rows[1]["s_per_page"]
+    assert "concurrency" not in rows[1] and "roofline" not in rows[1]
+    assert all(r["load"]["wall_s"] > 0 for r in rows) and results["load"]["cpus"] >= 1
     assert all(v > 0 for v in results["roofline"]["peaks"]["gemm"].values())
     assert 0 < results["roofline"]["fraction"]["decode_batch1_of_bandwidth"]
     assert results["header"]["model_identity"] == "synthetic (random weights, size=tiny, seed=0)"
     assert results["roofline"]["full_size"] is False
     out = capsys.readouterr().out
     assert "## Stage table" in out and f"| {baseline} |" in out and "+ IPEX backend" in out
+    assert "- machine load during the run: other processes kept" in out and "auto's pick is the fastest" not in out
     assert "Not a full-size model" in out and "| top-1 vs fp32 % | logits cosine |" in out
     assert "not run | not run" in out and f"ISA class: {cls.name}" in out
     assert "- + continuous batching: fast engine, fp32; onednn: int8 weights per channel" in out
@@ -160,14 +165,136 @@ def test_bad_requests_fail_before_any_row_runs(tmp_path):
     assert not (tmp_path / "bench.json").exists()
 
 
-def test_stage_seconds_are_per_page():
-    from mineru_fast.bench.report import _stage_table
+def _row(label="x", wall=346.2, pages=1, timings=None):
+    return {"label": label, "page_seconds": [0.0] * pages, "wall_s": wall, "load_s": 1.0, "warmup_s": 0.5,
+            "timings": timings or {"vision": 10.1, "prefill": 8.9, "decode": 156.1}, "peak_rss_gb": 1.0,
+            "markdown": "same"}  # fmt: skip
 
-    row = {"label": "x", "page_seconds": [3.0, 5.0], "timings": {"vision": 4.0, "prefill": 2.0, "decode": 6.0},
-           "mean_s_per_page": 4.0, "p95_s_per_page": 5.0, "pages_per_min": 14.0, "speedup": 1.0,
-           "peak_rss_gb": 1.0, "startup_s": 1.0, "markdown_equal_first_row": True}  # fmt: skip
-    (line,) = _stage_table({"rows": [row], "extra_rows": []})[2:]
-    assert line == "| x | 4.0 | 5.0 | 14.00 | 1.00x | 1.00 | 1.0 | 2.0 | 1.0 | 3.0 | yes | not run | not run |"
+
+def test_one_figure_per_page_quantity():
+    """A page's engine seconds (175 s) and its wall time (346 s) are different quantities: the
+    table's s/page, pages/min and speed-up are all the wall time's, and the engine's split plus
+    "other" add up to it (the old table printed 175.2 s/page beside 0.17 pages/min, i.e. 346 s)."""
+    from mineru_fast.bench.report import _stage_table
+    from mineru_fast.bench.run import summarize
+
+    rows = [_row("base", wall=535.6, timings={"vision": 7.6, "prefill": 5.3, "decode": 522.5}), _row("fast")]
+    summarize(rows)
+    fast = rows[1]
+    assert fast["s_per_page"] == 346.2 and abs(fast["s_per_page"] * fast["pages_per_min"] - 60) < 1e-9
+    assert abs(fast["speedup"] - 535.6 / 346.2) < 1e-9
+    assert abs(sum(fast["stage_s_per_page"].values()) + fast["other_s_per_page"] - 346.2) < 1e-9
+    line = _stage_table({"rows": rows, "extra_rows": []})[3]
+    assert line.startswith("| fast | 346.2 | 0.17 | 1.55x |") and "| 10.1 | 8.9 | 156.1 | 171.1 |" in line
+    assert "175.1" not in line and "175.2" not in line  # the engine-only sum is not a second s/page
+
+
+def test_per_page_split_of_a_multi_page_row():
+    from mineru_fast.bench.run import summarize
+
+    rows = [_row(wall=8.0, pages=2, timings={"vision": 4.0, "prefill": 2.0, "decode": 6.0})]
+    summarize(rows)
+    assert rows[0]["s_per_page"] == 4.0 and rows[0]["stage_s_per_page"] == {
+        "vision": 2.0,
+        "prefill": 1.0,
+        "decode": 3.0,
+    }
+    assert rows[0]["other_s_per_page"] == 0.0 and rows[0]["pages_per_min"] == 15.0
+
+
+def test_concurrency_of_one_call_is_the_stage_measurement():
+    """With a one-page workload the concurrency table's single call is the stage row's parse, not
+    a second measurement of it (which printed 15.3 s beside the row's 2.2 s)."""
+    from mineru_fast.bench.rows import concurrency_table
+
+    class Parser:
+        calls = 0
+
+        def parse(self, *args, **kwargs):
+            Parser.calls += 1
+
+    page = type("Page", (), {"image": None, "trace": None})()
+    levels = concurrency_table(Parser(), page, (1, 2), single_s=2.2)
+    assert levels[0] == {"concurrency": 1, "wall_s": 2.2, "pages_per_min": 60 / 2.2, "latencies_s": [2.2],
+                         "p50_s": 2.2, "p95_s": 2.2, "measured": "stage row"}  # fmt: skip
+    assert Parser.calls == 2 and levels[1]["concurrency"] == 2 and len(levels[1]["latencies_s"]) == 2
+    assert concurrency_table(Parser(), page, (1,))[0]["measured"] == "here" and Parser.calls == 3
+
+
+def _header(**extra):
+    return {"auto_preset": {"candidate": "int8-onednn", "reason": "recorded"},
+            "int8_kernel_auto": {"kernel": "onednn", "reason": "per token"}, **extra}  # fmt: skip
+
+
+def _check(onednn, torch_ao):
+    from mineru_fast.bench.run import auto_check
+
+    rows = [{"candidate": "int8-onednn", "s_per_page": onednn}, {"candidate": "int8-torch_ao", "s_per_page": torch_ao}]
+    return auto_check({**_header(), "cpu": "c", "vendor": "v", "isa_class": "avx512"}, rows)
+
+
+@pytest.mark.parametrize(
+    ("onednn", "torch_ao", "idle", "says", "never"),
+    [
+        (100.0, 120.0, True, "auto's pick (int8-onednn) was the fastest candidate measured here", "slower"),
+        (102.0, 100.0, True, "was 2.0% slower than int8-torch_ao in this run: within 5%, a tie in one run", ": NO"),
+        (150.0, 100.0, False, "50.0% slower than int8-torch_ao in this run; the machine was busy", "tie"),
+        (150.0, 100.0, True, "record this CPU's figures there to change its pick", "busy"),
+    ],
+)
+def test_auto_verdict_says_what_was_measured(onednn, torch_ao, idle, says, never):
+    from mineru_fast.bench.report import _auto
+
+    lines = _auto({"header": _header(), "auto_check": _check(onednn, torch_ao), "load": {"idle": idle}})
+    verdict = lines[-1]
+    assert verdict.startswith(f"- candidates measured here, s/page: int8-onednn {onednn:.1f}, int8-torch_ao")
+    assert says in verdict and never not in verdict
+
+
+def test_load_is_measured_and_a_busy_machine_is_warned_about():
+    from mineru_fast.bench.load import LoadReport, describe
+
+    busy = LoadReport(60.0, 2, 1.37, (9.1, 8.0, 7.5), (12.0, 9.0, 8.0)).to_dict()
+    assert busy["idle"] is False
+    lines = describe(busy)
+    assert "other processes kept 1.37 of 2 cores busy on average" in lines[0] and "9.10 / 8.00 / 7.50" in lines[0]
+    assert "WARNING: the machine was not idle" in lines[1]
+    quiet = describe(LoadReport(60.0, 2, 0.02, (0.1, 0.1, 0.1), (0.2, 0.1, 0.1)).to_dict())
+    assert len(quiet) == 1 and "0.02 of 2 cores" in quiet[0]
+    assert "not measurable" in describe(LoadReport(1.0, 2, None, (0, 0, 0), (0, 0, 0)).to_dict())[0]
+
+
+def test_own_children_are_not_other_load():
+    """The run's own processes (bench rows, servers) are subtracted from the machine's busy time:
+    a child that burns CPU is counted as this run's, live or reaped."""
+    import subprocess
+    import sys
+
+    from mineru_fast.bench.load import own_cpu_seconds
+
+    burn = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+    before = own_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", burn + "print('done', flush=True)\ninput()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout is not None and child.stdin is not None
+    assert child.stdout.readline().strip() == "done"
+    live = own_cpu_seconds() - before
+    child.stdin.write("\n")
+    child.stdin.flush()
+    child.wait()
+    reaped = own_cpu_seconds() - before
+    assert live >= 0.4 and reaped >= 0.4
+
+
+def test_stage_notes_and_each_rows_load():
+    from mineru_fast.bench.load import LoadReport
+    from mineru_fast.bench.report import _load_cell, _stage_notes
+
+    assert "Not a full-size model" in _stage_notes({"header": {"full_size": False}})[1]
+    assert len(_stage_notes({"header": {"full_size": True}})) == 1
+    row = {**_row(), "load": LoadReport(10.0, 2, 0.9, (1, 1, 1), (1, 1, 1)).to_dict()}
+    assert _load_cell(row) == "0.90 (busy)"
+    assert _load_cell({**row, "load": LoadReport(10.0, 2, 0.1, (1, 1, 1), (1, 1, 1)).to_dict()}) == "0.10"
 
 
 def test_row_selection_and_unavailable_rows():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .load import describe
+
 
 def _fidelity_cells(r: dict, ran: bool) -> str:
     f = r.get("fidelity")
@@ -16,27 +18,49 @@ def _fidelity_cells(r: dict, ran: bool) -> str:
     return "n/a | n/a"  # transformers engine rows, pinned instances: not replayed step by step
 
 
+def _load_cell(r: dict) -> str:
+    other = (r.get("load") or {}).get("other_cores")
+    if other is None:
+        return "?"
+    return f"{other:.2f}" + (" (busy)" if r["load"]["idle"] is False else "")
+
+
 def _stage_table(results: dict) -> list[str]:
     ran = "fidelity" in results
     lines = [
-        "| stage | mean s/page | P95 s/page | pages/min | speed-up | peak RSS GB | start-up s "
-        "| vision s/page | prefill s/page | decode s/page | same Markdown | top-1 vs fp32 % | logits cosine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stage | s/page | pages/min | speed-up | peak RSS GB | start-up s | vision s/page | prefill s/page "
+        "| decode s/page | other s/page | others' load, cores | same Markdown | top-1 vs fp32 % | logits cosine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 12)
             continue
-        t = {k: v / len(r["page_seconds"]) for k, v in r["timings"].items()}
+        t, other = r["stage_s_per_page"], r["other_s_per_page"]
         lines.append(
-            f"| {r['label']} | {r['mean_s_per_page']:.1f} | {r['p95_s_per_page']:.1f} | {r['pages_per_min']:.2f} "
-            f"| {r['speedup']:.2f}x | {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t.get('vision', 0):.1f} "
-            f"| {t.get('prefill', 0):.1f} | {t.get('decode', 0):.1f} "
+            f"| {r['label']} | {r['s_per_page']:.1f} | {r['pages_per_min']:.2f} | {r['speedup']:.2f}x "
+            f"| {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t['vision']:.1f} | {t['prefill']:.1f} "
+            f"| {t['decode']:.1f} | {'n/a' if other is None else f'{other:.1f}'} | {_load_cell(r)} "
             f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} | {_fidelity_cells(r, ran)} |"
         )
     for r in results["extra_rows"]:
-        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 11)
+        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 12)
     return lines
+
+
+def _stage_notes(results: dict) -> list[str]:
+    notes = [
+        "- s/page is each row's wall time over its pages, the one figure behind pages/min and the speed-up; "
+        "vision / prefill / decode are the engine's seconds in them, other is the rest (scheduling, pre- and "
+        "post-processing, waiting for a CPU)",
+    ]
+    if not results["header"].get("full_size", True):
+        notes.append(
+            "- **Not a full-size model**: its layers are tiny, so its times and speed-ups measure per-call "
+            "overheads (Python, scheduling, kernel launches), not what MinerU2.5 costs; run on the full-size "
+            "model (the default) for figures to compare"
+        )
+    return notes
 
 
 def _kernel_paths(results: dict) -> list[str]:
@@ -66,20 +90,47 @@ def _fidelity_notes(results: dict) -> list[str]:
 
 def _auto(results: dict) -> list[str]:
     h, check = results["header"], results.get("auto_check") or {}
-    verdict = {True: "yes", False: "NO", None: "not measured here"}[check.get("agrees")]
-    return [
+    lines = [
         f"- auto preset picks {h['auto_preset']['candidate']}: {h['auto_preset']['reason']}",
         f"- int8_kernel=auto (the fast preset) runs {h['int8_kernel_auto']['kernel']}: "
         f"{h['int8_kernel_auto']['reason']}",
-        f"- measured here, s/page: {check.get('measured_s_per_page')}; fastest: {check.get('fastest_measured')}; "
-        f"auto's pick is the fastest: {verdict}",
     ]
+    measured = check.get("measured_s_per_page") or {}
+    figures = ", ".join(f"{k} {v:.1f}" for k, v in measured.items()) or "none"
+    pick, fastest, margin = check.get("auto_picks"), check.get("fastest_measured"), check.get("pick_slower_pct")
+    if check.get("agrees") is None:
+        verdict = f"auto's pick ({pick}) was not among the rows run here, so this run does not check it"
+    elif check["agrees"]:
+        verdict = f"auto's pick ({pick}) was the fastest candidate measured here"
+    else:
+        verdict = f"auto's pick ({pick}) was {margin:.1f}% slower than {fastest} in this run"
+        if check.get("tie"):
+            verdict += f": within {check['tie_pct']:.0f}%, a tie in one run"
+        busy = (results.get("load") or {}).get("idle") is False
+        verdict += (
+            "; the machine was busy, so this run cannot overturn the recorded measurements auto follows"
+            if busy
+            else "; auto follows the recorded measurements (assets/backend_measurements.json): record this "
+            "CPU's figures there to change its pick"
+        )
+    lines.append(f"- candidates measured here, s/page: {figures}; {verdict}")
+    return lines
 
 
 def _concurrency(levels: list[dict]) -> list[str]:
+    reused = any(c.get("measured") == "stage row" for c in levels)
     return [
         "## Concurrency (one fast-preset parser, N concurrent parse calls of the median page)",
         "",
+        *(
+            [
+                "Measured in the '+ continuous batching' row's process; 1 call is that row's own parse "
+                "(the same figure).",
+                "",
+            ]
+            if reused
+            else []
+        ),
         "| concurrent calls | pages/min | P50 s | P95 s |",
         "|---|---|---|---|",
         *[f"| {c['concurrency']} | {c['pages_per_min']:.2f} | {c['p50_s']:.1f} | {c['p95_s']:.1f} |" for c in levels],
@@ -177,6 +228,7 @@ def markdown(results: dict) -> str:
         f"- Python {h['python']}, torch {h['torch']}, transformers {h['transformers']}, IPEX {h['ipex']}",
         f"- threads: {h['threads']}; model: {h['model']} ({h['model_identity']}); pages: {h['pages']} (replayed)",
         f"- started: {h['date']}; duration: {h['duration_s'] / 60:.1f} min",
+        *(describe(results["load"]) if "load" in results else []),
         *(
             [
                 "- rows are cumulative; --quick runs the first (baseline) and the shipped fast preset"
@@ -190,6 +242,7 @@ def markdown(results: dict) -> str:
         "",
         *_stage_table(results),
         "",
+        *_stage_notes(results),
         *_fidelity_notes(results),
         *_auto(results),
         "",
@@ -222,8 +275,13 @@ def plot(results: dict, path: Path) -> Path | None:
     left.set_xlabel("speed-up vs first row (pages/min)")
     left.invert_yaxis()
     bottom = [0.0] * len(rows)
-    for stage, color in (("vision", "tab:orange"), ("prefill", "tab:green"), ("decode", "tab:red")):
-        values = [r["timings"].get(stage, 0.0) / len(r["page_seconds"]) for r in rows]
+    for stage, color in (
+        ("vision", "tab:orange"),
+        ("prefill", "tab:green"),
+        ("decode", "tab:red"),
+        ("other", "tab:gray"),
+    ):
+        values = [(r["other_s_per_page"] or 0.0) if stage == "other" else r["stage_s_per_page"][stage] for r in rows]
         right.barh(labels, values, left=bottom, color=color, label=stage)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     right.set_xlabel("seconds per page")

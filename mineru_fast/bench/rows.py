@@ -1,13 +1,19 @@
 """Stage-table rows: cumulative configurations, each run in its own process.
 
 Run one row: ``python -m mineru_fast.bench.rows '<json spec>'`` prints one JSON line with the
-row's raw samples (per-page seconds, stage split, peak RSS, start-up time, Markdown).
+row's raw samples (wall time, per-page stage split, peak RSS, start-up time, Markdown). The
+shipped preset's row also measures, in the same process on the same parser, the concurrency table
+(``"concurrency": [levels]`` in the spec; one call is the stage measurement itself when the
+workload is one page) and the roofline (``"roofline": true``), so every figure of one quantity
+comes from one measurement.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +150,14 @@ def run_row(spec: dict) -> dict:
     wall_s = time.perf_counter() - start
     failures = [[str(e) for e in p.errors] for p in document.pages if p.status != "success"]
     memory = parser.engine.memory_report() if hasattr(parser.engine, "memory_report") else None
+    extras: dict = {}
+    if spec.get("concurrency"):
+        single = wall_s if len(pages) == 1 else None  # one call of the median page: the stage parse itself
+        extras["concurrency"] = concurrency_table(parser, pages[0], tuple(spec["concurrency"]), single)
+    if spec.get("roofline"):
+        extras["roofline"] = roofline(parser.engine)
     return {
+        **extras,
         "memory": memory,
         "label": spec["label"],
         "numerics": getattr(parser.engine, "numerics", None),
@@ -157,6 +170,69 @@ def run_row(spec: dict) -> dict:
         "peak_rss_gb": peak_rss_bytes() / 1e9,
         "markdown": document.to_markdown(),
         "failures": failures,
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def concurrency_table(parser, page, levels: tuple[int, ...], single_s: float | None = None) -> list[dict]:
+    """N concurrent ``parse`` calls of ``page`` (a ``WorkloadPage``) through one ``DocumentParser``.
+
+    ``single_s``: the wall seconds of one call of ``page`` already measured on this parser (the
+    stage row's parse when its workload is that one page); level 1 is then that measurement
+    (``"measured": "stage row"``), not a second one of the same quantity.
+    """
+    from ..traces import Trace
+
+    out = []
+    for n in levels:
+        if n == 1 and single_s is not None:
+            out.append({"concurrency": 1, "wall_s": single_s, "pages_per_min": 60 / single_s,
+                        "latencies_s": [single_s], "p50_s": single_s, "p95_s": single_s,
+                        "measured": "stage row"})  # fmt: skip
+            continue
+        latencies: list[float] = []
+
+        def call(latencies: list[float] = latencies) -> None:
+            start = time.perf_counter()
+            parser.parse([page.image], replay=Trace([page.trace]))
+            latencies.append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        workers = [threading.Thread(target=call) for _ in range(n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - start
+        out.append({"concurrency": n, "wall_s": wall, "pages_per_min": 60 * n / wall, "latencies_s": latencies,
+                    "p50_s": statistics.median(latencies), "p95_s": _percentile(latencies, 0.95),
+                    "measured": "here"})  # fmt: skip
+    return out
+
+
+def roofline(engine) -> dict:
+    """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
+    from . import roofline as rf
+
+    vision = engine.vision.config
+    full_size = vision.embed_dim == rf.VISION_DIM  # a test model: small shapes, and fractions of little meaning
+    gemm = rf.gemm_peaks(vision.embed_dim, vision.embed_dim * vision.mlp_ratio)
+    memory_gbps = rf.memory_bandwidth(512 if full_size else 64)
+    peaks = {"gemm": gemm, "memory_gbps": memory_gbps}
+    got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
+    return {
+        "full_size": full_size,
+        "peaks": peaks,
+        "achieved": got,
+        "fraction": {
+            "vision_linears_of_int8_peak": got["vision_linears_gops"] / gemm["int8"],
+            "vision_attention_of_fp32_peak": got["vision_attention_gflops"] / gemm["fp32"],
+            "decode_batch1_of_bandwidth": got["decode_batch1_gbps"] / memory_gbps,
+        },
     }
 
 

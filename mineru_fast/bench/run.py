@@ -3,9 +3,15 @@
 Stage table (cumulative rows, each in its own process, replayed workload pages), with the
 fidelity of each fast-engine row's numerics against the float32 engine on the median page
 (``bench.fidelity``, its own process), concurrency table (N concurrent ``parse`` calls through one
-parser), roofline (measured peaks and the engine's achieved fraction), a header describing the
-machine (ISA class, and what ``auto`` picks there and why, checked against the rows measured), then
+parser) and roofline (measured peaks and the engine's achieved fraction), both in the shipped
+preset's row process, a header describing the machine (ISA class, what ``auto`` picks there and
+why, checked against the rows measured, and how busy the machine was: ``bench.load``), then
 Markdown on stdout, a JSON file with every raw sample and, with matplotlib installed, a PNG plot.
+
+One figure per quantity: a row's seconds per page is its wall time over its pages (pages/min and
+the speed-up are that same figure), split into the engine's vision / prefill / decode seconds and
+the rest (scheduling, pre- and post-processing, waiting for a CPU); the concurrency table's one
+call is the shipped row's own parse when the workload is one page.
 
 The ISA class follows ``cpu.isa_class``: run the benchmark with ``cpu.simulation_env(...)`` set
 (e.g. ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
@@ -18,11 +24,9 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +34,12 @@ from typing import Any
 
 from ..errors import BenchmarkError
 from ..hub import PREPARED_CACHE_ENV as CACHE_ENV
-from .rows import ROWS, Row, warm_up
+from .load import LoadMonitor
+from .rows import ROWS, Row
 from .startup import run_startup
+
+SHIPPED = "int8-auto"  # the candidate of the fast preset as shipped: its row also measures concurrency and roofline
+TIE_PCT = 5.0  # candidates closer than this (percent of s/page) are a tie in one run
 
 
 def system_header(threads: int, model: str) -> dict:
@@ -85,42 +93,63 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+def _full_size(model: str) -> bool:
+    """Whether ``model``'s vision encoder has MinerU2.5's width (a test model's ratios measure overheads)."""
+    from .roofline import VISION_DIM
+
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return True  # a hub checkpoint not read here: the real model
+    return config.get("vision_config", {}).get("embed_dim") == VISION_DIM
 
 
 def run_rows(
-    rows: list[Row], model: str, pages: int, workload: Path | None, threads: int, profile: Path | None = None
+    rows: list[Row],
+    model: str,
+    pages: int,
+    workload: Path | None,
+    threads: int,
+    profile: Path | None = None,
+    extras: dict | None = None,
 ) -> list[dict]:
-    """Each row in a fresh process; failures are recorded, not raised."""
+    """Each row in a fresh process, the machine's load measured over each (``row["load"]``);
+    failures are recorded, not raised. ``extras`` (``{"concurrency": levels, "roofline": True}``)
+    go to the spec of the shipped preset's row (``SHIPPED``)."""
     results = []
     for row in rows:
         spec = {"label": row.label, "preset": row.preset, "overrides": row.overrides, "model": model,
                 "pages": pages, "workload": str(workload) if workload else None, "threads": threads,
-                "profile": str(profile) if profile else None}  # fmt: skip
+                "profile": str(profile) if profile else None,
+                **(extras if extras and row.candidate == SHIPPED and row.instances == 1 else {})}  # fmt: skip
         tag = {"candidate": row.candidate, "preset": row.preset, "overrides": row.overrides}
         print(f"[bench] {row.label} ...", file=sys.stderr, flush=True)
-        if row.instances > 1:
-            from .instances import run_instances
-
-            try:
-                results.append({**run_instances(spec, row.instances), **tag})
-            except (RuntimeError, ValueError) as exc:
-                results.append({"label": row.label, "error": str(exc)})
-            continue
-        proc = subprocess.run(
-            [sys.executable, "-m", "mineru_fast.bench.rows", json.dumps(spec)], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-            results.append({"label": row.label, "error": tail[0]})
-            continue
-        result = {**json.loads(proc.stdout.strip().splitlines()[-1]), **tag}
-        if row.candidate == "int8-auto":
-            result["candidate"] = f"int8-{result['numerics']['int8_kernel']}"
+        monitor = LoadMonitor().start()
+        result = _run_row(row, spec, tag)
+        result["load"] = monitor.stop().to_dict()
         results.append(result)
     return results
+
+
+def _run_row(row: Row, spec: dict, tag: dict) -> dict:
+    if row.instances > 1:
+        from .instances import run_instances
+
+        try:
+            return {**run_instances(spec, row.instances), **tag}
+        except (RuntimeError, ValueError) as exc:
+            return {"label": row.label, "error": str(exc)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mineru_fast.bench.rows", json.dumps(spec)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"label": row.label, "error": tail[0]}
+    result = {**json.loads(proc.stdout.strip().splitlines()[-1]), **tag}
+    if row.candidate == SHIPPED:
+        result["shipped"] = True
+        result["candidate"] = f"int8-{result['numerics']['int8_kernel']}"
+    return result
 
 
 def _numerics_key(row: dict) -> str:
@@ -166,14 +195,18 @@ def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: i
 def auto_check(header: dict, rows: list[dict]) -> dict:
     """What ``auto`` picks (from the recorded measurements) against the fastest candidate row of
     this run, and this run's figures as a measurement entry for ``assets/backend_measurements.json``."""
-    measured = {r["candidate"]: r["mean_s_per_page"] for r in rows if r.get("candidate") and "error" not in r}
+    measured = {r["candidate"]: r["s_per_page"] for r in rows if r.get("candidate") and "error" not in r}
     pick = header["auto_preset"]["candidate"]
     fastest = min(measured, key=measured.__getitem__) if measured else None
+    margin = None if pick not in measured or fastest is None else 100 * (measured[pick] / measured[fastest] - 1)
     return {
         "auto_picks": pick,
         "measured_s_per_page": {k: round(v, 1) for k, v in measured.items()},
         "fastest_measured": fastest,
         "agrees": None if pick not in measured else pick == fastest,  # None: auto's pick was not measured
+        "pick_slower_pct": margin,  # how much slower auto's pick was than the fastest, percent (0: it was)
+        "tie": margin is not None and margin < TIE_PCT,
+        "tie_pct": TIE_PCT,
         "entry": {
             "cpu": header["cpu"],
             "vendor": header["vendor"],
@@ -183,65 +216,25 @@ def auto_check(header: dict, rows: list[dict]) -> dict:
     }
 
 
-def concurrency_table(parser, page, levels: tuple[int, ...]) -> list[dict]:
-    """N concurrent ``parse`` calls of ``page`` (a ``WorkloadPage``) through one ``DocumentParser``."""
-    from ..traces import Trace
-
-    warm_up(parser)
-    out = []
-    for n in levels:
-        latencies: list[float] = []
-
-        def call(latencies: list[float] = latencies) -> None:
-            start = time.perf_counter()
-            parser.parse([page.image], replay=Trace([page.trace]))
-            latencies.append(time.perf_counter() - start)
-
-        start = time.perf_counter()
-        workers = [threading.Thread(target=call) for _ in range(n)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        wall = time.perf_counter() - start
-        out.append({"concurrency": n, "wall_s": wall, "pages_per_min": 60 * n / wall, "latencies_s": latencies,
-                    "p50_s": statistics.median(latencies), "p95_s": _percentile(latencies, 0.95)})  # fmt: skip
-    return out
-
-
-def roofline(engine) -> dict:
-    """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
-    from . import roofline as rf
-
-    vision = engine.vision.config
-    full_size = vision.embed_dim == rf.VISION_DIM  # a test model: small shapes, and fractions of little meaning
-    gemm = rf.gemm_peaks(vision.embed_dim, vision.embed_dim * vision.mlp_ratio)
-    memory_gbps = rf.memory_bandwidth(512 if full_size else 64)
-    peaks = {"gemm": gemm, "memory_gbps": memory_gbps}
-    got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
-    return {
-        "full_size": full_size,
-        "peaks": peaks,
-        "achieved": got,
-        "fraction": {
-            "vision_linears_of_int8_peak": got["vision_linears_gops"] / gemm["int8"],
-            "vision_attention_of_fp32_peak": got["vision_attention_gflops"] / gemm["fp32"],
-            "decode_batch1_of_bandwidth": got["decode_batch1_gbps"] / memory_gbps,
-        },
-    }
-
-
 def summarize(rows: list[dict]) -> None:
-    """Add per-row statistics in place: mean/P95 seconds per page, pages/min, speed-up, Markdown equality."""
+    """Add per-row figures in place, all from one measurement, the row's wall time: seconds per page
+    (wall / pages), pages/min (60 / that), speed-up (against the first row), the engine's stage
+    seconds per page and the rest of the wall time (``other_s_per_page``: scheduling, pre- and
+    post-processing, waiting for a CPU; None for pinned instances, which run in parallel), start-up
+    and Markdown equality."""
     ok = [r for r in rows if "error" not in r]
     if not ok:
         return
     base = ok[0]
     for r in ok:
-        r["mean_s_per_page"] = statistics.mean(r["page_seconds"])
-        r["p95_s_per_page"] = _percentile(r["page_seconds"], 0.95)
-        r["pages_per_min"] = 60 * len(r["page_seconds"]) / r["wall_s"]
+        pages = len(r["page_seconds"])
+        r["s_per_page"] = r["wall_s"] / pages
+        r["pages_per_min"] = 60 / r["s_per_page"]
         r["speedup"] = r["pages_per_min"] / base["pages_per_min"]
+        r["stage_s_per_page"] = {k: r["timings"].get(k, 0.0) / pages for k in ("vision", "prefill", "decode")}
+        parallel = "x" in r["label"] and "core(s)" in r["label"]  # the pinned-instances row
+        engine = sum(r["stage_s_per_page"].values())
+        r["other_s_per_page"] = None if parallel else max(0.0, r["s_per_page"] - engine)
         r["startup_s"] = r["load_s"] + r["warmup_s"]
         r["markdown_equal_first_row"] = r["markdown"] == base["markdown"]
 
@@ -274,26 +267,24 @@ def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[di
 
 def _rows_and_tables(results: dict[str, Any], rows: list[Row], unavailable: list[dict], model: str, pages: int,
                      workload: Path | None, threads: int, profile: Path | None, quick: bool,
-                     only: list[str] | None, fidelity: bool | None, out_dir: Path, median_page) -> None:  # fmt: skip
-    """The stage rows, the fidelity run, then (all rows selected) the concurrency table and roofline."""
-    results["rows"] = run_rows(rows, model, pages, workload, threads, profile)
+                     only: list[str] | None, fidelity: bool | None, out_dir: Path) -> None:  # fmt: skip
+    """The stage rows (the shipped one with the concurrency table and roofline unless ``only``), then the
+    fidelity run."""
+    levels = (1, 2) if quick else (1, 2, 4)
+    extras = None if only else {"concurrency": list(levels), "roofline": True}  # --only: neither section
+    results["rows"] = run_rows(rows, model, pages, workload, threads, profile, extras)
     summarize(results["rows"])
+    shipped = next((r for r in results["rows"] if r.get("shipped") and "error" not in r), None)
+    for section in ("concurrency", "roofline"):
+        if shipped is not None and section in shipped:
+            results[section] = shipped.pop(section)
     results["extra_rows"] = unavailable
     results["auto_check"] = auto_check(results["header"], results["rows"])
     if fidelity if fidelity is not None else not quick:
         print("[bench] fidelity vs fp32 ...", file=sys.stderr, flush=True)
         results["fidelity"] = run_fidelity(results["rows"], model, workload, threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # the rows are kept whatever follows
-    if not only:  # a row subset (--only) skips the concurrency table and the roofline
-        from .. import DocumentParser, ParserOptions
-
-        levels = (1, 2) if quick else (1, 2, 4)
-        print(f"[bench] concurrency {levels} ...", file=sys.stderr, flush=True)
-        parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=threads))
-        results["concurrency"] = concurrency_table(parser, median_page, levels)
-        print("[bench] roofline ...", file=sys.stderr, flush=True)
-        results["roofline"] = roofline(parser.engine)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
 
 
 def main(model: str | None, quick: bool, pages: int | None, workload: Path | None, threads: int | None,
@@ -324,8 +315,7 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     if not 1 <= pages <= available:
         raise BenchmarkError(f"--pages must be between 1 and {available} (the workload's pages), got {pages}")
     rows, unavailable = select_rows(quick, only)
-    # An unreadable workload fails now, not after the first rows.
-    median_page = load_workload(pages, workload, profile=profile)[0]
+    load_workload(pages, workload, profile=profile)  # an unreadable workload fails now, not after the first rows
     if model is not None:
         model = str(resolve_model(model))
     else:  # made in a child process: this one stays small while the rows run
@@ -336,25 +326,27 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
 
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             model = str(pool.submit(cached_synthetic_model, "full").result())
-    started = time.time()
+    started, monitor = time.time(), LoadMonitor().start()
     results: dict[str, Any] = {
         "header": {
             **system_header(threads, model),
+            "full_size": _full_size(model),
             "quick": quick,
             "pages": pages,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         },
     }
-    # One prepared-model cache for this run, made cold by the start-up runs, so the rows (and the
-    # concurrency table's parser) start warm, as every start after a machine's first does.
+    # One prepared-model cache for this run, made cold by the start-up runs, so the rows (the
+    # shipped preset's with its concurrency table) start warm, as every start after a machine's first does.
     with tempfile.TemporaryDirectory(prefix="mineru-fast-bench-prepared-") as prepared:
         if not only:
             print("[bench] start-up: no prepared cache / cold / warm ...", file=sys.stderr, flush=True)
             results["startup"] = run_startup(model, threads, Path(prepared))
         with _environment(CACHE_ENV, prepared):
             _rows_and_tables(results, rows, unavailable, model, pages, workload, threads, profile, quick, only,
-                             fidelity, out_dir, median_page)  # fmt: skip
+                             fidelity, out_dir)  # fmt: skip
     results["header"]["duration_s"] = time.time() - started
+    results["load"] = monitor.stop().to_dict()
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
     print(report.markdown(results))
     if plot:

