@@ -5,37 +5,53 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _fidelity_cells(r: dict, ran: bool) -> str:
+def _content(results: dict) -> bool:
+    """Whether the fidelity run was the real-text one (``bench.fidelity.run_content``)."""
+    return (results.get("fidelity") or {}).get("mode") == "content"
+
+
+def _fidelity_cells(r: dict, ran: bool, content: bool = False) -> str:
     f = r.get("fidelity")
+    width = 4 if content else 2
     if f and f.get("reference"):
-        return "fp32 itself | fp32 itself"
+        return " | ".join(["fp32 itself"] * width)
+    if f and content:
+        confident = "n/a" if f["confident_top1_pct"] is None else f"{f['confident_top1_pct']:.2f}"
+        same = f"{f['free_identical']}/{f['free_blocks']}" if f.get("free_blocks") else "n/a"
+        return f"{f['top1_pct']:.2f} | {confident} | {f['mean_cosine']:.5f} | {same}"
     if f:
         return f"{f['top1_pct']:.2f} | {f['mean_cosine']:.5f}"
     if not ran:
-        return "not run | not run"
-    return "n/a | n/a"  # transformers engine rows, pinned instances: not replayed step by step
+        return " | ".join(["not run"] * width)
+    return " | ".join(["n/a"] * width)  # transformers engine rows, pinned instances: not replayed step by step
 
 
 def _stage_table(results: dict) -> list[str]:
-    ran = "fidelity" in results
+    ran, content = "fidelity" in results, _content(results)
+    accuracy = (
+        "top-1 vs fp32 % | top-1 confident % | logits cosine | free-run same as fp32"
+        if content
+        else "top-1 vs fp32 % | logits cosine"
+    )
+    columns = 15 if content else 13
     lines = [
         "| stage | mean s/page | P95 s/page | pages/min | speed-up | peak RSS GB | start-up s "
-        "| vision s/page | prefill s/page | decode s/page | same Markdown | top-1 vs fp32 % | logits cosine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| vision s/page | prefill s/page | decode s/page | same Markdown | {accuracy} |",
+        "|" + "---|" * columns,
     ]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (columns - 2))
             continue
         t = {k: v / len(r["page_seconds"]) for k, v in r["timings"].items()}
         lines.append(
             f"| {r['label']} | {r['mean_s_per_page']:.1f} | {r['p95_s_per_page']:.1f} | {r['pages_per_min']:.2f} "
             f"| {r['speedup']:.2f}x | {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t.get('vision', 0):.1f} "
             f"| {t.get('prefill', 0):.1f} | {t.get('decode', 0):.1f} "
-            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} | {_fidelity_cells(r, ran)} |"
+            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} | {_fidelity_cells(r, ran, content)} |"
         )
     for r in results["extra_rows"]:
-        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 11)
+        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * (columns - 2))
     return lines
 
 
@@ -54,9 +70,18 @@ def _kernel_paths(results: dict) -> list[str]:
 def _fidelity_notes(results: dict) -> list[str]:
     f = results.get("fidelity")
     if f is None:
-        return ["- top-1 / cosine: not run (--quick skips them; pass --fidelity)"]
+        return ["- top-1 / cosine: not run (--quick skips them unless the model has a trained LM; pass --fidelity)"]
     if "error" in f:
         return [f"- top-1 / cosine: the fidelity run failed: {f['error']}"]
+    if f.get("mode") == "content":
+        rules = f["rules"]
+        return [
+            f"- top-1 vs fp32 / logits cosine: real text on the trained language model: {f['steps']} teacher-forced "
+            f"steps of {f['requests']} content blocks (text, tables as OTSL, formulas as LaTeX) from {f['pages']} "
+            f"workload pages, {rules['image']}, batch 1; top-1 confident: steps where {rules['confident']}; "
+            f"free-run same: greedy outputs (protocol rules, <= {f['free_tokens']} new tokens) identical to fp32's, "
+            f"of {f['free_blocks']} blocks (bench/fidelity.py; {f['seconds'] / 60:.1f} min)"
+        ]
     return [
         f"- top-1 vs fp32 / logits cosine: every forced step of page {f['page']} ({f['requests']} requests: "
         "layout + crops) at batch 1 with teacher forcing, each row's logits against the float32 engine's "
