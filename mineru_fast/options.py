@@ -78,7 +78,7 @@ class ParserOptions:
             confident forced steps (fp32 top-1 probability >= 0.5; bf16 too) and on 94.6 % of all
             943 (bf16 98.4 %), its free-running outputs as often identical as bf16's (4 of 6);
             per tensor on 76.2 % and 56.6 %, for a per-page speed gain of 11 % (118.8 against
-            132.9 s per page, ``mineru-fast bench --quick`` rows of 2026-12-01, 2 threads).
+            132.9 s per page, ``mineru-fast bench --quick`` rows, AMD EPYC, 2026-12-01, 2 threads).
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
