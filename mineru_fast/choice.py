@@ -7,12 +7,12 @@ configuration below, from ``mineru-fast bench`` on the full-size model, or, befo
 timed, ``int8_layers_ms``: the summed milliseconds of the INT8 kernels over MinerU2.5's linear
 shapes (``benchmarks/int8_kernels.py``). Entries of the same vendor win over another vendor's.
 
-- ``int8_kernel="auto"`` (the ``fast`` preset): the faster per-token kernel (``onednn`` or
-  ``int_mm``) unless the per-tensor ``torch_ao`` kernel is recorded more than 5% faster on this
-  class; the per-token ``onednn`` kernel where nothing is recorded.
+- ``int8_kernel="auto"`` (the ``fast`` preset): the faster recorded per-token kernel (``onednn`` or
+  ``int_mm``); ``onednn`` where nothing is recorded. The per-tensor ``torch_ao`` kernel is never
+  chosen on speed, only when asked for (``PER_TENSOR_NEVER_AUTO`` says why).
 - the ``auto`` preset: the fastest recorded candidate of this class, never bfloat16 where the
-  class lacks native bfloat16 (PyTorch would emulate it, several times slower than float32);
-  without a record, the ``fast`` preset with ``int8_kernel="auto"``.
+  class lacks native bfloat16 (PyTorch would emulate it, several times slower than float32) and
+  never per-tensor INT8; without a record, the ``fast`` preset with ``int8_kernel="auto"``.
 
 ``describe(options)`` says what an engine built from ``options`` runs here and why, as a dict
 for result metadata and ``mineru-fast info``.
@@ -29,7 +29,12 @@ from .options import ParserOptions
 
 logger = logging.getLogger(__name__)
 
-PER_TOKEN_MARGIN = 1.05  # per-token INT8 stays the default while within 5% of per-tensor (issue 17)
+PER_TENSOR_NEVER_AUTO = (
+    "per-tensor INT8 is never chosen on speed: one activation scale for every row of a call makes a "
+    "sequence's numerics depend on what it is batched with, and on a trained Qwen2 LM of MinerU2.5's "
+    "shape it agreed with fp32 on far fewer forced steps than per-token INT8 (benchmarks/README.md, "
+    "'Numerics on a trained language model')"
+)
 
 # Candidate configurations of the auto preset: name -> (preset, overrides).
 CANDIDATES: dict[str, tuple[str, dict]] = {
@@ -97,14 +102,11 @@ def choose_int8_kernel(
     if not per_token:
         return Choice("onednn", f"per-token INT8 on oneDNN: nothing recorded for {cls.name}", cls)
     best = min(per_token, key=per_token.__getitem__)
-    per_tensor = figures.get("int8-torch_ao")
     shown = {k: round(v, 1) for k, v in figures.items() if k in _KERNEL_OF}
-    if per_tensor is not None and per_token[best] > PER_TOKEN_MARGIN * per_tensor:
-        reason = f"per-tensor torch_ao more than 5% faster on {source} ({cls.name}), {unit}: {shown}"
-        return Choice("torch_ao", reason, cls, source, shown)
-    reason = (
-        f"per-token {_KERNEL_OF[best]}: within 5% of per-tensor or faster on {source} ({cls.name}), {unit}: {shown}"
-    )
+    reason = f"per-token {_KERNEL_OF[best]}: the faster per-token kernel on {source} ({cls.name}), {unit}: {shown}"
+    per_tensor = figures.get("int8-torch_ao")
+    if per_tensor is not None and per_tensor < per_token[best]:
+        reason += f"; {PER_TENSOR_NEVER_AUTO}"
     return Choice(_KERNEL_OF[best], reason, cls, source, shown)
 
 
@@ -114,7 +116,11 @@ def choose_preset(
     """The candidate (``CANDIDATES`` key) the ``auto`` preset runs (see the module docstring)."""
     topology, cls, entries = _context(topology, entries, environ)
     figures, unit, source = _figures(topology, cls, entries)
-    allowed = {k: v for k, v in figures.items() if k in CANDIDATES and (k != "bf16" or cls.native_bf16)}
+    allowed = {
+        k: v
+        for k, v in figures.items()
+        if k in CANDIDATES and k != "int8-torch_ao" and (k != "bf16" or cls.native_bf16)
+    }  # per-tensor INT8: PER_TENSOR_NEVER_AUTO
     if not allowed:
         kernel = choose_int8_kernel("auto", topology, entries, environ)
         return Choice(f"int8-{kernel.value}", f"nothing recorded for {cls.name}: fast preset; {kernel.reason}", cls)

@@ -67,6 +67,13 @@ def build_argparser() -> argparse.ArgumentParser:
         help="tiny: tests; full: MinerU2.5 shapes (default: %(default)s)",
     )
     s.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: %(default)s)")
+    s.add_argument(
+        "--lm-gguf",
+        type=Path,
+        metavar="FILE",
+        help="a trained Qwen2 language model of the size's shape (GGUF; needs the gguf package) "
+        "replaces the random one; the vision tower stays random",
+    )
 
     b = sub.add_parser("bench", help="latency tables on this CPU (stage table, concurrency, roofline)")
     b.add_argument("--quick", action="store_true", help="1 page and the key rows: under 15 minutes on 2 cores")
@@ -262,8 +269,9 @@ def _write_pages(writer, pages, source: Path, n_pages: int, start: float, mode: 
 def _cmd_synth_model(args: argparse.Namespace) -> int:
     from .synthetic import make_synthetic_model
 
-    out = make_synthetic_model(args.directory, size=args.size, seed=args.seed)
-    print(f"wrote {args.size} synthetic model to {out}")
+    out = make_synthetic_model(args.directory, size=args.size, seed=args.seed, lm_gguf=args.lm_gguf)
+    lm = f" with the language model of {args.lm_gguf.name}" if args.lm_gguf else ""
+    print(f"wrote {args.size} synthetic model{lm} to {out}")
     return EXIT_OK
 
 

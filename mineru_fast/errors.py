@@ -28,6 +28,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotCached",
     "LayoutModelMissing",
+    "GgufError",
     "TraceError",
     "BenchmarkError",
     "ServiceError",
@@ -146,6 +147,14 @@ class LayoutModelMissing(ModelLoadError):
     for."""
 
     code = "layout_model_missing"
+
+
+class GgufError(ModelLoadError):
+    """A GGUF language model cannot be put into a MinerU2.5 checkpoint: the optional ``gguf``
+    package is missing, or the file's architecture, hyper-parameters, vocabulary, tensors or
+    output head do not fit (the message says which)."""
+
+    code = "gguf_unusable"
 
 
 class TraceError(MineruFastError):

@@ -22,9 +22,10 @@ from .errors import MineruFastError
 from .hub import cache_dir
 from .protocol import CHAT_TEMPLATE, MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS
 
-__all__ = ["ModelSize", "SIZES", "make_synthetic_model", "synthetic_identity"]
+__all__ = ["ModelSize", "SIZES", "lm_source", "make_synthetic_model", "synthetic_identity"]
 
 MARKER = "SYNTHETIC.md"  # written last into every synthetic model directory
+LM_SOURCE = "LM_SOURCE.json"  # where a trained language model came from (make_synthetic_model's lm_gguf)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,19 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator):
     return torch.randn(shape, generator=generator) / math.sqrt(fan_in)
 
 
-def _write_weights(out: Path, config: dict, seed: int) -> int:
+def _bpe_vocabulary() -> list[str]:
+    """The shipped Qwen2 BPE tokens by id, then Qwen2-VL's special tokens (ids 0..151656)."""
+    vocab = json.loads((resources.files("mineru_fast") / "assets" / "qwen2" / "vocab.json").read_text(encoding="utf-8"))
+    by_id = sorted(vocab, key=vocab.__getitem__)
+    return by_id + QWEN2VL_SPECIAL_TOKENS
+
+
+def _write_weights(out: Path, config: dict, seed: int, lm_gguf: Path | None = None) -> tuple[int, dict | None]:
+    """Write ``model.safetensors``; returns (parameters, the GGUF's provenance or None).
+
+    With ``lm_gguf`` the language model's tensors (``model.*``) are the GGUF's, dequantized
+    (``gguf_lm``) and stored in bfloat16 like every other tensor; the vision tower stays random,
+    drawn first, as without it, so the same seed gives the same vision weights."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -212,14 +225,26 @@ def _write_weights(out: Path, config: dict, seed: int) -> int:
 
     with torch.device("meta"):
         model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**config))
+    shapes = {
+        published_name(name): tuple(param.shape) for name, param in model.named_parameters() if name != "lm_head.weight"
+    }  # the tied lm_head is not listed twice
+    trained = None
+    if lm_gguf is not None:
+        from .gguf_lm import read_gguf_lm
+
+        trained = read_gguf_lm(lm_gguf, config, _bpe_vocabulary())
+        trained.check_shapes({name: shape for name, shape in shapes.items() if not name.startswith("visual.")})
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, param in model.named_parameters():  # tied lm_head is not listed twice
-        if name == "lm_head.weight":
+    for name, shape in shapes.items():
+        if trained is not None and not name.startswith("visual."):
             continue
-        tensors[published_name(name)] = _random_tensor(name, tuple(param.shape), generator).to(torch.bfloat16)
+        tensors[name] = _random_tensor(name, shape, generator).to(torch.bfloat16)
+    if trained is not None:
+        for name, values in trained.tensors():
+            tensors[name] = torch.from_numpy(values).to(torch.bfloat16)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return sum(t.numel() for t in tensors.values())
+    return sum(t.numel() for t in tensors.values()), None if trained is None else trained.provenance()
 
 
 def match_file_mode(paths: list[Path], like: Path) -> None:
@@ -234,7 +259,9 @@ def match_file_mode(paths: list[Path], like: Path) -> None:
         path.chmod(mode)
 
 
-def make_synthetic_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+def make_synthetic_model(
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, lm_gguf: str | Path | None = None
+) -> Path:
     """Write a random-weight MinerU2.5-architecture model directory.
 
     Args:
@@ -242,37 +269,70 @@ def make_synthetic_model(out_dir: str | Path, size: str = "tiny", seed: int = 0)
         size: ``"tiny"`` (tests, ~10 M parameters, mostly the 151936-row embedding) or ``"full"``
             (MinerU2.5-2509 shapes, about 1.156 B parameters, 2.3 GB of bf16 safetensors).
         seed: seed of the weight generator; the same seed gives byte-identical weights.
+        lm_gguf: a GGUF of a trained Qwen2 language model of the size's exact shape (with
+            ``"full"``: Qwen2.5-0.5B's); its weights, dequantized, replace the random language
+            model (the vision tower stays random) and ``LM_SOURCE.json`` records where they came
+            from. Needs the optional ``gguf`` package (see ``gguf_lm``).
 
     Returns:
         The model directory, loadable by ``DocumentParser.from_pretrained`` and by transformers.
 
     Raises:
         ValueError: unknown ``size``.
+        GgufError: ``lm_gguf`` cannot be read or does not fit the size (``gguf_lm.read_gguf_lm``).
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).unlink(missing_ok=True)  # written last: a half-written model has none
+    (out / LM_SOURCE).unlink(missing_ok=True)
     config = _config(SIZES[size])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(), indent=2) + "\n")
     _write_processor(out)
-    n_params = _write_weights(out, config, seed)
+    n_params, provenance = _write_weights(out, config, seed, None if lm_gguf is None else Path(lm_gguf))
     match_file_mode([out / "model.safetensors"], like=out / "config.json")
-    (out / MARKER).write_text(
-        f"Random-weight model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters).\n"
-        "Its outputs are meaningless; use it to measure speed and memory, never quality.\n"
-    )
+    if provenance is None:
+        note = (
+            f"Random-weight model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters).\n"
+            "Its outputs are meaningless; use it to measure speed and memory, never quality.\n"
+        )
+    else:
+        (out / LM_SOURCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        note = (
+            f"Model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters): a random vision\n"
+            f"encoder and a trained language model, {provenance['gguf_name']!r} dequantized from\n"
+            f"{provenance['gguf_file']} "
+            f"({LM_SOURCE} says how). Its page outputs are meaningless (the LM never saw MinerU's task or\n"
+            "these image features); use it to judge numerics on trained language-model weights.\n"
+        )
+    (out / MARKER).write_text(note)
     return out
+
+
+def lm_source(model_dir: str | Path) -> dict | None:
+    """The provenance of a trained language model ``make_synthetic_model(..., lm_gguf=...)`` put
+    into ``model_dir`` (``LM_SOURCE.json``: ``gguf_file``, ``gguf_name``, ``size_bytes``,
+    ``sha256``, ``tensor_types``, ``head``), None for any other model directory."""
+    path = Path(model_dir) / LM_SOURCE
+    if not (Path(model_dir) / MARKER).is_file() or not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def synthetic_identity(model_dir: str | Path) -> str | None:
     """``"synthetic (random weights, size=full, seed=0)"`` for a model this module wrote (read from
-    its ``SYNTHETIC.md``), None for any other model directory."""
+    its ``SYNTHETIC.md``; ``"synthetic vision (...) + trained LM '<name>' from <file>"`` with a
+    GGUF language model), None for any other model directory."""
     marker = Path(model_dir) / MARKER
     if not marker.is_file():
         return None
     found = re.search(r"size=\w+, seed=\d+", marker.read_text(encoding="utf-8"))
+    source = lm_source(model_dir)
+    if source is not None:
+        where = f", {found.group(0)}" if found else ""
+        return f"synthetic vision (random weights{where}) + trained LM {source['gguf_name']!r} ({source['gguf_file']})"
     return f"synthetic (random weights, {found.group(0)})" if found else "synthetic (random weights)"
 
 

@@ -348,3 +348,48 @@ def test_peak_rss_of_a_row_process_excludes_its_parent():
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     del ballast
     assert 200_000_000 < child < 1_000_000_000
+
+
+def test_fidelity_on_a_trained_lm_is_the_real_text_run(monkeypatch, tmp_path):
+    """A model with a trained LM and a real workload: the content run, its figures per row and the
+    four accuracy columns."""
+    import subprocess
+
+    from mineru_fast.bench import run
+    from mineru_fast.bench.report import _fidelity_notes, _stage_table
+
+    model = tmp_path / "trained"
+    model.mkdir()
+    (model / "SYNTHETIC.md").write_text("size=tiny, seed=0")
+    (model / "LM_SOURCE.json").write_text(json.dumps({"gguf_name": "x", "gguf_file": "x.gguf"}))
+    rows = [
+        {"label": "fp32", "preset": "exact", "overrides": {"slots": 1, "lm_quant": "none", "lm_head_quant": "none"},
+         "numerics": {"engine": "fast", "precision": "fp32", "int8_kernel": None}},
+        {"label": "int8", "preset": "fast", "overrides": {}, "numerics": {"engine": "fast", "int8_kernel": "onednn"}},
+    ]  # fmt: skip
+    seen = {}
+    result = {"forced": {"groups": {"all": {"steps": 10, "top1_pct": 95.0, "mean_cosine": 0.999},
+                                    "confident": {"steps": 6, "top1_pct": 100.0, "mean_cosine": 0.9995}}},
+              "free": {"all": {"blocks": 3, "identical": 2}}}  # fmt: skip
+
+    def fake(argv, **_):
+        seen.update(json.loads(argv[-1]))
+        out = {"mode": "content", "pages": ["a", "b"], "forced": {"requests": 4, "steps": 10},
+               "free": {"blocks": 3, "max_new_tokens": 64}, "results": {"c1": result},
+               "rules": {"confident": "p >= 0.5", "image": "56x56"}}  # fmt: skip
+        return subprocess.CompletedProcess(argv, 0, json.dumps(out), "")
+
+    monkeypatch.setattr(run.subprocess, "run", fake)
+    record = run.run_fidelity(rows, str(model), tmp_path, 1)
+    assert seen["mode"] == "content" and seen["forced_steps"] == run.BENCH_FORCED_STEPS
+    assert seen["configs"] == {"c1": {"preset": "fast", "overrides": {}}}
+    assert record["mode"] == "content" and record["steps"] == 10 and record["free_blocks"] == 3
+    assert rows[1]["fidelity"]["confident_top1_pct"] == 100.0 and rows[1]["fidelity"]["free_identical"] == 2
+    for row in rows:
+        row.update(page_seconds=[1.0], timings={}, mean_s_per_page=1.0, p95_s_per_page=1.0, pages_per_min=60.0,
+                   speedup=1.0, peak_rss_gb=1.0, startup_s=1.0, markdown_equal_first_row=True)  # fmt: skip
+    table = _stage_table({"rows": rows, "extra_rows": [], "fidelity": record})
+    assert table[0].endswith("| top-1 vs fp32 % | top-1 confident % | logits cosine | free-run same as fp32 |")
+    assert table[2].endswith("| fp32 itself | fp32 itself | fp32 itself | fp32 itself |")
+    assert table[3].endswith("| yes | 95.00 | 100.00 | 0.99900 | 2/3 |")
+    assert "10 teacher-forced steps of 4 content blocks" in _fidelity_notes({"fidelity": {**record, "seconds": 6}})[0]

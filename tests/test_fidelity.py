@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import WORKLOAD, need
 
 from mineru_fast import ParserOptions
 from mineru_fast.bench.fidelity import FP32, Agreement, compare, page_requests
@@ -68,3 +69,66 @@ def test_tiny_model_fidelity_thresholds(engines):
     assert results["bf16"]["top1_pct"] >= 99.0 and results["bf16"]["mean_cosine"] >= 0.9999
     assert results["int8"]["top1_pct"] >= 95.0 and results["int8"]["mean_cosine"] >= 0.999
     assert results["int8"]["steps"] == results["bf16"]["steps"] > 300
+
+
+def test_step_groups_count_tasks_token_classes_and_confident_steps():
+    from mineru_fast.bench.fidelity import SPECIAL_FROM, StepGroups
+
+    groups = StepGroups()
+    targets = torch.tensor([5, SPECIAL_FROM + 16, 7])  # plain, special (an OTSL token), plain
+    groups.add("table", targets, torch.tensor([True, False, True]), torch.tensor([1.0, 0.5, 0.9], dtype=torch.float64),
+               torch.tensor([True, True, False]))  # fmt: skip
+    s = groups.summary()["groups"]
+    assert s["all"] == {"steps": 3, "top1_pct": 100 * 2 / 3, "mean_cosine": pytest.approx(0.8)}
+    assert s["special"] == {"steps": 1, "top1_pct": 0.0, "mean_cosine": 0.5}
+    assert s["confident"]["steps"] == 2 and s["confident"]["top1_pct"] == 50.0
+    assert s["confident plain text"] == {"steps": 1, "top1_pct": 100.0, "mean_cosine": 1.0}
+    assert s["table"]["steps"] == 3 and groups.summary()["min_cosine"] == 0.5
+
+
+def test_free_running_summary():
+    from mineru_fast.bench.fidelity import _free_summary
+
+    out = _free_summary([[1, 2, 3], [1, 9, 9, 9], [4]], [[1, 2, 3], [1, 2, 3, 4], [5]], ["text", "text", "table"])
+    assert out["all"] == {"blocks": 3, "identical": 1, "identical_pct": 100 / 3, "median_tokens_to_divergence": 1}
+    assert out["text"]["median_tokens_to_divergence"] == 2  # 3 (identical: its length) and 1
+    assert out["table"]["identical"] == 0
+
+
+def test_confident_rule_is_the_float32_top1_probability():
+    from mineru_fast.bench.fidelity import CONFIDENT_P, ReferenceSteps
+
+    logits = torch.tensor([[4.0, 0.0, 0.0], [1.0, 1.0, 0.9]])
+    ref = ReferenceSteps.of(logits)
+    assert CONFIDENT_P == 0.5 and ref.top1.tolist() == [0, 0] and ref.confident.tolist() == [True, False]
+    assert ref.logits.dtype == torch.float16
+
+
+def test_one_prefill_gives_the_forced_steps_of_step_by_step_decoding(engines):
+    """The chunked prefill (one chunk per forced token) predicts each step from the same prefix as
+    prefill + one decode per token: float32 logits equal up to summation order."""
+    from mineru_fast.bench.fidelity import forced_logits, forced_logits_prefill
+
+    _, request = page_requests(load_workload(1)[0], ParserOptions())[1]
+    one_pass = forced_logits_prefill(engines["fp32"], request)
+    stepwise = torch.stack(list(forced_logits(engines["fp32"], request)))
+    assert one_pass.shape == stepwise.shape and one_pass.shape[0] == len(
+        engines["fp32"].preprocessor.encode(request).forced
+    )
+    torch.testing.assert_close(one_pass, stepwise, rtol=1e-4, atol=1e-4)
+    assert torch.equal(one_pass.argmax(-1), stepwise.argmax(-1))
+
+
+def test_content_requests_are_small_images_with_ground_truth():
+    from mineru_fast.bench.fidelity import CONTENT_IMAGE, FREE_TOKENS, content_requests
+
+    pages = load_workload(2, need(WORKLOAD))
+    forced, free = content_requests(pages, ParserOptions(), len, forced_steps=50, free_blocks=1)
+    tasks = [task for task, _ in forced]
+    assert set(tasks) <= {"text", "table", "equation"} and "text" in tasks
+    assert all(r.image.size == CONTENT_IMAGE and r.forced_text for _, r in forced)
+    for task in set(tasks):  # blocks are taken until the budget (here characters) is reached
+        lengths = [len(r.forced_text) for t, r in forced if t == task]
+        assert sum(lengths[:-1]) < 50
+    assert all(r.forced_text is None and r.sampling.max_new_tokens == FREE_TOKENS for _, r in free)
+    assert len({task for task, _ in free}) == len(free)  # one per block type

@@ -17,6 +17,7 @@ from mineru_fast.engine.quantize import (
     int8_kernel_path,
     int8_weight_max,
     quantize_,
+    quantize_linear,
     resolve_int8_backend,
 )
 
@@ -116,3 +117,17 @@ def test_integer_products_are_exact_on_every_isa_class(isa):
             assert out[backend]["weight_max"] == 63
         # Exact integers; the float32 scaling leaves ~1e-7 of the output range.
         assert out[backend]["max_rel_err"] < 1e-5, (isa, backend, out)
+
+
+@pytest.mark.parametrize("kernel", PER_TOKEN)
+def test_per_token_rows_do_not_depend_on_their_batch_neighbours(kernel):
+    """Per-token INT8 gives a row the same output alone and in a batch with an outlier row (its
+    scale is its own and int32 sums are exact); per-tensor INT8's one scale follows the outlier."""
+    torch.manual_seed(0)
+    linear = nn.Linear(896, 1152)
+    x = torch.randn(16, 896)
+    x[3] *= 20  # a neighbour with large activations
+    layer = quantize_linear(linear, Int8DynamicConfig(kernel))
+    assert torch.equal(layer(x[:1]), layer(x)[:1])
+    per_tensor = quantize_linear(linear, Int8DynamicConfig("torch_ao"))
+    assert not torch.equal(per_tensor(x[:1]), per_tensor(x)[:1])

@@ -20,6 +20,24 @@ At batch 1 a per-tensor activation scale (``int8_kernel="torch_ao"``) covers one
 decoding and the whole prompt while prefilling; in a batch it follows the largest value among
 all the batch's rows, so its batched numerics can only be worse than measured here.
 
+Real text (``run_content``, spec ``"mode": "content"``): on a checkpoint whose language model is
+trained (``synthetic.lm_source``: a GGUF's weights beside a random vision tower), the content
+requests of the workload's pages are teacher-forced with the ground-truth text (text blocks as
+text, tables as OTSL, formulas as LaTeX: ``traces.build_omnidocbench_traces``), each crop shrunk
+to ``CONTENT_IMAGE`` (4 image tokens, so the random vision's features are a small part of every
+prompt). A sequence's forced steps come from one prefill (``forced_logits_prefill``). Reported per
+block type and per token class (plain text, or ``SPECIAL_FROM`` and up: Qwen2-VL's special tokens,
+the end token, MinerU's own OTSL / layout tokens), over all steps and over the steps where the
+float32 engine is confident (its top-1 softmax probability >= ``CONFIDENT_P``): a near-tie flips
+under any perturbation and says nothing about a format. Then a few blocks of each type decode
+freely (greedy with the protocol's decoding rules, at most ``FREE_TOKENS`` new tokens, batch 1)
+through the engine's own loop: the share of outputs identical to the float32 engine's, and the
+median number of tokens before the first difference.
+
+Configurations run one after another (the float32 engine first; its logits are kept in float16
+for the cosine, its top-1 token and probability from the float32 values), so one full-size model
+is in memory at a time.
+
 Run one comparison (the benchmark does this in a subprocess):
 ``python -m mineru_fast.bench.fidelity '<json spec>'`` prints one JSON line.
 """
@@ -27,9 +45,10 @@ Run one comparison (the benchmark does this in a subprocess):
 from __future__ import annotations
 
 import json
+import statistics
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +62,29 @@ from ..protocol import LAYOUT_TASK, layout_image, prompt_for
 from .workload import WorkloadPage
 
 FP32 = {"preset": "exact", "overrides": {"lm_quant": "none", "lm_head_quant": "none"}}  # the float32 engine
+CONFIDENT_P = 0.5  # a step is confident when the float32 engine's top-1 softmax probability is >= this
+SPECIAL_FROM = 151643  # token ids from here are special: Qwen2-VL's (protocol.QWEN2VL_SPECIAL_TOKENS), then MinerU's
+CONTENT_IMAGE = (56, 56)  # crops shrunk to this: 4x4 patches, 4 image tokens (the processor's minimum, 56 * 56 pixels)
+FREE_TOKENS = 64  # most new tokens of a free-running block
+CONTENT_TASKS = ("text", "table", "equation")
+LLAMA_CPP_ROW = "llama.cpp Q8_0 (same weights)"  # MinerU 4's CPU runtime; filled by the side-by-side tooling
+
+# The precisions and kernels the project offers, against the float32 engine (``run_content``'s default).
+CONTENT_CONFIGS: dict[str, dict] = {
+    "exact preset (bf16-stored weights, fp32 math)": {"preset": "exact", "overrides": {}},
+    "bf16 preset": {"preset": "bf16", "overrides": {}},
+    "fast: INT8 per token, oneDNN (INT8 head)": {"preset": "fast", "overrides": {"int8_kernel": "onednn"}},
+    "fast: INT8 per token, int_mm (INT8 head)": {"preset": "fast", "overrides": {"int8_kernel": "int_mm"}},
+    "fast: INT8 per tensor, torch.ao (INT8 head)": {"preset": "fast", "overrides": {"int8_kernel": "torch_ao"}},
+    "fast: INT8 per token, oneDNN, float head": {
+        "preset": "fast",
+        "overrides": {"int8_kernel": "onednn", "lm_head_quant": "bf16-weights"},
+    },
+    "fast: weight-only INT8 LM and head": {
+        "preset": "fast",
+        "overrides": {"lm_quant": "int8-weight-only", "lm_head_quant": "int8-weight-only"},
+    },
+}
 
 
 @dataclass
@@ -163,5 +205,240 @@ def run(spec: dict) -> dict:
     return {"page": page.name, "requests": len(requests), "results": compare(engines, reference, requests)}
 
 
+@dataclass
+class StepGroups:
+    """Forced-step agreement with the float32 engine, counted per group of steps.
+
+    Every step counts in ``"all"``, in its block type (``"text"``, ``"table"``, ...) and in its
+    token class (``"plain text"`` or ``"special"``: the forced token's id is ``SPECIAL_FROM`` or
+    above); a step where the float32 engine is confident also counts in ``"confident"`` and
+    ``"confident <group>"``.
+
+    Attributes:
+        counts: group -> ``[steps, top-1 equal, sum of logits cosines]``.
+        cosine_min: the lowest step cosine.
+    """
+
+    counts: dict[str, list] = field(default_factory=dict)
+    cosine_min: float = 1.0
+
+    def add(self, task: str, targets: torch.Tensor, same: torch.Tensor, cosine: torch.Tensor, confident: torch.Tensor):
+        """Count a sequence's steps: ``targets`` ``[T]`` int64 forced tokens, ``same`` ``[T]`` bool
+        (top-1 equal), ``cosine`` ``[T]`` float64, ``confident`` ``[T]`` bool."""
+        special = targets >= SPECIAL_FROM
+        masks = {"all": torch.ones_like(same), task: torch.ones_like(same), "plain text": ~special, "special": special}
+        for name, mask in list(masks.items()):
+            masks[f"confident {name}" if name != "all" else "confident"] = mask & confident
+        for name, mask in masks.items():
+            counts = self.counts.setdefault(name, [0, 0, 0.0])
+            counts[0] += int(mask.sum())
+            counts[1] += int((same & mask).sum())
+            counts[2] += float(cosine[mask].sum())
+        self.cosine_min = min(self.cosine_min, float(cosine.min()))
+
+    def summary(self) -> dict:
+        """``{group: {"steps", "top1_pct", "mean_cosine"}}`` (groups with steps) and ``min_cosine``."""
+        groups = {
+            name: {"steps": n, "top1_pct": 100 * same / n, "mean_cosine": total / n}
+            for name, (n, same, total) in self.counts.items()
+            if n
+        }
+        return {"groups": groups, "min_cosine": self.cosine_min}
+
+
+@dataclass
+class ReferenceSteps:
+    """The float32 engine's forced steps of one sequence: ``top1`` ``[T]`` int64, ``confident``
+    ``[T]`` bool (top-1 probability >= ``CONFIDENT_P``) and ``logits`` ``[T, vocab]`` float16."""
+
+    top1: torch.Tensor
+    confident: torch.Tensor
+    logits: torch.Tensor
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> ReferenceSteps:
+        """From float32 logits ``[T, vocab]``."""
+        probability = torch.softmax(logits, dim=-1).amax(dim=-1)
+        return cls(logits.argmax(dim=-1), probability >= CONFIDENT_P, logits.half())
+
+
+@torch.inference_mode()
+def forced_logits_prefill(engine, request: GenerationRequest) -> torch.Tensor:
+    """Logits ``[T, vocab]`` float32 before each of the ``T`` forced tokens of ``request``
+    (``<|im_end|>`` included), from one forward at batch 1 in slot 0.
+
+    The prompt and then each forced token but the last go into one ``lm.prefill_chunks`` call as
+    chunks of the same sequence (a chunk per forced token, so each gives its own last-token
+    logits; a chunk attends to the cache its predecessors wrote). The linears see all ``T``
+    positions at once, as a batch of ``T`` rows: per-token INT8 quantizes each row alone, as a
+    decode step does, while a per-tensor activation scale covers the whole sequence.
+    """
+    encoded = engine.preprocessor.encode(request)
+    image_embeds = engine.vision_runner(encoded.pixel_values, [encoded.grid_thw])
+    ids = encoded.input_ids
+    embeds = engine.lm.embed_tokens(ids)
+    embeds[ids == engine.preprocessor.image_token_id] = image_embeds.to(embeds.dtype)
+    positions = engine.preprocessor.mrope_positions(encoded)
+    rope = int(positions.max()) + 1
+    chunks = [(embeds, positions, 0, 0)]
+    forced = torch.tensor(encoded.forced[:-1], dtype=torch.long)
+    forced_embeds = engine.lm.embed_tokens(forced)
+    for step in range(len(forced)):
+        chunks.append((forced_embeds[step : step + 1], torch.full((3, 1), rope + step), 0, len(ids) + step))
+    return engine.lm.prefill_chunks(chunks)
+
+
+def content_requests(
+    pages: list[WorkloadPage], options: ParserOptions, count_tokens: Callable[[str], int], forced_steps: int,
+    free_blocks: int,
+) -> tuple[list[tuple[str, GenerationRequest]], list[tuple[str, GenerationRequest]]]:  # fmt: skip
+    """The pages' content requests with ground-truth outputs, crops shrunk to ``CONTENT_IMAGE``.
+
+    Args:
+        pages: workload pages with their traces.
+        options: the parser options whose sampling rules the requests carry.
+        count_tokens: forced text -> its forced steps (``Preprocessor.forced_ids``' length).
+        forced_steps: per block type, forced blocks are taken (in page order) until their steps
+            reach this.
+        free_blocks: free-running blocks per block type (the first ones).
+
+    Returns:
+        ``(forced, free)`` lists of ``(task, request)``, tasks of ``CONTENT_TASKS``; free requests
+        have no forced text and at most ``FREE_TOKENS`` new tokens.
+    """
+    by_task: dict[str, list[GenerationRequest]] = {task: [] for task in CONTENT_TASKS}
+    for page in pages:
+        for task, request in page_requests(page, options)[1:]:
+            if task in by_task:
+                by_task[task].append(replace(request, image=request.image.resize(CONTENT_IMAGE)))
+    forced: list[tuple[str, GenerationRequest]] = []
+    free: list[tuple[str, GenerationRequest]] = []
+    for task, requests in by_task.items():
+        used = 0
+        for request in requests:
+            if used >= forced_steps:
+                break
+            forced.append((task, request))
+            used += count_tokens(request.forced_text or "")
+        sampling = replace(options.sampling(task), max_new_tokens=FREE_TOKENS)
+        free.extend((task, replace(r, forced_text=None, sampling=sampling)) for r in requests[:free_blocks])
+    return forced, free
+
+
+def _free_summary(outputs: list[list[int]], reference: list[list[int]], tasks: list[str]) -> dict:
+    """Free-running outputs against the float32 engine's: per block type and overall, blocks,
+    identical outputs, and the median tokens before the first difference (an identical output
+    counts its whole length)."""
+
+    def prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    rows: dict[str, list[tuple[bool, int]]] = {}
+    for task, got, want in zip(tasks, outputs, reference, strict=True):
+        for name in ("all", task):
+            rows.setdefault(name, []).append((got == want, len(got) if got == want else prefix(got, want)))
+    return {
+        name: {
+            "blocks": len(r),
+            "identical": sum(same for same, _ in r),
+            "identical_pct": 100 * sum(same for same, _ in r) / len(r),
+            "median_tokens_to_divergence": statistics.median(n for _, n in r),
+        }
+        for name, r in rows.items()
+    }
+
+
+def run_content(spec: dict) -> dict:
+    """Real-text fidelity (see the module docstring) of every configuration of ``spec`` against
+    the float32 engine, one engine loaded at a time.
+
+    ``spec``: ``{"model", "threads", "workload" (OmniDocBench-format dir; required), "configs"
+    ({label: {"preset", "overrides"}}; default ``CONTENT_CONFIGS``), "forced_steps" (per block type,
+    default 1000), "free_blocks" (per block type, default 3), "pages" (default all),
+    "llama_cpp_q8_0" (a Q8_0 GGUF of the same language model, for the ``LLAMA_CPP_ROW`` row)}``.
+
+    The ``LLAMA_CPP_ROW`` row (llama.cpp's Q8_0 on the same weights) is reserved: it says why it
+    was not measured (no Q8_0 GGUF given, or no llama.cpp runner in this build: the side-by-side
+    tooling provides one) instead of being left out.
+
+    Returns:
+        ``{"mode": "content", "pages", "forced": {"requests", "steps"}, "free": {"blocks"},
+        "rules": {...}, "results": {label: {"forced": StepGroups.summary(), "free": {...}}}}``.
+
+    Raises:
+        BenchmarkError: no workload directory, or the workload has no content block with text.
+    """
+    from ..engine.factory import build_engine
+    from ..engine.preprocess import Preprocessor
+    from ..errors import BenchmarkError
+    from .workload import load_workload
+
+    if not spec.get("workload"):
+        raise BenchmarkError("real-text fidelity needs the workload's ground truth: give its directory")
+    model = Path(spec["model"])
+    pages = load_workload(spec.get("pages"), Path(spec["workload"]))
+    options = ParserOptions()
+    counter = Preprocessor(model)
+    forced, free = content_requests(
+        pages, options, lambda t: len(counter.forced_ids(t)), spec.get("forced_steps", 1000), spec.get("free_blocks", 3)
+    )
+    if not forced:
+        raise BenchmarkError("the workload has no text, table or equation block with ground truth")
+    configs = spec.get("configs", CONTENT_CONFIGS)  # {} (no row to compare): the reference only
+
+    def engine_of(config: dict):
+        built = _options(config, spec.get("threads"))
+        return build_engine(model, built, prepared_cache=False)
+
+    def free_run(engine) -> list[list[int]]:
+        results = engine.generate([request for _, request in free])
+        return [r.token_ids for r in results]
+
+    reference = engine_of(FP32)
+    steps = [ReferenceSteps.of(forced_logits_prefill(reference, request)) for _, request in forced]
+    targets = [torch.tensor(reference.preprocessor.encode(request).forced) for _, request in forced]
+    reference_free = free_run(reference) if free else []
+    reference.close()
+    del reference
+    results = {}
+    for label, config in configs.items():
+        engine = engine_of(config)
+        groups = StepGroups()
+        for (task, request), ref, target in zip(forced, steps, targets, strict=True):
+            logits = forced_logits_prefill(engine, request)
+            same = logits.argmax(dim=-1) == ref.top1
+            cosine = F.cosine_similarity(logits.double(), ref.logits.double(), dim=-1)
+            groups.add(task, target, same, cosine, ref.confident)
+        outputs = free_run(engine) if free else []
+        engine.close()
+        del engine
+        results[label] = {
+            "config": config,
+            "forced": groups.summary(),
+            "free": _free_summary(outputs, reference_free, [task for task, _ in free]) if free else {},
+        }
+    return {
+        "mode": "content",
+        "pages": [p.name for p in pages],
+        "forced": {"requests": len(forced), "steps": sum(len(t) for t in targets)},
+        "free": {"blocks": len(free), "max_new_tokens": FREE_TOKENS},
+        "rules": {
+            "confident": f"float32 top-1 softmax probability >= {CONFIDENT_P}",
+            "special": f"forced token id >= {SPECIAL_FROM} (Qwen2-VL special tokens, end token, MinerU's own tokens)",
+            "image": f"crops resized to {CONTENT_IMAGE[0]}x{CONTENT_IMAGE[1]} (4 image tokens)",
+        },
+        "results": results,
+        LLAMA_CPP_ROW: {"skipped": _llama_cpp_reason(spec.get("llama_cpp_q8_0"))},
+    }
+
+
+def _llama_cpp_reason(q8_0: str | None) -> str:
+    """Why the llama.cpp Q8_0 row is empty."""
+    if not q8_0:
+        return "no Q8_0 GGUF of the same language model given (spec key llama_cpp_q8_0)"
+    return f"{Path(q8_0).name} given, but this build has no llama.cpp runner (the side-by-side tooling adds it)"
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    _spec = json.loads(sys.argv[1])
+    print(json.dumps(run_content(_spec) if _spec.get("mode") == "content" else run(_spec)))

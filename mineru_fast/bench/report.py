@@ -7,15 +7,25 @@ from pathlib import Path
 from .load import describe
 
 
-def _fidelity_cells(r: dict, ran: bool) -> str:
+def _content(results: dict) -> bool:
+    """Whether the fidelity run was the real-text one (``bench.fidelity.run_content``)."""
+    return (results.get("fidelity") or {}).get("mode") == "content"
+
+
+def _fidelity_cells(r: dict, ran: bool, content: bool = False) -> str:
     f = r.get("fidelity")
+    width = 4 if content else 2
     if f and f.get("reference"):
-        return "fp32 itself | fp32 itself"
+        return " | ".join(["fp32 itself"] * width)
+    if f and content:
+        confident = "n/a" if f["confident_top1_pct"] is None else f"{f['confident_top1_pct']:.2f}"
+        same = f"{f['free_identical']}/{f['free_blocks']}" if f.get("free_blocks") else "n/a"
+        return f"{f['top1_pct']:.2f} | {confident} | {f['mean_cosine']:.5f} | {same}"
     if f:
         return f"{f['top1_pct']:.2f} | {f['mean_cosine']:.5f}"
     if not ran:
-        return "not run | not run"
-    return "n/a | n/a"  # transformers engine rows, pinned instances: not replayed step by step
+        return " | ".join(["not run"] * width)
+    return " | ".join(["n/a"] * width)  # transformers engine rows, pinned instances: not replayed step by step
 
 
 def _load_cell(r: dict) -> str:
@@ -26,25 +36,31 @@ def _load_cell(r: dict) -> str:
 
 
 def _stage_table(results: dict) -> list[str]:
-    ran = "fidelity" in results
+    ran, content = "fidelity" in results, _content(results)
+    accuracy = (
+        "top-1 vs fp32 % | top-1 confident % | logits cosine | free-run same as fp32"
+        if content
+        else "top-1 vs fp32 % | logits cosine"
+    )
+    columns = 16 if content else 14
     lines = [
         "| stage | s/page | pages/min | speed-up | peak RSS GB | start-up s | vision s/page | prefill s/page "
-        "| decode s/page | other s/page | others' load, cores | same Markdown | top-1 vs fp32 % | logits cosine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| decode s/page | other s/page | others' load, cores | same Markdown | {accuracy} |",
+        "|" + "---|" * columns,
     ]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 12)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (columns - 2))
             continue
         t, other = r["stage_s_per_page"], r["other_s_per_page"]
         lines.append(
             f"| {r['label']} | {r['s_per_page']:.1f} | {r['pages_per_min']:.2f} | {r['speedup']:.2f}x "
             f"| {r['peak_rss_gb']:.2f} | {r['startup_s']:.1f} | {t['vision']:.1f} | {t['prefill']:.1f} "
             f"| {t['decode']:.1f} | {'n/a' if other is None else f'{other:.1f}'} | {_load_cell(r)} "
-            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} | {_fidelity_cells(r, ran)} |"
+            f"| {'yes' if r['markdown_equal_first_row'] else 'NO'} | {_fidelity_cells(r, ran, content)} |"
         )
     for r in results["extra_rows"]:
-        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * 12)
+        lines.append(f"| {r['label']} | {r['reason']} |" + " |" * (columns - 2))
     return lines
 
 
@@ -78,9 +94,18 @@ def _kernel_paths(results: dict) -> list[str]:
 def _fidelity_notes(results: dict) -> list[str]:
     f = results.get("fidelity")
     if f is None:
-        return ["- top-1 / cosine: not run (--quick skips them; pass --fidelity)"]
+        return ["- top-1 / cosine: not run (--quick skips them unless the model has a trained LM; pass --fidelity)"]
     if "error" in f:
         return [f"- top-1 / cosine: the fidelity run failed: {f['error']}"]
+    if f.get("mode") == "content":
+        rules = f["rules"]
+        return [
+            f"- top-1 vs fp32 / logits cosine: real text on the trained language model: {f['steps']} teacher-forced "
+            f"steps of {f['requests']} content blocks (text, tables as OTSL, formulas as LaTeX) from {f['pages']} "
+            f"workload pages, {rules['image']}, batch 1; top-1 confident: steps where {rules['confident']}; "
+            f"free-run same: greedy outputs (protocol rules, <= {f['free_tokens']} new tokens) identical to fp32's, "
+            f"of {f['free_blocks']} blocks (bench/fidelity.py; {f['seconds'] / 60:.1f} min)"
+        ]
     return [
         f"- top-1 vs fp32 / logits cosine: every forced step of page {f['page']} ({f['requests']} requests: "
         "layout + crops) at batch 1 with teacher forcing, each row's logits against the float32 engine's "

@@ -161,10 +161,21 @@ def _numerics_key(row: dict) -> str:
     return json.dumps([row["preset"], options, n.get("precision"), n.get("int8_kernel")], sort_keys=True)
 
 
+BENCH_FORCED_STEPS = 200  # real-text fidelity in the benchmark: forced steps per block type (text, table, equation)
+BENCH_FREE_BLOCKS = 2  # and free-running blocks per block type
+
+
 def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: int) -> dict:
-    """Every fast-engine row's numerics against the float32 engine on the median page, in one
-    child process (``bench.fidelity``); adds ``row["fidelity"]`` in place and returns the run's
-    record (``{"page", "requests", "seconds"}``, or ``{"error"}``)."""
+    """Every fast-engine row's numerics against the float32 engine, in one child process
+    (``bench.fidelity``); adds ``row["fidelity"]`` in place and returns the run's record
+    (``{"page", "requests", "seconds"}``, or ``{"error"}``).
+
+    On a model with a trained language model (``synthetic.lm_source``) and a real workload
+    (``--workload``) it is the real-text comparison (``fidelity.run_content``: content blocks
+    teacher-forced with their ground truth, ``BENCH_FORCED_STEPS`` steps and ``BENCH_FREE_BLOCKS``
+    free-running blocks per block type; the record then has ``"mode": "content"``); otherwise every
+    forced step of the median page."""
+    from ..synthetic import lm_source
     from .fidelity import FP32
 
     groups: dict[str, list[dict]] = {}
@@ -178,7 +189,11 @@ def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: i
         configs[f"c{i}"] = {"preset": members[0]["preset"], "overrides": overrides}
     reference = {key for key, config in zip(groups, configs.values(), strict=True) if config == FP32}
     configs = {label: c for label, c in configs.items() if c != FP32}
-    spec = {"model": model, "threads": threads, "workload": str(workload) if workload else None, "configs": configs}
+    spec: dict[str, Any] = {"model": model, "threads": threads, "workload": str(workload) if workload else None,
+                            "configs": configs}  # fmt: skip
+    content = workload is not None and lm_source(model) is not None
+    if content:
+        spec.update(mode="content", forced_steps=BENCH_FORCED_STEPS, free_blocks=BENCH_FREE_BLOCKS)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "mineru_fast.bench.fidelity", json.dumps(spec)], capture_output=True,
                           text=True)  # fmt: skip
@@ -187,9 +202,26 @@ def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: i
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for i, (key, members) in enumerate(groups.items()):
         result = {"reference": True} if key in reference else out["results"].get(f"c{i}")
+        if content and result and not result.get("reference"):
+            result = _content_cells(result)
         for row in members:
             row["fidelity"] = result
+    if content:
+        return {"mode": "content", "pages": len(out["pages"]), "requests": out["forced"]["requests"],
+                "steps": out["forced"]["steps"], "free_blocks": out["free"]["blocks"],
+                "free_tokens": out["free"]["max_new_tokens"], "rules": out["rules"],
+                "seconds": time.perf_counter() - start}  # fmt: skip
     return {"page": out["page"], "requests": out["requests"], "seconds": time.perf_counter() - start}
+
+
+def _content_cells(result: dict) -> dict:
+    """A row's real-text figures (``fidelity.run_content``'s result): all steps, confident steps,
+    the free-running outputs, and the whole result under ``"detail"``."""
+    groups, free = result["forced"]["groups"], result["free"].get("all", {})
+    confident = groups.get("confident", {})
+    return {"top1_pct": groups["all"]["top1_pct"], "mean_cosine": groups["all"]["mean_cosine"],
+            "confident_top1_pct": confident.get("top1_pct"), "free_identical": free.get("identical"),
+            "free_blocks": free.get("blocks"), "detail": result}  # fmt: skip
 
 
 def auto_check(header: dict, rows: list[dict]) -> dict:
@@ -280,7 +312,10 @@ def _rows_and_tables(results: dict[str, Any], rows: list[Row], unavailable: list
             results[section] = shipped.pop(section)
     results["extra_rows"] = unavailable
     results["auto_check"] = auto_check(results["header"], results["rows"])
-    if fidelity if fidelity is not None else not quick:
+    from ..synthetic import lm_source
+
+    # on by default in the full run, and in --quick for a model with a trained LM (what it is for)
+    if fidelity if fidelity is not None else (not quick or lm_source(model) is not None):
         print("[bench] fidelity vs fp32 ...", file=sys.stderr, flush=True)
         results["fidelity"] = run_fidelity(results["rows"], model, workload, threads)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -295,9 +330,9 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
     ``only``: run just the stage rows whose label contains one of these strings (and neither the
     concurrency table nor the roofline). ``profile``: a page-profile JSON file instead of the
     shipped one (``workload.load_profile``; tests run a page of a few tokens). ``fidelity``:
-    compare the rows' logits with the float32 engine on the median page (default: in the full
-    run, not in ``quick``; on the full-size model on 2 cores it costs about one float32 page plus
-    one page per distinct configuration).
+    compare the rows' logits with the float32 engine (``run_fidelity``; default: in the full run,
+    and in ``quick`` for a model with a trained language model; on the full-size model on 2 cores
+    the page comparison costs about one float32 page plus one page per distinct configuration).
 
     Raises:
         BenchmarkError: ``pages`` outside 1..the workload's page count, or ``only`` matching no row.
