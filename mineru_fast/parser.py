@@ -195,8 +195,9 @@ class DocumentParser:
         """Load a MinerU2.5 checkpoint from a local directory or a Hugging Face hub id.
 
         Args:
-            path_or_id: model directory, or hub id (default ``opendatalab/MinerU2.5-2509-1.2B``),
-                looked up in the local hub cache before any download.
+            path_or_id: model directory, hub id (default ``opendatalab/MinerU2.5-Pro-2605-1.2B``,
+                MinerU 4's model) or a version name of ``hub.MODEL_IDS`` (``"2509"``), looked up in
+                the local hub cache before any download.
             options: parser options; default ``ParserOptions()``.
             revision: branch, tag or commit hash of a hub id; None = the default branch.
             cache_dir: Hugging Face hub cache; None = huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``).
