@@ -295,7 +295,7 @@ def test_batch_takes_the_quiet_and_confidence_flags_of_parse(tiny_model, tmp_pat
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:  # the driver's writer (one per document) adds the field; the actors send pages
         metadata = worker.parser.result_metadata(inspect_document("doc", pdf_bytes(1)))
-        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], metadata, confidence=True)
+        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], metadata, confidence=True, layout="2.x")
         assert run_task(worker, assembly, 0, pdf_bytes(1), sample_trace(1))
     finally:
         worker.parser.close()
@@ -317,9 +317,9 @@ def test_a_reparse_split_into_tasks_keeps_every_tasks_outputs_and_only_those(tin
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:
         metadata = worker.parser.result_metadata(inspect_document("doc", data))
-        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], metadata)
+        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], metadata, layout="2.x")
         assert run_task(worker, whole, 0, data, trace)
-        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], metadata)
+        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], metadata, layout="2.x")
         assert [run_task(worker, split, i, data, trace) for i in (1, 0)] == [False, True]  # pages 2-3 first
     finally:
         worker.parser.close()

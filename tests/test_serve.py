@@ -137,7 +137,7 @@ def test_error_mapping_and_request_fields():
     assert from_exception(PageRangeError("x")).code == "bad_page_range"
     crash = from_exception(RuntimeError("secret internals"))
     assert crash.status == 500 and "secret internals" not in crash.message
-    assert parse_formats(None) == {"markdown", "content_list"}
+    assert parse_formats(None) == {"markdown", "middle_json"}  # MinerU 4's bundle: Markdown and middle JSON
     assert parse_formats("layout, json") == {"layout", "json"}
     with pytest.raises(ApiError) as info:
         parse_formats("markdown,pdf")
@@ -320,6 +320,8 @@ def test_health_ready_page_metrics_and_request_ids(server, client):
     page = httpx.get(f"{server.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="upload"' in page.text and 'id="markdown"' in page.text
+    # MinerU's licence (section 2): a service built on it says so, visibly, in its interface
+    assert 'Powered by <a href="https://github.com/opendatalab/MinerU">MinerU</a>' in page.text
     assert "default-src 'self'" in page.headers["content-security-policy"]
 
     assert client.get("/health", headers={"X-Request-ID": "client-id-42"}).headers["x-request-id"] == "client-id-42"
@@ -499,6 +501,10 @@ def test_job_progress_and_result(client):
     body = result.json()
     assert body["job_id"] == job["job_id"] and body["page_count"] == 3
     assert [p["page_idx"] for p in body["pages"]] == [0, 1, 2] and "markdown" in body and "content_list" not in body
+    # the default parts are MinerU 4's bundle: Markdown and the middle JSON of every page
+    middle = body["middle_json"]
+    assert middle["schema"] == "docvortex.middle" and [p["page_idx"] for p in middle["pages"]] == [0, 1, 2]
+    assert middle["extensions"]["mineru_fast"]["status"] == body["status"]
 
 
 def test_oversize_upload_is_413_before_it_is_read(server):

@@ -108,7 +108,8 @@ class BatchConfig:
         pages / password: as ``DocumentParser.iter_pages``, for every input.
         pages_per_task: the most pages of one task: a document with more selected pages is split
             into tasks of this many consecutive pages that run on different actors.
-        confidence: add the ``mf_confidence`` extension field to the content lists.
+        confidence: add the ``mf_confidence`` extension field (``writer.DocumentWriter``).
+        layout: ``"mineru4"`` (MinerU 4's bundle in ``OUTPUT/<stem>/``) or ``"2.x"`` (``writer.LAYOUTS``).
         quiet: log a document's line only when it did not end in ``success``.
     """
 
@@ -126,6 +127,7 @@ class BatchConfig:
     password: str | None = None
     pages_per_task: int = PAGES_PER_TASK
     confidence: bool = False
+    layout: str = "mineru4"
     quiet: bool = False
 
 
@@ -471,7 +473,9 @@ class _Runner:
             selected = spec_pages(outcome.selection)
             metadata = {**outcome.metadata, "input": {**outcome.metadata["input"], "pages": selected}}
             tasks = split_pages(selected, self.config.pages_per_task)
-            document.assembly = DocumentAssembly(self.config.output, job.name, tasks, metadata, self.config.confidence)
+            document.assembly = DocumentAssembly(
+                self.config.output, job.name, tasks, metadata, self.config.confidence, self.config.layout
+            )
             document.pending = set(range(len(tasks)))
             if not tasks:  # nothing selected: written at once (an empty document, as parse writes it)
                 return self._finish(document)
