@@ -124,7 +124,7 @@ def model_page(page: Page) -> list[dict[str, Any]]:
 _PROPERTIES: dict[str, Any] = {
     "title": None, "authors": [], "subject": None, "keywords": [], "description": None, "languages": [],
     "identifiers": [], "publisher": None, "created_at": None, "modified_at": None,
-    "creator_application": None, "producer_application": None,
+    "creator_application": None, "producer_application": None, "page_count": None, "page_count_kind": None,
 }  # fmt: skip
 
 
@@ -139,6 +139,7 @@ class Envelope:
         parse_mode: ``"ocr"`` (text read from the page image) or ``"txt"`` (the PDF's text layer).
         record: mineru-fast's own record (``metadata.head_dict``'s fields), ``extensions["mineru_fast"]``.
         version: mineru-fast's version (the producer's).
+        pdf: the source is a PDF; an image has no document properties (MinerU 4 writes ``{}``).
     """
 
     page_count: int
@@ -147,13 +148,14 @@ class Envelope:
     parse_mode: str
     record: dict[str, Any] = field(default_factory=dict)
     version: str = ""
+    pdf: bool = True
 
     def _head(self) -> dict[str, Any]:
         if not self.version:
             from . import __version__
 
             self.version = __version__
-        document = {"page_count": self.page_count, "page_count_kind": "physical"}
+        document = {"page_count": self.page_count, "page_count_kind": "physical"} if self.pdf else {}
         extensions: dict[str, Any] = {}
         if self.tier in _TIERS:
             extensions["mineru"] = {"tier": _TIERS[self.tier], "parse_mode": self.parse_mode}

@@ -27,6 +27,8 @@ TARGETS = ("markdown", "html", "latex", "docx", "epub", "pdf", "structured_conte
 class OfficialRendererMissing(MineruFastError):
     """A target only DocVortex renders was asked for, and DocVortex is not installed."""
 
+    code = "official_renderer_missing"
+
 
 def available() -> bool:
     """Whether DocVortex can be imported here."""

@@ -713,7 +713,8 @@ def envelope_for(
     parsed = source.get("pages")
     full = parsed is None or list(parsed) == list(range(count))
     parse_mode = "txt" if modes == {"txt"} else "ocr"
-    return Envelope(count, full, metadata.get("tier"), parse_mode, {**head, "pages": pages})
+    pdf = source.get("format", "pdf") == "pdf"
+    return Envelope(count, full, metadata.get("tier"), parse_mode, {**head, "pages": pages}, pdf=pdf)
 
 
 def page_summary(page: Page) -> dict[str, Any]:

@@ -118,7 +118,8 @@ def test_a_task_that_failed_on_every_attempt_leaves_failure_pages_never_a_comple
     assert assembly.complete(0, [Page(0)], assembly.staging(0, 2), 2)
     assert assembly.failed_pages == [1, 2] and assembly.attempts == 3 and not assembly.all_failed
     assert assembly.finish(wall_s=2.0) == ("partial", 4)
-    result = json.loads((tmp_path / "doc" / "doc.json").read_text())
+    # MinerU 4's bundle: mineru-fast's record of the document is the middle JSON's extension
+    result = json.loads((tmp_path / "doc" / "middle_json.json").read_text())["extensions"]["mineru_fast"]
     assert [(p["page_idx"], p["status"]) for p in result["pages"]] == [
         (0, "success"), (1, "failure"), (2, "failure"), (3, "success")
     ]  # fmt: skip

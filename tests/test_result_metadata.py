@@ -188,8 +188,9 @@ def test_improbable_block_is_flagged(parser):
     assert text.confidence.mean_logprob < THRESHOLD and text.low_confidence
     for block in (title, caption):
         assert block.confidence.tokens == 1 and block.confidence.mean_logprob > -0.1 and not block.low_confidence
-    # Pro-2605 reads images; the trace holds no analysis for it, replayed as the empty answer
-    assert image.confidence.tokens == 1 and not image.low_confidence
+    # Pro-2605 reads images; the trace holds no analysis for this one, replayed as the empty answer:
+    # no token but the end token, which is no part of a block's text
+    assert image.confidence is None and not image.low_confidence
     assert page.status == "success"  # a flag is advice to review, not a failure
 
     record = page.to_dict()["blocks"][1]
@@ -223,9 +224,8 @@ def test_cli_writes_metadata_and_the_confidence_extension(tiny_model, validator,
     assert result["metadata"]["options"]["confidence_threshold"] == -5.0
     assert [b["low_confidence"] for b in result["pages"][0]["blocks"]] == [False, True, False, False]
     items = json.loads((out / "scan" / "scan_content_list.json").read_text())
-    # The empty title and caption leave no item of their own; the image's empty analysis is one token.
-    image_confidence = {**result["pages"][0]["blocks"][2]["confidence"], "low_confidence": False}
+    # The empty title and caption leave no item of their own; the image's analysis is empty (no token).
     assert {item["type"]: item[CONFIDENCE_FIELD] for item in items} == {
         "text": {**result["pages"][0]["blocks"][1]["confidence"], "low_confidence": True},
-        "image": image_confidence,
+        "image": None,
     }
