@@ -90,6 +90,8 @@ def collect(topology: Topology | None = None) -> dict:
         },
         "prepared_cache": prepared_cache_summary(),
         "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
+        # MinerU 4's renderer (the mineru4 extra): HTML, LaTeX, DOCX, EPUB, PDF from the bundle
+        "renderer": {"docvortex": _version("docvortex")},
     }
 
 
@@ -109,6 +111,12 @@ def render(info: dict) -> str:
                        if hub_id != model["default"])  # fmt: skip
     lines = [
         f"Model:      {model['default']} ({model['protocol_version']} protocol; MinerU 4's model); {others}",
+        "Renderer:   "
+        + (
+            f"DocVortex {info['renderer']['docvortex']} (MinerU 4's: every target of parse -f)"
+            if info["renderer"]["docvortex"]
+            else "mineru-fast's own (bundle, Markdown, content list); pip install 'mineru-fast[mineru4]' for DocVortex"
+        ),
         f"CPU:        {cpu['model']} ({cpu['vendor']}), ISA class {tier}; "
         f"bf16 {'native' if cpu['native_bf16'] else 'emulated'}, int8 VNNI {'yes' if cpu['vnni'] else 'no'}",
         f"ISA:        {isa}; AMX: {amx}",

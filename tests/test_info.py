@@ -39,3 +39,4 @@ def test_info_json_runs_here(capsys, tmp_path, monkeypatch):
     assert "auto chooses:" in out and "0 prepared model(s), 0.00 GB" in out
     assert "Model:      opendatalab/MinerU2.5-Pro-2605-1.2B (pro-2605 protocol" in out
     assert "--model 2509 (opendatalab/MinerU2.5-2509-1.2B)" in out
+    assert ("Renderer:   DocVortex" in out) == (info["renderer"]["docvortex"] is not None)
