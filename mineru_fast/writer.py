@@ -1,4 +1,6 @@
-"""MinerU 4 Markdown and ``content_list.json``, rendered page by page.
+"""MinerU 4's outputs, rendered page by page: Markdown, structured content, the content list, and
+the pages of the middle JSON (``middle``); ``DocumentWriter`` writes them as MinerU 4's result
+bundle (default) or in MinerU 2.x's layout.
 
 Facts follow mineru 4.0.12's writer (docvortex's Markdown renderer and mineru's content list V1):
 text escaped conservatively (``* _ ` ~ $`` and a leading block marker), inline math as ``$..$``,
@@ -7,11 +9,11 @@ as HTML, page footnotes as small HTML spans, headers / footers / page numbers / 
 the content list, images named ``images/page_<page>_<kind>_<index>.jpg``.
 
 ``render_page`` is all a streaming writer needs: one finished ``Page`` in, its Markdown chunk, its
-content-list items and its crops out; ``DocumentWriter`` writes a document that way, keeping no page
-image after the page is written.
+content-list items, its middle JSON and structured-content pages and its crops out;
+``DocumentWriter`` writes a document that way, keeping no page image after the page is written.
 
-Extension (off by default, so the content list stays MinerU's byte for byte): with ``confidence=True``
-every content-list item gets ``mf_confidence``: ``{"mean_logprob", "min_logprob", "tokens",
+Extension (off by default, so the outputs stay MinerU's byte for byte): with ``confidence=True``
+every content-list item and structured-content block gets ``mf_confidence``: ``{"mean_logprob", "min_logprob", "tokens",
 "low_confidence"}`` over the tokens of the blocks it was made from (``document.Confidence``), or None
 when none of them was read by the model.
 """
