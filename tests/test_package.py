@@ -104,15 +104,15 @@ def test_wheel_and_sdist_carry_the_licence_and_notice(tmp_path):
         if (REPO / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, source / name)
-    code = (
-        "import sys; from setuptools import build_meta as b; "
-        "print(b.build_wheel(sys.argv[1]), b.build_sdist(sys.argv[1]))"
-    )
     out = tmp_path / "dist"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=source, capture_output=True, text=True,
-                          timeout=300, check=True)  # fmt: skip
-    wheel_name, sdist_name = proc.stdout.split()[-2:]
+    names = []
+    for hook in ("build_wheel", "build_sdist"):  # one process each: setuptools keeps state between hooks
+        code = f"import sys; from setuptools import build_meta as b; print('built:', b.{hook}(sys.argv[1]))"
+        proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=source, capture_output=True, text=True,
+                              timeout=300, check=True)  # fmt: skip
+        names.append(proc.stdout.rsplit("built: ", 1)[1].strip())
+    wheel_name, sdist_name = names
     with zipfile.ZipFile(out / wheel_name) as wheel:
         names = wheel.namelist()
     info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
