@@ -90,7 +90,7 @@ def test_a_document_split_into_tasks_is_written_as_sequential_parse_writes_it(ti
     trace.save(tmp_path / "traces" / "doc.json")
     assert main(["parse", str(source), "-o", str(tmp_path / "sequential"), "--model", str(tiny_model),
                  "--replay", str(tmp_path / "traces"), "--quiet"]) == 0  # fmt: skip
-    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
+    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1, overlays=False)  # the bundle
     try:
         info = inspect_document("doc", source.read_bytes())
         tasks = split_pages(list(info.pages), 2)

@@ -372,6 +372,11 @@ def test_sync_parse_results_are_not_kept(server, client):
     """A synchronous call's result stayed stored for --result-ttl and could be fetched by its id."""
     response = client.post("/v1/document/parse", headers={"X-Request-ID": "sync-not-kept-1"}, **upload(pdf_bytes(1)))
     assert response.status_code == 200, response.text
+    body = response.json()  # the default parts: MinerU 4's Markdown and middle JSON (no content list)
+    assert "markdown" in body and "content_list" not in body
+    middle = body["middle_json"]
+    assert middle["schema"] == "docvortex.middle" and [p["page_idx"] for p in middle["pages"]] == [0]
+    assert middle["extensions"]["mineru_fast"]["status"] == body["status"]
     (queued,) = [r for r in server.log_records() if r.get("request_id") == "sync-not-kept-1" and "job_id" in r][:1]
     assert_error(client.get(f"/v1/jobs/{queued['job_id']}"), 404, "job_not_found")
     assert_error(client.get(f"/v1/jobs/{queued['job_id']}/result"), 404, "job_not_found")
@@ -501,10 +506,6 @@ def test_job_progress_and_result(client):
     body = result.json()
     assert body["job_id"] == job["job_id"] and body["page_count"] == 3
     assert [p["page_idx"] for p in body["pages"]] == [0, 1, 2] and "markdown" in body and "content_list" not in body
-    # the default parts are MinerU 4's bundle: Markdown and the middle JSON of every page
-    middle = body["middle_json"]
-    assert middle["schema"] == "docvortex.middle" and [p["page_idx"] for p in middle["pages"]] == [0, 1, 2]
-    assert middle["extensions"]["mineru_fast"]["status"] == body["status"]
 
 
 def test_oversize_upload_is_413_before_it_is_read(server):

@@ -368,15 +368,16 @@ class _ParseTasks:
         attempts: the most attempts of a task (``max_retries + 1``).
         password: as ``DocumentParser.iter_pages``.
         events: send each parsed page's event to the ledger (the driver has an ``on_event``).
+        overlays: as ``DocumentWorker`` (the 2.x layout's overlays).
     """
 
     def __init__(
         self, model: str, options: ParserOptions, threads: int, ledger: Any, attempts: int,
-        password: str | None, events: bool,
+        password: str | None, events: bool, overlays: bool = True,
     ) -> None:  # fmt: skip
         import ray
 
-        self.worker = DocumentWorker(model, options, threads, pin=True)
+        self.worker = DocumentWorker(model, options, threads, pin=True, overlays=overlays)
         self.ledger, self.attempts, self.password, self.events = ledger, attempts, password, events
         self.actor = ray.get_runtime_context().current_actor
         self.where = self.worker.describe()
@@ -608,6 +609,7 @@ def _pipeline(config: BatchConfig, jobs: list[_Job], actors: int, cores: int, le
                 "attempts": config.max_retries + 1,
                 "password": config.password,
                 "events": events,
+                "overlays": config.layout == "2.x",  # MinerU 4's bundle has no overlays
             },
             compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
             num_cpus=cores,
