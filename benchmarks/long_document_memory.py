@@ -62,9 +62,10 @@ def run_cli(model: str, pdf: Path, trace: Path, out: Path, threads: int) -> dict
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, first_page_s = 0, None
+    first_page = out / pdf.stem / "middle_json.json.pages.part"  # the bundle's middle JSON pages, as written
     while process.poll() is None:
         peak = max(peak, vm_hwm(process.pid))
-        if first_page_s is None and (out / pdf.stem / "layout" / "page_0001.png").is_file():
+        if first_page_s is None and first_page.is_file() and first_page.stat().st_size > 0:
             first_page_s = time.perf_counter() - start
         time.sleep(0.2)
     stdout, stderr = process.communicate()

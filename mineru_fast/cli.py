@@ -32,6 +32,9 @@ from .cli_options import (
     positive_int,
 )
 from .errors import MineruFastError, OutputError
+from .formats import OFFICIAL_TARGETS
+from .official import available as official_available
+from .protocol import DEFAULT_MODEL_VERSION, MODEL_VERSIONS
 from .serve.command import add_serve_command, run_serve_command
 
 if TYPE_CHECKING:
@@ -73,6 +76,12 @@ def build_argparser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a trained Qwen2 language model of the size's shape (GGUF; needs the gguf package) "
         "replaces the random one; the vision tower stays random",
+    )
+    s.add_argument(
+        "--model-version",
+        choices=MODEL_VERSIONS,
+        default=DEFAULT_MODEL_VERSION,
+        help="the MinerU2.5 version whose protocol the model reports (default: %(default)s)",
     )
 
     b = sub.add_parser("bench", help="latency tables on this CPU (stage table, concurrency, roofline)")
@@ -162,6 +171,10 @@ def _cmd_parse(args: argparse.Namespace) -> int:
     if args.output.exists() and not args.output.is_dir():
         print(f"mineru-fast: -o {args.output} exists and is not a directory", file=sys.stderr)
         return EXIT_USAGE
+    if args.format in OFFICIAL_TARGETS and not official_available():
+        print(f"mineru-fast: -f {args.format} needs DocVortex, MinerU 4's renderer: pip install "
+              "'mineru-fast[mineru4]'", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
     if clashes := output_clashes(sources):  # one output folder per stem: a clash would overwrite silently
         for first, second in clashes:
             _report_error(mode, second, OUTPUT_CLASH, clash_message(first, second))
@@ -220,19 +233,27 @@ def _shown(path: str | Path) -> str:
 
 
 def _parse_one(parser, source: Path, trace: Path | None, info: InputInfo, args: argparse.Namespace, mode: str) -> int:
-    """Parse one input page by page into ``OUTPUT/<stem>/``; report progress and problems."""
+    """Parse one input page by page into ``OUTPUT/<stem>/`` (or the file ``--format`` names);
+    report progress and problems."""
     import time
 
+    from .formats import finish, writer_folder
     from .writer import DocumentWriter
 
     start = time.perf_counter()
     n_pages = len(info.pages)
+    folder = writer_folder(args.output, source.stem, args.format)
+    layout = "2.x" if args.format == "2.x" else "mineru4"
     with DocumentWriter(
-        args.output / source.stem, source.stem, metadata=parser.result_metadata(info), confidence=args.confidence
-    ) as writer:  # an exception out of the loop is recorded in <stem>.json (status failure)
+        folder, source.stem, layout=layout, metadata=parser.result_metadata(info), confidence=args.confidence
+    ) as writer:  # an exception out of the loop is recorded in the result (status failure)
         pages = parser.iter_pages(source, pages=args.pages, password=args.password, replay=trace, keep_page_images=True)
         _write_pages(writer, pages, source, n_pages, start, mode)
-        out = writer.close(wall_s=time.perf_counter() - start)
+        writer.close(wall_s=time.perf_counter() - start)
+    try:
+        out = finish(folder, args.output, source.stem, args.format)
+    except OSError as exc:
+        raise OutputError(f"cannot write the {args.format} output of {source.stem} in {args.output}: {exc}") from exc
     document_status = writer.document_status
     print(f"{_shown(source)}: {document_status}, {len(writer.statuses)} page(s) -> {_shown(out)}")
     return EXIT_OK if document_status == "success" else EXIT_PAGES_FAILED
@@ -269,9 +290,11 @@ def _write_pages(writer, pages, source: Path, n_pages: int, start: float, mode: 
 def _cmd_synth_model(args: argparse.Namespace) -> int:
     from .synthetic import make_synthetic_model
 
-    out = make_synthetic_model(args.directory, size=args.size, seed=args.seed, lm_gguf=args.lm_gguf)
+    out = make_synthetic_model(
+        args.directory, size=args.size, seed=args.seed, version=args.model_version, lm_gguf=args.lm_gguf
+    )
     lm = f" with the language model of {args.lm_gguf.name}" if args.lm_gguf else ""
-    print(f"wrote {args.size} synthetic model{lm} to {out}")
+    print(f"wrote {args.size} synthetic model{lm} ({args.model_version} protocol) to {out}")
     return EXIT_OK
 
 
@@ -334,6 +357,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         password=args.password,
         pages_per_task=args.pages_per_task,
         confidence=args.confidence,
+        layout="2.x" if args.format == "2.x" else "mineru4",
         quiet=args.quiet,
     )
     summary = run_batch(config)

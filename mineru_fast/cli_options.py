@@ -55,7 +55,12 @@ def add_model_arguments(
     p: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL_ID, help_text: str | None = None
 ) -> None:
     """``--model`` and the Hugging Face hub flags (the keyword arguments of ``from_pretrained``)."""
-    p.add_argument("--model", default=default, help=help_text or "model directory or hub id (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default=default,
+        help=help_text
+        or "model directory, hub id, or 2509 / pro-2605 for that version's hub id (default: %(default)s)",
+    )
     p.add_argument("--revision", help="branch, tag or commit of a hub model (default: its default branch)")
     p.add_argument(
         "--cache-dir", type=Path, help="Hugging Face hub cache (default: huggingface_hub's, HF_HUB_CACHE / HF_HOME)"
@@ -86,7 +91,8 @@ def hub_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def add_parse_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``mineru-fast parse`` (also read by ``launch`` to find the inputs)."""
     p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files, or directories (searched recursively)")
-    p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input")
+    p.add_argument("-o", "--output", type=Path, required=True, help="writes OUTPUT/<stem>/ per input (see --format)")
+    add_format_argument(p)
     p.add_argument("--pages", help="1-based page range, e.g. '1-3,5' (clamped to the document, with a warning)")
     add_max_pages_argument(p)
     p.add_argument("--password", help="user password of encrypted PDFs")
@@ -103,12 +109,29 @@ def add_parse_arguments(p: argparse.ArgumentParser) -> None:
     add_confidence_argument(p)
 
 
+def add_format_argument(p: argparse.ArgumentParser) -> None:
+    """``-f`` / ``--format`` (``formats.FORMATS``), of ``parse``: shaped like mineru 4's ``-f``."""
+    from .formats import DEFAULT_FORMAT, FORMATS
+
+    p.add_argument(
+        "-f",
+        "--format",
+        choices=FORMATS,
+        default=DEFAULT_FORMAT,
+        help="bundle: OUTPUT/<stem>/ as MinerU 4 saves it (markdown.md, middle_json.json, structured_content.json, "
+        "model_output.json, images/); markdown, middle_json, zip: OUTPUT/<stem>.md|.json|.zip as mineru's -f; "
+        "html, latex, docx, epub, pdf: the bundle and OUTPUT/<stem>/<stem>.<suffix> by DocVortex (the mineru4 "
+        "extra); 2.x: MinerU 2.x's <stem>.md, <stem>_content_list.json, <stem>.json (default: %(default)s)",
+    )
+
+
 def add_confidence_argument(p: argparse.ArgumentParser) -> None:
     """``--confidence`` (``DocumentWriter(confidence=True)``), of ``parse`` and ``batch``."""
     p.add_argument(
         "--confidence",
         action="store_true",
-        help="add the mf_confidence extension field (block token log-probabilities) to content_list.json items",
+        help="add the mf_confidence extension field (block token log-probabilities) to structured_content.json "
+        "blocks (2.x: content_list.json items)",
     )
 
 
@@ -132,6 +155,14 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
         "(file://, s3://, gs://, hdfs://: files, folders, globs)",
     )
     p.add_argument("-o", "--output", type=Path, required=True, help="OUTPUT/<stem>/ per input, OUTPUT/manifest.jsonl")
+    p.add_argument(
+        "-f",
+        "--format",
+        choices=("bundle", "2.x"),
+        default="bundle",
+        help="bundle: MinerU 4's (markdown.md, middle_json.json, ...); 2.x: <stem>.md, <stem>_content_list.json, "
+        "<stem>.json (default: %(default)s)",
+    )
     p.add_argument("--ray-address", help="Ray cluster address, e.g. HEAD:6379 or 'auto' (default: a local Ray)")
     p.add_argument("--actors", type=positive_int, help="parser actors (default: cluster CPUs / --cores-per-actor)")
     p.add_argument("--cores-per-actor", type=positive_int, help="CPUs and threads per actor (default: smallest node's)")

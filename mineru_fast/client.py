@@ -440,8 +440,9 @@ class Client(_Base):
                 policy are re-encoded first).
             pages: 1-based page range, e.g. ``"1-3,5"``; None = every page.
             password: user password of an encrypted PDF.
-            formats: result parts among ``markdown``, ``content_list``, ``json``, ``layout``;
-                None = the service's default (Markdown and content list).
+            formats: result parts among ``markdown``, ``middle_json``, ``structured_content``,
+                ``content_list``, ``json``, ``layout``; None = the service's default (Markdown and
+                the middle JSON, MinerU 4's bundle).
             idempotency_key: 1-255 printable ASCII characters naming this submission, to submit it
                 again later (e.g. from another process) without making a second job; default a
                 new random UUID4 per call. The service keeps it as long as the job (its result TTL).

@@ -1,10 +1,11 @@
 """The parse result: ``Document`` -> ``Page`` -> ``Block``, and its MinerU-format outputs.
 
-Outputs are what official MinerU 4.0.12 writes for the same blocks (see ``writer``): ``<stem>.md``,
-``<stem>_content_list.json`` and ``images/`` crops of image, table, chart and equation blocks, plus
-``<stem>.json`` (everything, including raw outputs, timings, errors, block confidence and the result
-metadata; it validates against ``schema/document.schema.json``, see ``metadata``) and a layout overlay
-PNG per page.
+Outputs are what official MinerU 4.0.12 writes for the same blocks (see ``writer``): by default its
+result bundle (``markdown.md``, ``middle_json.json``, ``structured_content.json``,
+``model_output.json`` and ``images/`` crops of image, table, chart and equation blocks); in MinerU
+2.x's layout ``<stem>.md``, ``<stem>_content_list.json`` and ``images/``, plus ``<stem>.json``
+(everything, including raw outputs, timings, errors, block confidence and the result metadata; it
+validates against ``schema/document.schema.json``, see ``metadata``) and a layout overlay PNG per page.
 """
 
 from __future__ import annotations
@@ -305,21 +306,54 @@ class Document:
             "pages": [p.to_dict() for p in self.pages],
         }
 
-    def save(self, out_dir: str | Path, *, confidence: bool = False) -> Path:
-        """Write ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` crops and
-        ``layout/page_NNNN.png`` overlays into ``out_dir``, page by page (``writer.DocumentWriter``);
-        what an earlier save of this name wrote there is removed first, other files are kept.
+    def _envelope(self):  # the middle JSON's document fields (writer.envelope_for)
+        from .metadata import head_dict
+        from .writer import envelope_for, page_summary
+
+        head = head_dict(self.name, self.status, self.metadata, self.errors, self.timings, self.counts)
+        summaries = [page_summary(page) for page in self.pages]
+        return envelope_for(self.metadata, head, summaries, {page.ocr_mode for page in self.pages})
+
+    def to_middle_json(self) -> dict:
+        """MinerU 4's middle JSON of the document (what ``save`` writes as ``middle_json.json``;
+        see ``middle``): DocVortex's ``docvortex.middle`` 2.0, mineru-fast's record in
+        ``extensions["mineru_fast"]``; what continues across pages marked ``continues_prev``."""
+        from .writer import render_pages
+
+        return self._envelope().middle_json([output.middle for output in render_pages(self.pages)])
+
+    def to_structured_content(self) -> dict:
+        """MinerU 4's structured content of the document (``structured_content.json``); what
+        continues across pages marked ``continues_prev``."""
+        from .writer import render_pages
+
+        return self._envelope().structured_content([output.structured for output in render_pages(self.pages)])
+
+    def save(self, out_dir: str | Path, *, layout: str = "mineru4", confidence: bool = False) -> Path:
+        """Write the document into ``out_dir`` page by page (``writer.DocumentWriter``): MinerU 4's
+        result bundle (``markdown.md``, ``middle_json.json``, ``structured_content.json``,
+        ``model_output.json``, ``images/``), or with ``layout="2.x"`` MinerU 2.x's ``<stem>.md``,
+        ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` and ``layout/`` overlays. What an
+        earlier save wrote there is removed first, other files are kept.
 
         Args:
             out_dir: the output directory (created if needed).
-            confidence: add the ``mf_confidence`` extension field to the content list items.
+            layout: ``"mineru4"`` or ``"2.x"`` (``writer.LAYOUTS``).
+            confidence: add the ``mf_confidence`` extension field to the structured-content
+                blocks (2.x: the content list items).
 
         Returns:
             ``out_dir`` as a Path.
+
+        Raises:
+            ValueError: an unknown layout.
+            OutputError: the folder cannot be written.
         """
         from .writer import DocumentWriter
 
-        with DocumentWriter(out_dir, self.name, release=False, metadata=self.metadata, confidence=confidence) as writer:
+        with DocumentWriter(
+            out_dir, self.name, layout=layout, release=False, metadata=self.metadata, confidence=confidence
+        ) as writer:
             for page in self.pages:
                 writer.add_page(page)
             return writer.close(self.errors, self.timings.get("wall"))

@@ -16,6 +16,7 @@ __all__ = [
     "MineruFastError",
     "InputError",
     "UnsupportedFormat",
+    "NativeDocument",
     "CorruptDocument",
     "PasswordRequired",
     "ImageTooLarge",
@@ -65,6 +66,14 @@ class UnsupportedFormat(InputError):
     """The bytes are neither a PDF nor an image format Pillow can read."""
 
     code = "unsupported_format"
+
+
+class NativeDocument(UnsupportedFormat):
+    """An office, ODF, EPUB, HTML, RTF, OFD or CSV document: MinerU 4 parses these natively at its
+    ``flash`` tier (DocVortex reads their own structure, no model), which mineru-fast, a runner of
+    the MinerU2.5 model on page images, does not do; the message names the tool that does."""
+
+    code = "native_document"
 
 
 class CorruptDocument(InputError):

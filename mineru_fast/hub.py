@@ -15,9 +15,20 @@ from pathlib import Path
 
 from .errors import ModelLoadError, ModelNotCached
 
-__all__ = ["DEFAULT_MODEL_ID", "CACHE_ENV", "ModelInfo", "cache_dir", "resolve_model", "resolve_model_info"]
+__all__ = [
+    "DEFAULT_MODEL_ID",
+    "MODEL_IDS",
+    "CACHE_ENV",
+    "ModelInfo",
+    "cache_dir",
+    "resolve_model",
+    "resolve_model_info",
+]
 
-DEFAULT_MODEL_ID = "opendatalab/MinerU2.5-2509-1.2B"
+# Hub ids of the MinerU2.5 versions (protocol.MODEL_VERSIONS); the default is the one model of
+# mineru 4.0.12's registry (mineru/model/registry.py: "opendatalab/MinerU2.5-Pro-2605-1.2B").
+MODEL_IDS = {"pro-2605": "opendatalab/MinerU2.5-Pro-2605-1.2B", "2509": "opendatalab/MinerU2.5-2509-1.2B"}
+DEFAULT_MODEL_ID = MODEL_IDS["pro-2605"]
 CACHE_ENV = "MINERU_FAST_CACHE"
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -151,13 +162,15 @@ def resolve_model_info(
 ) -> ModelInfo:
     """Find the checkpoint ``path_or_id`` names, downloading it when allowed.
 
-    An existing directory is used as is. A hub id is looked up in the local Hugging Face cache
-    first (a cached ``revision`` is used without asking the hub whether the branch moved; pass a
-    commit hash to pin one), then downloaded (``*.json``, ``*.safetensors``, tokenizer and template
-    files) unless offline.
+    An existing directory is used as is. A version name of ``MODEL_IDS`` (``"2509"``,
+    ``"pro-2605"``) stands for its hub id when no directory of that name exists. A hub id is looked
+    up in the local Hugging Face cache first (a cached ``revision`` is used without asking the hub
+    whether the branch moved; pass a commit hash to pin one), then downloaded (``*.json``,
+    ``*.safetensors``, tokenizer and template files) unless offline.
 
     Args:
-        path_or_id: model directory, or hub id such as ``opendatalab/MinerU2.5-2509-1.2B``.
+        path_or_id: model directory, hub id such as ``opendatalab/MinerU2.5-Pro-2605-1.2B`` (the
+            default), or a version name of ``MODEL_IDS``.
         revision: branch, tag or commit hash of a hub id; None = the default branch (``main``).
         cache_dir: Hugging Face hub cache; None = huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``).
         token: hub token for private or gated models; None = huggingface_hub's (``HF_TOKEN`` or
@@ -181,7 +194,7 @@ def resolve_model_info(
         if problem:
             raise ModelLoadError(problem)
         return ModelInfo.from_dir(path)
-    model_id = str(path_or_id)
+    model_id = MODEL_IDS.get(str(path_or_id), str(path_or_id))
     if not _HUB_ID_RE.match(model_id):
         raise ModelLoadError(f"no such model directory: {model_id}")
     from huggingface_hub import snapshot_download

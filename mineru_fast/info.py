@@ -8,7 +8,8 @@ import os
 from .choice import CANDIDATES, choose_int8_kernel, choose_preset
 from .cpu import Topology, format_cpulist, isa_class, read_topology
 from .engine.backends import choose_backend, ipex_status
-from .hub import prepared_cache_root
+from .hub import DEFAULT_MODEL_ID, MODEL_IDS, prepared_cache_root
+from .protocol import DEFAULT_MODEL_VERSION
 from .threads import plan_threads
 
 
@@ -30,7 +31,8 @@ def prepared_cache_summary() -> dict:
 
 def collect(topology: Topology | None = None) -> dict:
     """Topology, ISA, allowed CPUs, the thread plan a ``parse`` process would get, installed
-    backends with versions, and what ``backend="auto"`` would choose (JSON-ready). Imports no torch."""
+    backends with versions, what ``backend="auto"`` would choose, and the model ``parse`` loads
+    without ``--model`` with the protocol version it runs (JSON-ready). Imports no torch."""
     topology = topology or read_topology()
     plan = plan_threads(topology)
     ipex = ipex_status()
@@ -87,6 +89,9 @@ def collect(topology: Topology | None = None) -> dict:
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
         },
         "prepared_cache": prepared_cache_summary(),
+        "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
+        # MinerU 4's renderer (the mineru4 extra): HTML, LaTeX, DOCX, EPUB, PDF from the bundle
+        "renderer": {"docvortex": _version("docvortex")},
     }
 
 
@@ -99,10 +104,19 @@ def render(info: dict) -> str:
     ipex_line = (
         f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})" if ipex["version"] else ipex["reason"]
     )
-    cpu, choices, cache = info["cpu"], info["choices"], info["prepared_cache"]
+    cpu, choices, cache, model = info["cpu"], info["choices"], info["prepared_cache"], info["model"]
     capped = ", ".join(f"{k}={v}" for k, v in cpu["isa_capped_by"].items())
     tier = cpu["isa_tier"] + (f" (hardware {cpu['hardware_isa_tier']}, capped by {capped})" if capped else "")
+    others = ", ".join(f"--model {version} ({hub_id})" for version, hub_id in model["versions"].items()
+                       if hub_id != model["default"])  # fmt: skip
     lines = [
+        f"Model:      {model['default']} ({model['protocol_version']} protocol; MinerU 4's model); {others}",
+        "Renderer:   "
+        + (
+            f"DocVortex {info['renderer']['docvortex']} (MinerU 4's: every target of parse -f)"
+            if info["renderer"]["docvortex"]
+            else "mineru-fast's own (bundle, Markdown, content list); pip install 'mineru-fast[mineru4]' for DocVortex"
+        ),
         f"CPU:        {cpu['model']} ({cpu['vendor']}), ISA class {tier}; "
         f"bf16 {'native' if cpu['native_bf16'] else 'emulated'}, int8 VNNI {'yes' if cpu['vnni'] else 'no'}",
         f"ISA:        {isa}; AMX: {amx}",

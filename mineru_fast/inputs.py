@@ -18,6 +18,7 @@ import multiprocessing
 import re
 import threading
 import warnings
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -33,6 +34,7 @@ from .errors import (
     DocumentNotFound,
     ImageTooLarge,
     InputError,
+    NativeDocument,
     PageRangeError,
     PasswordRequired,
     RenderTimeout,
@@ -613,6 +615,43 @@ def _describe(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# The formats MinerU 4 reads natively (mineru 4.0.12 mineru/filetypes.py: office, ODF, EPUB, OFD,
+# HTML, CSV): ZIP members that name them, then leading bytes, then the file suffix.
+_ZIP_KINDS = (("word/", "DOCX"), ("ppt/", "PPTX"), ("xl/", "XLSX"), ("Doc_0/", "OFD"))
+_ODF_KINDS = {
+    b"application/epub+zip": "EPUB",
+    b"application/vnd.oasis.opendocument.text": "ODT",
+    b"application/vnd.oasis.opendocument.spreadsheet": "ODS",
+    b"application/vnd.oasis.opendocument.presentation": "ODP",
+}
+_SUFFIX_KINDS = {".csv": "CSV", ".tsv": "TSV", ".mhtml": "MHTML", ".mht": "MHTML", ".doc": "DOC", ".xls": "XLS",
+                 ".ppt": "PPT", ".htm": "HTML", ".html": "HTML", ".epub": "EPUB", ".ofd": "OFD"}  # fmt: skip
+
+
+def native_kind(name: str, data: bytes) -> str | None:
+    """The kind of document MinerU 4 parses natively that ``data`` holds (``"DOCX"``, ``"EPUB"``,
+    ``"HTML"``, ...), or None. Read from ZIP members, leading bytes, then the suffix of ``name``."""
+    if data[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                names = archive.namelist()
+                if "mimetype" in names and (kind := _ODF_KINDS.get(archive.read("mimetype").strip())):
+                    return kind
+        except (zipfile.BadZipFile, OSError, KeyError):
+            names = []
+        for prefix, kind in _ZIP_KINDS:
+            if any(member.startswith(prefix) for member in names):
+                return kind
+    head = data[:1024].lstrip().lower()
+    if data[:8] == b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1":  # OLE2: DOC, XLS, PPT
+        return _SUFFIX_KINDS.get(Path(name).suffix.lower(), "Office (OLE2)")
+    if head.startswith(b"{\\rtf"):
+        return "RTF"
+    if head.startswith((b"<!doctype html", b"<html")) or b"<html" in head:
+        return "HTML"
+    return _SUFFIX_KINDS.get(Path(name).suffix.lower())
+
+
 def open_document(
     source: Source,
     *,
@@ -649,7 +688,8 @@ def open_document(
 
     Raises:
         DocumentNotFound: no such file. InputError: unreadable path. UnsupportedFormat: neither
-        PDF nor image. CorruptDocument: empty or damaged. PasswordRequired: encrypted PDF without the right password.
+        PDF nor image (``NativeDocument`` for a format MinerU 4 reads natively, naming the tool).
+        CorruptDocument: empty or damaged. PasswordRequired: encrypted PDF without the right password.
         ImageTooLarge: the first frame is over ``max_pixels`` (later frames fail at ``render``).
         PageRangeError: bad ``pages``. TooManyPages: more than ``max_pages`` pages selected.
     """
@@ -671,6 +711,13 @@ def open_document(
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"{name}: {exc}") from exc
     except UnidentifiedImageError:
+        file_name = Path(source).name if isinstance(source, (str, Path)) else name
+        if kind := native_kind(file_name, data):
+            raise NativeDocument(
+                f"{name}: a {kind} document, which MinerU 4 parses natively (tier flash, no model): "
+                f"`mineru-kit parse {file_name} -o OUT --tier flash`, or DocVortex, MinerU 4's parser of such files "
+                "(`pip install 'mineru-fast[mineru4]'`, then `docvortex`); mineru-fast reads PDFs and images"
+            ) from None
         raise UnsupportedFormat(f"{name}: not a PDF or a supported image format") from None
     except Exception as exc:  # Pillow's format plugins raise many types on malformed headers
         raise CorruptDocument(f"{name}: cannot decode image: {_describe(exc)}") from exc

@@ -113,6 +113,16 @@ class _ImagePages:
         return None
 
 
+def _replayed(content: str | None, task: str, replaying: bool) -> str | None:
+    """The output a replayed request is forced to: the trace's content; for an image analysis
+    (Pro-2605) the trace has no content for, the empty answer (traces recorded for 2509, which
+    leaves images unread, and OmniDocBench's hold none; official MinerU replayed the same way
+    answers an empty string). None: nothing to force (decoded)."""
+    if content is None and replaying and task == "image":
+        return ""
+    return content
+
+
 class DocumentParser:
     """Parses PDFs and images with a MinerU2.5 model.
 
@@ -195,8 +205,9 @@ class DocumentParser:
         """Load a MinerU2.5 checkpoint from a local directory or a Hugging Face hub id.
 
         Args:
-            path_or_id: model directory, or hub id (default ``opendatalab/MinerU2.5-2509-1.2B``),
-                looked up in the local hub cache before any download.
+            path_or_id: model directory, hub id (default ``opendatalab/MinerU2.5-Pro-2605-1.2B``,
+                MinerU 4's model) or a version name of ``hub.MODEL_IDS`` (``"2509"``), looked up in
+                the local hub cache before any download.
             options: parser options; default ``ParserOptions()``.
             revision: branch, tag or commit hash of a hub id; None = the default branch.
             cache_dir: Hugging Face hub cache; None = huggingface_hub's (``HF_HUB_CACHE``, ``HF_HOME``).
@@ -513,6 +524,7 @@ class DocumentParser:
                 continue
             block = plan.blocks[request.block_index]
             forced = trace.content_near(block.type, block.bbox) if trace is not None else None
+            forced = _replayed(forced, request.task, trace is not None)
             if trace is not None and forced is None:
                 page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
             work.contents[request.block_index] = self.engine.submit(
@@ -566,7 +578,7 @@ class DocumentParser:
         for request in plan_content(page.image, page_layout, image_analysis=self.image_analysis):
             forced = None
             if trace is not None:
-                forced = trace.content_for(page_layout.blocks[request.block_index])
+                forced = _replayed(trace.content_for(page_layout.blocks[request.block_index]), request.task, True)
                 if forced is None:
                     page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
             sampling = self.options.sampling(request.task, replayed=forced is not None)

@@ -70,6 +70,7 @@ CHAT_TEMPLATE = (
 
 # Model versions (same architecture, same protocol; Pro was trained for image analysis).
 MODEL_VERSIONS = ("2509", "pro-2605")
+DEFAULT_MODEL_VERSION = "pro-2605"  # the one model of mineru 4.0.12's registry (mineru/model/registry.py)
 
 LAYOUT_TASK = "layout"
 LAYOUT_IMAGE_SIZE = (1036, 1036)  # 74x74 patches of 14 px -> 37x37 = 1369 image tokens
@@ -166,8 +167,10 @@ def detect_model_version(model_dir: str | Path, requested: str = "auto") -> str:
 
     ``requested`` other than ``"auto"`` wins. Otherwise the checkpoint's ``config.json``
     ``_name_or_path`` and its directory path (hub cache folders are named after the repo, e.g.
-    ``models--opendatalab--MinerU2.5-Pro-2605-1.2B``) are searched for "pro" and "2605"; a checkpoint
-    that names neither is taken as 2509 (also the synthetic models, which have 2509 shapes).
+    ``models--opendatalab--MinerU2.5-2509-1.2B``) are searched: "pro" followed by "2605" names
+    Pro-2605, a standalone "2509" names 2509, and a checkpoint that names neither is taken as
+    ``DEFAULT_MODEL_VERSION`` (Pro-2605, MinerU 4's model; synthetic models name their version in
+    ``_name_or_path``, and those written before they did are Pro-2605 too).
 
     Raises:
         ValueError: ``requested`` is not "auto" or one of ``MODEL_VERSIONS``.
@@ -178,10 +181,15 @@ def detect_model_version(model_dir: str | Path, requested: str = "auto") -> str:
         return requested
     names = [str(Path(model_dir).resolve())]
     try:
-        names.append(str(json.loads((Path(model_dir) / "config.json").read_text()).get("_name_or_path", "")))
+        names.insert(0, str(json.loads((Path(model_dir) / "config.json").read_text()).get("_name_or_path", "")))
     except (OSError, ValueError, AttributeError):
         pass
-    return "pro-2605" if any(re.search(r"pro.?2605|2605", n, re.IGNORECASE) for n in names) else "2509"
+    for name in names:
+        if re.search(r"pro.?2605", name, re.IGNORECASE):
+            return "pro-2605"
+        if re.search(r"(?<![A-Za-z0-9])2509(?![A-Za-z0-9])", name):
+            return "2509"
+    return DEFAULT_MODEL_VERSION
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ module writes: a directory laid out like the published checkpoint (``config.json
 ``model.safetensors`` with legacy Qwen2-VL tensor names), which
 ``transformers.Qwen2VLForConditionalGeneration`` and ``AutoProcessor`` load as they would the real
 one. Weights are random, so generated text is meaningless: such a model measures cost, never
-parsing quality.
+parsing quality. A synthetic model names the MinerU2.5 version whose protocol it follows in its
+``config.json`` ``_name_or_path`` (``protocol.detect_model_version`` reads it): Pro-2605 by default,
+as MinerU 4 runs; both versions have the same architecture.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from .errors import MineruFastError
 from .hub import cache_dir
-from .protocol import CHAT_TEMPLATE, MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS
+from .protocol import CHAT_TEMPLATE, DEFAULT_MODEL_VERSION, MINERU_TOKENS, MODEL_VERSIONS, QWEN2VL_SPECIAL_TOKENS
 
 __all__ = ["ModelSize", "SIZES", "lm_source", "make_synthetic_model", "synthetic_identity"]
 
@@ -87,10 +89,15 @@ MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
 
 
-def _config(size: ModelSize) -> dict:
-    """The flat ``config.json`` of a Qwen2-VL checkpoint, as published models carry it."""
+_VERSION_NAMES = {"pro-2605": "MinerU2.5-Pro-2605-1.2B", "2509": "MinerU2.5-2509-1.2B"}
+
+
+def _config(size: ModelSize, version: str) -> dict:
+    """The flat ``config.json`` of a Qwen2-VL checkpoint, as published models carry it, named after
+    the version it stands in for (``_name_or_path``)."""
     tokens = {name: i for i, name in enumerate(QWEN2VL_SPECIAL_TOKENS, start=151643)}
     return {
+        "_name_or_path": f"mineru-fast/synthetic-{_VERSION_NAMES[version]}",
         "architectures": ["Qwen2VLForConditionalGeneration"],
         "model_type": "qwen2_vl",
         "torch_dtype": "bfloat16",
@@ -260,15 +267,21 @@ def match_file_mode(paths: list[Path], like: Path) -> None:
 
 
 def make_synthetic_model(
-    out_dir: str | Path, size: str = "tiny", seed: int = 0, lm_gguf: str | Path | None = None
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    version: str = DEFAULT_MODEL_VERSION,
+    lm_gguf: str | Path | None = None,
 ) -> Path:
     """Write a random-weight MinerU2.5-architecture model directory.
 
     Args:
         out_dir: directory to create (parents too); existing model files in it are overwritten.
         size: ``"tiny"`` (tests, ~10 M parameters, mostly the 151936-row embedding) or ``"full"``
-            (MinerU2.5-2509 shapes, about 1.156 B parameters, 2.3 GB of bf16 safetensors).
+            (MinerU2.5 shapes, about 1.156 B parameters, 2.3 GB of bf16 safetensors).
         seed: seed of the weight generator; the same seed gives byte-identical weights.
+        version: the MinerU2.5 version whose protocol the model follows (``protocol.MODEL_VERSIONS``,
+            default Pro-2605); the weights do not depend on it.
         lm_gguf: a GGUF of a trained Qwen2 language model of the size's exact shape (with
             ``"full"``: Qwen2.5-0.5B's); its weights, dequantized, replace the random language
             model (the vision tower stays random) and ``LM_SOURCE.json`` records where they came
@@ -278,16 +291,18 @@ def make_synthetic_model(
         The model directory, loadable by ``DocumentParser.from_pretrained`` and by transformers.
 
     Raises:
-        ValueError: unknown ``size``.
+        ValueError: unknown ``size`` or ``version``.
         GgufError: ``lm_gguf`` cannot be read or does not fit the size (``gguf_lm.read_gguf_lm``).
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    if version not in MODEL_VERSIONS:
+        raise ValueError(f"version must be one of {MODEL_VERSIONS}, got {version!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)  # written last: a half-written model has none
     (out / LM_SOURCE).unlink(missing_ok=True)
-    config = _config(SIZES[size])
+    config = _config(SIZES[size], version)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(), indent=2) + "\n")
     _write_processor(out)
@@ -295,13 +310,15 @@ def make_synthetic_model(
     match_file_mode([out / "model.safetensors"], like=out / "config.json")
     if provenance is None:
         note = (
-            f"Random-weight model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters).\n"
+            f"Random-weight model written by mineru-fast (size={size}, seed={seed}, version={version}, "
+            f"{n_params:,} parameters).\n"
             "Its outputs are meaningless; use it to measure speed and memory, never quality.\n"
         )
     else:
         (out / LM_SOURCE).write_text(json.dumps(provenance, indent=2) + "\n")
         note = (
-            f"Model written by mineru-fast (size={size}, seed={seed}, {n_params:,} parameters): a random vision\n"
+            f"Model written by mineru-fast (size={size}, seed={seed}, version={version}, {n_params:,} "
+            "parameters): a random vision\n"
             f"encoder and a trained language model, {provenance['gguf_name']!r} dequantized from\n"
             f"{provenance['gguf_file']} "
             f"({LM_SOURCE} says how). Its page outputs are meaningless (the LM never saw MinerU's task or\n"
@@ -322,13 +339,14 @@ def lm_source(model_dir: str | Path) -> dict | None:
 
 
 def synthetic_identity(model_dir: str | Path) -> str | None:
-    """``"synthetic (random weights, size=full, seed=0)"`` for a model this module wrote (read from
-    its ``SYNTHETIC.md``; ``"synthetic vision (...) + trained LM '<name>' from <file>"`` with a
-    GGUF language model), None for any other model directory."""
+    """``"synthetic (random weights, size=full, seed=0, version=pro-2605)"`` for a model this module
+    wrote (read from its ``SYNTHETIC.md``; older ones name no version; ``"synthetic vision (...) +
+    trained LM '<name>' from <file>"`` with a GGUF language model), None for any other model
+    directory."""
     marker = Path(model_dir) / MARKER
     if not marker.is_file():
         return None
-    found = re.search(r"size=\w+, seed=\d+", marker.read_text(encoding="utf-8"))
+    found = re.search(r"size=\w+, seed=\d+(?:, version=[\w-]+)?", marker.read_text(encoding="utf-8"))
     source = lm_source(model_dir)
     if source is not None:
         where = f", {found.group(0)}" if found else ""

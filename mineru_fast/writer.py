@@ -1,4 +1,6 @@
-"""MinerU 4 Markdown and ``content_list.json``, rendered page by page.
+"""MinerU 4's outputs, rendered page by page: Markdown, structured content, the content list, and
+the pages of the middle JSON (``middle``); ``DocumentWriter`` writes them as MinerU 4's result
+bundle (default) or in MinerU 2.x's layout.
 
 Facts follow mineru 4.0.12's writer (docvortex's Markdown renderer and mineru's content list V1):
 text escaped conservatively (``* _ ` ~ $`` and a leading block marker), inline math as ``$..$``,
@@ -7,11 +9,14 @@ as HTML, page footnotes as small HTML spans, headers / footers / page numbers / 
 the content list, images named ``images/page_<page>_<kind>_<index>.jpg``.
 
 ``render_page`` is all a streaming writer needs: one finished ``Page`` in, its Markdown chunk, its
-content-list items and its crops out; ``DocumentWriter`` writes a document that way, keeping no page
-image after the page is written.
+content-list items, its middle JSON and structured-content pages, its crops and its blocks'
+Markdown pieces out; a ``MarkdownJoiner`` fed the pieces page after page joins what continues
+across pages (reference lists, tables) as official's middle JSON marks it (``continues_prev``,
+which it marks in the middle JSON pages too). ``DocumentWriter`` writes a document that way,
+keeping no page image after the page is written.
 
-Extension (off by default, so the content list stays MinerU's byte for byte): with ``confidence=True``
-every content-list item gets ``mf_confidence``: ``{"mean_logprob", "min_logprob", "tokens",
+Extension (off by default, so the outputs stay MinerU's byte for byte): with ``confidence=True``
+every content-list item and structured-content block gets ``mf_confidence``: ``{"mean_logprob", "min_logprob", "tokens",
 "low_confidence"}`` over the tokens of the blocks it was made from (``document.Confidence``), or None
 when none of them was read by the model.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import shutil
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -32,6 +38,7 @@ from typing import IO, Any
 from .document import Confidence, Page, ParseError
 from .errors import OutputError
 from .metadata import head_dict
+from .middle import Envelope, image_name, middle_blocks, model_page
 from .mineru4 import CONFIDENCE_KEY, TRANSPARENT, page_model, plain_text
 from .table_merge import can_merge_tables, merge_tables
 
@@ -39,11 +46,18 @@ __all__ = [
     "PageOutput",
     "render_page",
     "render_markdown",
+    "render_pages",
+    "mark_continuations",
     "MarkdownJoiner",
     "MarkdownPiece",
     "DocumentWriter",
+    "LAYOUTS",
+    "BUNDLE_FILES",
     "render_spans",
     "remove_outputs",
+    "remove_bundle",
+    "envelope_for",
+    "page_summary",
     "write_page_images",
 ]
 
@@ -59,13 +73,20 @@ class PageOutput:
         markdown: the page's Markdown ("" when it has nothing to show).
         content_list: its ``content_list.json`` items.
         crops: ``(file name under images/, bbox as 0..1 floats)`` of the crops it references.
+        middle: the page of the middle JSON (``middle.middle_page``'s layout), what continues
+            within the page marked ``continues_prev`` (``mark_continuations`` marks what a
+            document's ``MarkdownJoiner`` finds continuing across pages).
+        structured: the page of ``structured_content.json`` (DocVortex's structured content),
+            marked as ``middle`` is.
         pieces: the Markdown of each top-level block, for ``MarkdownJoiner`` (which joins what
-            continues across blocks and pages).
+            continues across blocks and pages); one per block of ``middle``, in its order.
     """
 
     markdown: str
     content_list: list[dict] = field(default_factory=list)
     crops: list[tuple[str, tuple[float, float, float, float]]] = field(default_factory=list)
+    middle: dict = field(default_factory=dict)
+    structured: dict = field(default_factory=dict)
     pieces: list[MarkdownPiece] = field(default_factory=list)
 
 
@@ -81,6 +102,8 @@ class MarkdownPiece:
         page_index: the page it is on.
         block: its page-model block (``mineru4.page_model``).
         render: renders a block of this page (used when a continuation changed ``block``).
+        continues_prev: set by ``MarkdownJoiner`` when official's middle JSON marks the block as
+            continuing the list or table before it (its ``continues_prev``).
     """
 
     text: str
@@ -88,6 +111,7 @@ class MarkdownPiece:
     page_index: int
     block: dict
     render: Callable[[dict], str]
+    continues_prev: bool = False
 
 
 # ---------------------------------------------------------------- inline text
@@ -304,8 +328,7 @@ def render_table(markup: str) -> str | None:
 # ---------------------------------------------------------------- blocks
 
 
-def _image_name(page_idx: int, kind: str, index: int) -> str:
-    return f"page_{page_idx}_{kind}_{index}.jpg"
+_image_name = image_name
 
 
 def _overlay_name(page_idx: int) -> str:
@@ -474,6 +497,67 @@ class _PageRenderer:
             item["sub_type"] = group["sub_type"]
         return item
 
+    # -- structured content (docvortex render/_internal/structured_content/renderer.py)
+    def structured(self, block: dict) -> dict:
+        """A top-level block of ``structured_content.json``: its fields but content, index and
+        image payloads, then ``content`` as Markdown; visuals also ``captions``, ``footnotes`` and
+        ``image_source``, equations ``image_source``."""
+        kind, content = block["type"], _content(block)
+        item: dict = {"type": kind, "bbox": [float(v) for v in block["bbox"]]}
+        if kind in ("doc_title", "paragraph_title"):
+            item["level"] = block["level"]
+        if kind in ("list", "image", "chart", "code") and block.get("sub_type"):
+            item["sub_type"] = block["sub_type"]
+        if kind in ("text", "doc_title", "paragraph_title", "page_footnote") or kind in _AUXILIARY:
+            item["content"] = _escape_rule(_escape_prefix(render_spans(content)))
+        elif kind == "equation":
+            item["content"] = (content or "").strip()
+            item["image_source"] = f"{self.image_dir}/{_image_name(self.page.index, 'equation', block['index'])}"
+        elif kind in ("image", "table", "chart", "code"):
+            item["content"] = self.visual_content(block)
+            children = sorted(content, key=lambda c: c["index"])
+            for key, suffix in (("captions", "_caption"), ("footnotes", "_footnote")):
+                item[key] = [
+                    {"bbox": [float(v) for v in c["bbox"]], "content": _escape_rule(render_spans(c["content"]))}
+                    for c in children
+                    if c["type"].endswith(suffix)
+                ]
+            if kind != "code":
+                item["image_source"] = f"{self.image_dir}/{_image_name(self.page.index, kind, block['index'])}"
+        else:
+            item["content"] = self.markdown(block)
+        return item
+
+    def visual_content(self, group: dict) -> str:
+        """A visual's body as structured content holds it: what was read, never its image."""
+        visual = group["type"]
+        body = next(c for c in group["content"] if c["type"].endswith("_body"))
+        content = body.get("content")
+        if visual == "code":
+            if group.get("sub_type") == "algorithm":
+                return _algorithm_markdown(content)
+            return _fenced(content or "", "txt")
+        text = (content or "").strip() if visual != "table" else content
+        if not text:
+            return ""
+        if visual == "image":
+            return _format_embedded_html(text)
+        if visual == "table":
+            return render_table(text) or _fenced(text)
+        return render_table(text) or _format_embedded_html(text)
+
+
+def _algorithm_markdown(spans: list[dict]) -> str:
+    """An algorithm's spans as Markdown, a space between two adjacent inline equations."""
+    parts, previous_eq = [], False
+    for span in spans:
+        is_eq = span["type"] == "equation_inline"
+        if previous_eq and is_eq:
+            parts.append(" ")
+        parts.append(render_spans([span]))
+        previous_eq = is_eq
+    return "".join(parts)
+
 
 def _confidences(entry: dict) -> Iterable[tuple[Confidence | None, bool]]:
     """``(confidence, low_confidence)`` of a page-model entry and of the entries nested in it."""
@@ -595,11 +679,13 @@ def render_page(page: Page, image_dir: str = "images", *, confidence: bool = Fal
     Args:
         page: a parsed page (its image is not needed here; crops are only named).
         image_dir: the folder that image paths in the outputs point into.
-        confidence: add the ``mf_confidence`` extension field to each content-list item.
+        confidence: add the ``mf_confidence`` extension field to each content-list item and
+            structured-content block.
 
     Returns:
         The page's Markdown (what continues within the page joined; ``MarkdownJoiner`` joins across
-        pages), its pieces, its content-list items and the crops they reference.
+        pages), its content-list items, the crops they reference, its pages of the middle JSON
+        (what continues within the page marked) and of the structured content, and its pieces.
     """
     renderer = _PageRenderer(page, image_dir)
     blocks = page_model(page.blocks)
@@ -622,7 +708,34 @@ def render_page(page: Page, image_dir: str = "images", *, confidence: bool = Fal
             if confidence:
                 item[CONFIDENCE_FIELD] = confidence_field([entry])
             items.append(item)
-    return PageOutput(markdown, items, list(dict.fromkeys(renderer.crops)), pieces)
+    middle = {"page_idx": page.index, "blocks": middle_blocks(blocks, page.index)}
+    structured_blocks = [renderer.structured(block) for block in blocks]
+    if confidence:
+        for item, entry in zip(structured_blocks, blocks, strict=True):
+            item[CONFIDENCE_FIELD] = confidence_field([entry])
+    structured = {"page_idx": page.index, "blocks": structured_blocks}
+    output = PageOutput(markdown, items, list(dict.fromkeys(renderer.crops)), middle, structured, pieces)
+    mark_continuations(output)  # what continues within the page (render_page's joiner marked it)
+    return output
+
+
+def mark_continuations(output: PageOutput) -> None:
+    """Mark the blocks of a page's middle JSON and structured content that its pieces say continue
+    the one before (``MarkdownPiece.continues_prev``, set by a ``MarkdownJoiner`` that took them)
+    ``"continues_prev": true``, where DocVortex places it: after a middle JSON block's other
+    fields (``docvortex.schema.ListBlock`` and ``TableBlock``), before a structured-content block's
+    ``content`` (``render_structured_content`` dumps the block's fields first). Marks are only
+    added, so a page marked within itself (``render_page``) and then across pages (a document's
+    joiner) holds both.
+    """
+    blocks, items = output.middle["blocks"], output.structured["blocks"]
+    for position, piece in enumerate(output.pieces):
+        if not piece.continues_prev or blocks[position].get("continues_prev"):
+            continue
+        blocks[position]["continues_prev"] = True
+        fields = list(items[position].items())
+        at = next(n for n, (key, _) in enumerate(fields) if key == "content")
+        items[position] = dict([*fields[:at], ("continues_prev", True), *fields[at:]])
 
 
 @dataclass
@@ -655,6 +768,10 @@ class MarkdownJoiner:
 
     Text blocks never continue here: official decides that from OCR text lines, and with one line
     per block (its detector finds none on VLM pages, mineru-fast has none) it never joins them.
+
+    The pieces it finds continuing are marked (``MarkdownPiece.continues_prev``; ``mark_continuations``
+    writes the marks into the middle JSON), so official's renderer reading mineru-fast's middle JSON
+    joins what this joins.
 
     Only the last such list or table (and the transparent blocks after it) is held back, so memory
     stays flat on long documents.
@@ -697,24 +814,45 @@ class MarkdownJoiner:
         return held.texts() if held is not None else []
 
     def _continues(self, held: _Held, piece: MarkdownPiece, opens_page: bool) -> bool:
-        head, last = held.head, held.last
-        if piece.kind != head.kind:
+        """Join ``piece`` into ``held`` where official's middle JSON marks it as continuing (the
+        mark is recorded on the piece) and official's renderer joins it."""
+        if not _marked(held.last, piece, opens_page):
             return False
-        if head.kind == "ref_list":
-            if piece.page_index - last.page_index not in (0, 1):
-                return False
+        piece.continues_prev = True
+        if piece.kind == "ref_list":
             held.block = {**held.block, "content": [*held.block["content"], *piece.block["content"]]}
         else:
-            if piece.page_index != last.page_index + 1 or not opens_page:
-                return False
-            if not can_merge_tables(piece.block, last.block):
-                return False
             merged = merge_tables(held.block, piece.block)
             if merged is None:
                 return False
             held.block = merged
         held.last, held.changed = piece, True
         return True
+
+
+def _marked(previous: MarkdownPiece, piece: MarkdownPiece, opens_page: bool) -> bool:
+    """Whether official marks ``piece`` ``continues_prev``, ``previous`` being the reference list or
+    table before it with only transparent pieces between (docvortex
+    ``postprocess.paragraphs.merge_para_text_blocks``: a reference list after one on the same or
+    the previous page; ``content.table.document.merge_table``: a table opening the page after the
+    one ``previous`` closes, when ``table_merge.can_merge_tables`` allows it)."""
+    if piece.kind != previous.kind:
+        return False
+    if piece.kind == "ref_list":
+        return piece.page_index - previous.page_index in (0, 1)
+    return opens_page and piece.page_index == previous.page_index + 1 and can_merge_tables(piece.block, previous.block)
+
+
+def render_pages(pages: Iterable[Page], image_dir: str = "images") -> Iterator[PageOutput]:
+    """``render_page`` of a document's pages in order, their middle JSON and structured content
+    marked ``continues_prev`` where what continues across pages is, as official marks it (a
+    ``MarkdownJoiner`` takes their pieces)."""
+    joiner = MarkdownJoiner()
+    for page in pages:
+        output = render_page(page, image_dir)
+        joiner.add(output.pieces)
+        mark_continuations(output)
+        yield output
 
 
 def render_markdown(pages: Iterable[Page], image_dir: str = "images") -> str:
@@ -739,25 +877,22 @@ def _write_json_array(out: IO[str], items: Iterable[object], indent: int, level:
     out.write("]" if first else "\n" + " " * indent * level + "]")
 
 
-_FILES = ("{}.md", "{}_content_list.json", "{}.json")  # a document's final files, by stem
+_FILES = ("{}.md", "{}_content_list.json", "{}.json")  # the 2.x layout's final files, by stem
+LAYOUTS = ("mineru4", "2.x")
+"""Output layouts of a ``DocumentWriter``: MinerU 4's result bundle (the default) or MinerU 2.x's."""
+MARKDOWN, MIDDLE_JSON, STRUCTURED = "markdown.md", "middle_json.json", "structured_content.json"
+MODEL_OUTPUT = "model_output.json"
+BUNDLE_FILES = (MARKDOWN, MIDDLE_JSON, STRUCTURED, MODEL_OUTPUT)
+"""The files of MinerU 4's result bundle (mineru 4.0.12 ``ParseResult.save``) that mineru-fast writes."""
 PART = ".part"  # suffix of a final file while it is written; renamed into place by close
+_MIDDLE_PAGES = MIDDLE_JSON + ".pages"  # the middle JSON's pages array while the document runs
+_MODEL_PAGES = MODEL_OUTPUT + ".pages"  # model_output.json's
 INTERRUPTED = "interrupted"  # code of the error a writer closed by an exception records
 
 
-def remove_outputs(out_dir: Path, name: str) -> None:
-    """Remove what a ``DocumentWriter`` wrote for document ``name`` into ``out_dir`` before: its
-    files (``<name>.md``, ``<name>_content_list.json``, ``<name>.json``, their ``.part`` files and
-    ``<name>.pages.jsonl``),
-    the crops and overlays it names in ``images/`` and ``layout/``, and those folders once empty.
-    Any other file stays, and so do ``images/`` and ``layout/`` when the folder also holds another
-    document's content list (crop names do not say which document wrote them).
-    """
-    for file_name in _FILES:
-        (out_dir / file_name.format(name)).unlink(missing_ok=True)
-        (out_dir / (file_name.format(name) + PART)).unlink(missing_ok=True)
-    (out_dir / f"{name}.pages.jsonl").unlink(missing_ok=True)
-    if any(out_dir.glob("*_content_list.json")):  # another document's outputs share the folder
-        return
+def _remove_written(out_dir: Path) -> None:
+    """Remove the crops and overlays a writer names in ``images/`` and ``layout/``, and those
+    folders once empty."""
     for folder, written in _WRITTEN_IN.items():
         path = out_dir / folder
         if not path.is_dir():
@@ -767,6 +902,33 @@ def remove_outputs(out_dir: Path, name: str) -> None:
                 entry.unlink()
         if not any(path.iterdir()):
             path.rmdir()
+
+
+def remove_outputs(out_dir: Path, name: str) -> None:
+    """Remove what a 2.x-layout ``DocumentWriter`` wrote for document ``name`` into ``out_dir``
+    before: its files (``<name>.md``, ``<name>_content_list.json``, ``<name>.json``, their
+    ``.part`` files and ``<name>.pages.jsonl``), the crops and overlays it names in ``images/``
+    and ``layout/``, and those folders once empty.
+    Any other file stays, and so do ``images/`` and ``layout/`` when the folder also holds another
+    document's content list (crop names do not say which document wrote them).
+    """
+    for file_name in _FILES:
+        (out_dir / file_name.format(name)).unlink(missing_ok=True)
+        (out_dir / (file_name.format(name) + PART)).unlink(missing_ok=True)
+    (out_dir / f"{name}.pages.jsonl").unlink(missing_ok=True)
+    if any(out_dir.glob("*_content_list.json")):  # another document's outputs share the folder
+        return
+    _remove_written(out_dir)
+
+
+def remove_bundle(out_dir: Path) -> None:
+    """Remove a MinerU 4 bundle a ``DocumentWriter`` wrote into ``out_dir`` before: the
+    ``BUNDLE_FILES``, their ``.part`` files, and its crops and overlays (``images/``, ``layout/``,
+    removed once empty). Any other file stays."""
+    for file_name in (*BUNDLE_FILES, _MIDDLE_PAGES, _MODEL_PAGES):
+        (out_dir / file_name).unlink(missing_ok=True)
+        (out_dir / (file_name + PART)).unlink(missing_ok=True)
+    _remove_written(out_dir)
 
 
 def write_page_images(
@@ -792,17 +954,52 @@ def write_page_images(
         layout_overlay(page).save(out / "layout" / _overlay_name(page.index))
 
 
-class DocumentWriter:
-    """Writes ``<stem>.md``, ``<stem>_content_list.json``, ``<stem>.json``, ``images/`` and
-    ``layout/`` page by page, so memory stays flat however long the document is.
+def envelope_for(
+    metadata: dict[str, Any] | None, head: dict[str, Any], pages: list[dict[str, Any]], modes: set[str | None]
+) -> Envelope:
+    """The middle JSON's document fields (``middle.Envelope``) of a result.
 
-    Each ``add_page`` renders the page, writes its crops and overlay at once, appends its Markdown
-    (all but a reference list or table the next page may continue: ``MarkdownJoiner``) and
-    content-list items to the open output files and its full record to ``<stem>.pages.jsonl``,
-    then (``release``) drops the page's images. While a long document runs, the pages already done
-    are on disk, in ``<stem>.md.part`` and ``<stem>_content_list.json.part``. ``close`` finishes the
-    files, assembles ``<stem>.json`` from the recorded pages, one page at a time, removes the
-    ``.jsonl`` and only then renames the three files into place: a final file is always whole.
+    Args:
+        metadata: the result's metadata block (its ``input`` gives the page count and the pages
+            parsed, its ``tier`` the tier); None: the pages written are the whole document.
+        head: mineru-fast's record of the result (``metadata.head_dict``).
+        pages: per page ``{"page_idx", "status", "errors", "warnings"}``, added to the record.
+        modes: the pages' ``ocr_mode`` values (``"txt"`` for all: MinerU 4's parse mode ``txt``).
+    """
+    metadata = metadata or {}
+    source = metadata.get("input") or {}
+    count = source.get("page_count") or len(pages)
+    parsed = source.get("pages")
+    full = parsed is None or list(parsed) == list(range(count))
+    parse_mode = "txt" if modes == {"txt"} else "ocr"
+    pdf = source.get("format", "pdf") == "pdf"
+    return Envelope(count, full, metadata.get("tier"), parse_mode, {**head, "pages": pages}, pdf=pdf)
+
+
+def page_summary(page: Page) -> dict[str, Any]:
+    """A page's entry in mineru-fast's record of a bundle: index, status and problems."""
+    problems = {"errors": [e.to_dict() for e in page.errors], "warnings": list(page.warnings)}
+    return {"page_idx": page.index, "status": page.status, **problems}
+
+
+class DocumentWriter:
+    """Writes a document's outputs page by page, so memory stays flat however long it is.
+
+    Layout ``"mineru4"`` (default): MinerU 4's result bundle in ``out_dir``, the files and names
+    mineru 4.0.12's ``ParseResult.save`` writes: ``markdown.md``, ``middle_json.json`` (DocVortex's
+    middle JSON, ``middle``; mineru-fast's own record of the parse is its
+    ``extensions["mineru_fast"]``), ``structured_content.json`` and ``images/`` (crops, named as
+    ``middle.image_name``). Layout ``"2.x"``: MinerU 2.x's, ``<stem>.md``,
+    ``<stem>_content_list.json``, mineru-fast's ``<stem>.json`` (``Document.to_dict``), ``images/``
+    and ``layout/`` overlays.
+
+    Each ``add_page`` renders the page, writes its crops (and overlay) at once, appends its parts
+    to the open output files (its Markdown through a ``MarkdownJoiner``: all but a reference list or
+    table the next page may continue; its middle JSON page with what continues marked), then
+    (``release``) drops the page's images. While a long document runs, the pages already done are
+    on disk in ``.part`` files; ``close`` finishes them (the Markdown held back, the record and the
+    middle JSON's document fields are known only then; the pages are copied, never held) and only
+    then renames them into place: a final file is always whole.
 
     Used as a context manager, a ``with`` block left by an exception (the loop feeding the pages
     raised) still closes the files, but records the document as a ``failure`` with an
@@ -811,19 +1008,24 @@ class DocumentWriter:
     removes everything written for the document and is raised as ``errors.OutputError``.
 
     A folder written before (a re-parse) holds only the new outputs afterwards: the earlier run's
-    files of this document are removed first (``remove_outputs``), any other file is kept.
+    files of this document are removed first (``remove_bundle`` / ``remove_outputs``), any other
+    file is kept.
 
     Args:
         out_dir: output directory (created).
-        name: the file stem.
-        overlays: also write ``layout/page_NNNN.png`` (needs the page image).
+        name: the document's name (the file stem of the 2.x layout).
+        layout: ``"mineru4"`` or ``"2.x"`` (``LAYOUTS``).
+        overlays: also write ``layout/page_NNNN.png`` (needs the page image); None = only in the
+            2.x layout (MinerU 4's bundle has none).
         release: drop each page's image and crops once written (a caller keeping the pages, as
             ``Document.save`` does, passes False).
         metadata: the result's metadata block (``DocumentParser.result_metadata``), written into
-            ``<stem>.json``.
-        confidence: add the ``mf_confidence`` extension field to the content-list items.
+            ``<stem>.json`` or the middle JSON's ``extensions["mineru_fast"]``.
+        confidence: add the ``mf_confidence`` extension field to the content-list items (2.x) or
+            the structured-content blocks (mineru4).
 
     Raises:
+        ValueError: an unknown ``layout``.
         OutputError: the folder cannot be created or written (the path is a file, no permission).
     """
 
@@ -832,13 +1034,17 @@ class DocumentWriter:
         out_dir: str | Path,
         name: str,
         *,
-        overlays: bool = True,
+        layout: str = "mineru4",
+        overlays: bool | None = None,
         release: bool = True,
         metadata: dict[str, Any] | None = None,
         confidence: bool = False,
     ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.out = Path(out_dir)
-        self.name, self.overlays, self.release = name, overlays, release
+        self.name, self.layout, self.release = name, layout, release
+        self.overlays = layout == "2.x" if overlays is None else overlays
         self.metadata, self.confidence = metadata, confidence
         self._handles: list[IO[str]] = []
         self._md_started = self._cl_started = False
@@ -846,17 +1052,31 @@ class DocumentWriter:
         self.statuses: list[str] = []
         self.timings: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self._summaries: list[dict[str, Any]] = []  # mineru4: each page's status and problems
+        self._modes: set[str | None] = set()
         self.document_status: str | None = None  # set by close
-        self._pages_path = self.out / f"{name}.pages.jsonl"
         with self._output_errors():
             self.out.mkdir(parents=True, exist_ok=True)
-            remove_outputs(self.out, name)
-            self._md = self._open(self._part("{}.md"), "w")
-            self._cl = self._open(self._part("{}_content_list.json"), "w")
+            if layout == "2.x":
+                remove_outputs(self.out, name)
+                self._md = self._open(self._part("{}.md"), "w")
+                self._cl = self._open(self._part("{}_content_list.json"), "w")
+                self._pages_path = self.out / f"{name}.pages.jsonl"
+            else:
+                remove_bundle(self.out)
+                self._md = self._open(self._part(MARKDOWN), "w")
+                self._cl = self._open(self._part(STRUCTURED), "w")
+                self._pages_path = self.out / (_MIDDLE_PAGES + PART)
+                self._model = self._open(self.out / (_MODEL_PAGES + PART), "w")
             self._pages = self._open(self._pages_path, "w")
 
     def _part(self, file_name: str) -> Path:
         return self.out / (file_name.format(self.name) + PART)
+
+    def _final_files(self) -> list[str]:
+        if self.layout == "2.x":
+            return [file_name.format(self.name) for file_name in _FILES]
+        return list(BUNDLE_FILES)
 
     def _open(self, path: Path, mode: str) -> IO[str]:
         handle = path.open(mode, encoding="utf-8")
@@ -876,14 +1096,18 @@ class DocumentWriter:
             raise OutputError(f"cannot write the outputs of {self.name} in {self.out}: {reason}") from exc
 
     def abort(self) -> None:
-        """Close the files and remove everything written for the document (``remove_outputs``);
-        errors while removing are ignored (the folder may be unwritable: nothing was written there)."""
+        """Close the files and remove everything written for the document (``remove_bundle`` /
+        ``remove_outputs``); errors while removing are ignored (the folder may be unwritable:
+        nothing was written there)."""
         for handle in self._handles:
             with suppress(OSError):
                 handle.close()
         self._handles.clear()
         with suppress(OSError):
-            remove_outputs(self.out, self.name)
+            if self.layout == "2.x":
+                remove_outputs(self.out, self.name)
+            else:
+                remove_bundle(self.out)
 
     def add_page(self, page: Page) -> PageOutput:
         """Render and write one finished page; returns what it contributed. A page without its
@@ -900,16 +1124,33 @@ class DocumentWriter:
             page.image, page.crops = None, {}
         return output
 
+    def _append_item(self, handle: IO[str], item: object, started: bool, opening: str, level: int) -> None:
+        """One element of a JSON array written as ``json.dumps(..., indent=2)`` writes it at
+        nesting ``level`` (``opening`` starts the array)."""
+        text = textwrap.indent(json.dumps(item, ensure_ascii=False, indent=2), "  " * level)
+        handle.write((",\n" if started else opening) + text)
+
     def _write_page(self, page: Page, output: PageOutput) -> None:
         self._write_markdown(self._joiner.add(output.pieces))
-        for item in output.content_list:
-            text = textwrap.indent(json.dumps(item, ensure_ascii=False, indent=2), "  ")
-            self._cl.write((",\n" if self._cl_started else "[\n") + text)
+        if self.layout == "2.x":
+            for item in output.content_list:
+                self._append_item(self._cl, item, self._cl_started, "[\n", 1)
+                self._cl_started = True
+        else:
+            mark_continuations(output)  # what continues from the page before (self._joiner marked it)
+            self._append_item(self._cl, output.structured, self._cl_started, '{\n  "pages": [\n', 2)
+            self._append_item(self._pages, output.middle, self._cl_started, "\n", 2)
+            self._append_item(self._model, model_page(page), self._cl_started, "\n", 2)
+            self._model.flush()
             self._cl_started = True
         self._md.flush()
         self._cl.flush()
         write_page_images(self.out, page, output.crops, overlay=self.overlays)
-        self._pages.write(json.dumps(page.to_dict(), ensure_ascii=False) + "\n")
+        if self.layout == "2.x":
+            self._pages.write(json.dumps(page.to_dict(), ensure_ascii=False) + "\n")
+        else:
+            self._summaries.append(page_summary(page))
+            self._modes.add(page.ocr_mode)
         self._pages.flush()
         self.statuses.append(page.status)
         for key, value in page.timings.items():
@@ -935,8 +1176,13 @@ class DocumentWriter:
         with suppress(OutputError):  # the exception of the block is the one that propagates
             self.close([ParseError(INTERRUPTED, message)])
 
+    def envelope(self, head: dict[str, Any]) -> Envelope:
+        """The middle JSON's document fields for the pages written and the record ``head``."""
+        return envelope_for(self.metadata, head, self._summaries, self._modes)
+
     def close(self, errors: list[ParseError] | None = None, wall_s: float | None = None) -> Path:
-        """Finish the files and assemble ``<stem>.json`` (``Document.to_dict``'s layout).
+        """Finish the files: the 2.x layout's ``<stem>.json`` (``Document.to_dict``'s layout),
+        the bundle's middle JSON and structured content with their document fields.
 
         Args:
             errors: document-level errors to record.
@@ -958,16 +1204,33 @@ class DocumentWriter:
         head = head_dict(self.name, status, self.metadata, errors, timings, self.counts)
         with self._output_errors():
             self._write_markdown(self._joiner.finish())
-            self._cl.write("\n]" if self._cl_started else "[]")
+            if self.layout == "2.x":
+                self._cl.write("\n]" if self._cl_started else "[]")
+            else:
+                envelope = self.envelope(head)
+                self._cl.write(("\n  ]" if self._cl_started else '{\n  "pages": []') + envelope.structured_tail())
             for handle in (self._md, self._cl, self._pages):
                 handle.close()
-            with self._open(self._part("{}.json"), "w") as full, self._pages_path.open() as lines:
-                full.write(json.dumps(head, ensure_ascii=False, indent=2)[:-2] + ',\n  "pages": ')
-                _write_json_array(full, (json.loads(line) for line in lines), indent=2, level=1)
-                full.write("\n}")
+            if self.layout == "2.x":
+                with self._open(self._part("{}.json"), "w") as full, self._pages_path.open() as lines:
+                    full.write(json.dumps(head, ensure_ascii=False, indent=2)[:-2] + ',\n  "pages": ')
+                    _write_json_array(full, (json.loads(line) for line in lines), indent=2, level=1)
+                    full.write("\n}")
+            else:
+                self._model.close()
+                written = [summary["page_idx"] for summary in self._summaries]
+                for target, pages_path, (before, after) in (
+                    (MIDDLE_JSON, self._pages_path, envelope.middle_parts()),
+                    (MODEL_OUTPUT, self.out / (_MODEL_PAGES + PART), envelope.model_parts(written)),
+                ):
+                    with self._open(self._part(target), "w") as whole, pages_path.open(encoding="utf-8") as pages:
+                        whole.write(before + "[")
+                        shutil.copyfileobj(pages, whole)
+                        whole.write(("\n  ]" if self._cl_started else "]") + after)
+                    pages_path.unlink()
             self._handles.clear()
-            self._pages_path.unlink()
-            for file_name in _FILES:
-                self._part(file_name).replace(self.out / file_name.format(self.name))
+            self._pages_path.unlink(missing_ok=True)
+            for file_name in self._final_files():
+                (self.out / (file_name + PART)).replace(self.out / file_name)
         self.document_status = status
         return self.out

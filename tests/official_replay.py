@@ -11,7 +11,7 @@ lines (read with mineru-vl-utils' own line grammar), and each window's pages are
 images official hands to its layout step.
 
 mineru-fast path: ``page_protocol`` on the same page image and outputs, then ``writer.DocumentWriter``
-page by page; its files are read back as bytes.
+(2.x layout, which has the content list) page by page; its files are read back as bytes.
 
 Needs the official packages (``mineru``, ``mineru-vl-utils``, ``docvortex``); imported only by
 ``test_official_compat.py``, which skips without them.
@@ -189,11 +189,9 @@ def fast_outputs(images: list[Image.Image], pages: list[PageTrace], *, image_ana
     """``(Markdown bytes, content list bytes)`` that mineru-fast's ``DocumentWriter`` writes for the
     same pages, added one at a time as a parse does."""
     with tempfile.TemporaryDirectory() as tmp:
-        with DocumentWriter(tmp, "doc", overlays=False) as writer:
+        # The 2.x layout: the one with a content list (its Markdown is the bundle's markdown.md,
+        # written the same way; test_official_bundle compares the bundle).
+        with DocumentWriter(tmp, "doc", layout="2.x", overlays=False) as writer:
             for i, (image, trace) in enumerate(zip(images, pages, strict=True)):
                 writer.add_page(fast_page(image, trace, i, image_analysis=image_analysis))
-        # Whatever the layout's file names (``doc.md`` / ``markdown.md``): the one Markdown file and
-        # the one content list the writer wrote.
-        (markdown,) = Path(tmp).glob("*.md")
-        (content_list,) = Path(tmp).glob("*content_list*.json")
-        return markdown.read_bytes(), content_list.read_bytes()
+        return (Path(tmp) / "doc.md").read_bytes(), (Path(tmp) / "doc_content_list.json").read_bytes()

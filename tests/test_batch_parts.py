@@ -90,7 +90,7 @@ def test_a_document_split_into_tasks_is_written_as_sequential_parse_writes_it(ti
     trace.save(tmp_path / "traces" / "doc.json")
     assert main(["parse", str(source), "-o", str(tmp_path / "sequential"), "--model", str(tiny_model),
                  "--replay", str(tmp_path / "traces"), "--quiet"]) == 0  # fmt: skip
-    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
+    worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1, overlays=False)  # the bundle
     try:
         info = inspect_document("doc", source.read_bytes())
         tasks = split_pages(list(info.pages), 2)
@@ -118,7 +118,8 @@ def test_a_task_that_failed_on_every_attempt_leaves_failure_pages_never_a_comple
     assert assembly.complete(0, [Page(0)], assembly.staging(0, 2), 2)
     assert assembly.failed_pages == [1, 2] and assembly.attempts == 3 and not assembly.all_failed
     assert assembly.finish(wall_s=2.0) == ("partial", 4)
-    result = json.loads((tmp_path / "doc" / "doc.json").read_text())
+    # MinerU 4's bundle: mineru-fast's record of the document is the middle JSON's extension
+    result = json.loads((tmp_path / "doc" / "middle_json.json").read_text())["extensions"]["mineru_fast"]
     assert [(p["page_idx"], p["status"]) for p in result["pages"]] == [
         (0, "success"), (1, "failure"), (2, "failure"), (3, "success")
     ]  # fmt: skip
@@ -295,7 +296,7 @@ def test_batch_takes_the_quiet_and_confidence_flags_of_parse(tiny_model, tmp_pat
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:  # the driver's writer (one per document) adds the field; the actors send pages
         metadata = worker.parser.result_metadata(inspect_document("doc", pdf_bytes(1)))
-        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], metadata, confidence=True)
+        assembly = DocumentAssembly(tmp_path / "conf", "doc", [[0]], metadata, confidence=True, layout="2.x")
         assert run_task(worker, assembly, 0, pdf_bytes(1), sample_trace(1))
     finally:
         worker.parser.close()
@@ -317,9 +318,9 @@ def test_a_reparse_split_into_tasks_keeps_every_tasks_outputs_and_only_those(tin
     worker = DocumentWorker(str(tiny_model), ParserOptions.preset("fast"), threads=1)
     try:
         metadata = worker.parser.result_metadata(inspect_document("doc", data))
-        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], metadata)
+        whole = DocumentAssembly(tmp_path / "whole", "doc", [[0, 1, 2]], metadata, layout="2.x")
         assert run_task(worker, whole, 0, data, trace)
-        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], metadata)
+        split = DocumentAssembly(tmp_path / "out", "doc", [[0], [1, 2]], metadata, layout="2.x")
         assert [run_task(worker, split, i, data, trace) for i in (1, 0)] == [False, True]  # pages 2-3 first
     finally:
         worker.parser.close()

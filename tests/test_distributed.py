@@ -65,7 +65,8 @@ def make_collection(folder: Path, documents: dict[str, int], broken: bool = Fals
 
 
 def sequential(inputs: Path, traces: Path, out: Path, model: Path) -> Path:
-    main(["parse", str(inputs), "-o", str(out), "--model", str(model), "--replay", str(traces), "--quiet"])
+    argv = ["parse", str(inputs), "-o", str(out), "--model", str(model), "--replay", str(traces), "--quiet"]
+    main([*argv, "-f", "2.x"])  # these tests compare MinerU 2.x's files, <stem>.json included
     return out
 
 
@@ -79,7 +80,7 @@ def first_run(cluster, tiny_model, tmp_path_factory):
     inputs, traces = make_collection(folder, DOCUMENTS, broken=True)
     # a file:// URI: the actors list nothing and read each document themselves (pyarrow's filesystem)
     # two pages per task: b_three and e_five are split into tasks that run on both actors
-    config = BatchConfig([inputs.as_uri()], folder / "out", str(tiny_model), replay=traces, actors=2,
+    config = BatchConfig([inputs.as_uri()], folder / "out", str(tiny_model), replay=traces, layout="2.x", actors=2,
                          cores_per_actor=1, pages_per_task=2)  # fmt: skip
     summary = run_batch(config, log=lambda line: None)
     return folder, inputs, traces, summary
@@ -120,7 +121,7 @@ def test_a_killed_actor_s_document_is_retried_once_and_completes(cluster, tiny_m
             ray.kill(event["actor"], no_restart=False)  # Ray restarts the actor; the document is retried
 
     out = tmp_path / "out"
-    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=2, cores_per_actor=1)
+    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, layout="2.x", actors=2, cores_per_actor=1)
     summary = run_batch(config, log=lambda line: None, on_event=kill_mid_document)
     assert killed == [0]
     lines = manifest_lines(out)
@@ -144,8 +145,8 @@ def test_a_task_that_fails_on_every_attempt_makes_its_pages_failures_and_the_doc
             ray.kill(event["actor"], no_restart=False)
 
     out = tmp_path / "out"
-    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=2, cores_per_actor=1, max_retries=1,
-                         pages_per_task=2, confidence=True)  # fmt: skip
+    config = BatchConfig([inputs], out, str(tiny_model), replay=traces, layout="2.x", actors=2, cores_per_actor=1,
+                         max_retries=1, pages_per_task=2, confidence=True)  # fmt: skip
     summary = run_batch(config, log=lambda line: None, on_event=kill_task_1)
     assert kills == [1, 2] and summary.exit_status == 1
     (line,) = manifest_lines(out)
@@ -181,6 +182,7 @@ def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_
     done_before = Manifest(out).complete()
     assert done_before and len(done_before) < len(documents)
 
+    # MinerU 4's bundle (the default): a complete document has its middle_json.json in place
     summary = run_batch(BatchConfig([inputs], out, str(tiny_model), replay=traces, actors=1, cores_per_actor=1,
                                     resume=True), log=lambda line: None)  # fmt: skip
     parsed_now = {record.name for record in summary.records}

@@ -56,9 +56,44 @@ def test_content_list_matches_mineru_4_format():
     assert items[0]["text"] == "Journal of Tests"
 
 
-def test_save_writes_markdown_json_crops_and_overlay(tmp_path):
+def test_save_writes_mineru4s_bundle_page_by_page(tmp_path):
+    """The default output is MinerU 4's bundle (mineru 4.0.12 ParseResult.save's files), no overlay."""
     doc = sample_document()
     out = doc.save(tmp_path / "paper")
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert names == [
+        "images", "images/page_0_equation_5.jpg", "images/page_0_image_6.jpg", "images/page_0_table_4.jpg",
+        "markdown.md", "middle_json.json", "model_output.json", "structured_content.json",
+    ]  # fmt: skip
+    assert (out / "markdown.md").read_text() == doc.to_markdown()
+    middle = doc.to_middle_json()
+    assert (out / "middle_json.json").read_text() == json.dumps(middle, ensure_ascii=False, indent=2)
+    assert (out / "structured_content.json").read_text() == json.dumps(
+        doc.to_structured_content(), ensure_ascii=False, indent=2
+    )
+    assert middle["schema"] == "docvortex.middle" and middle["schema_version"] == "2.0"
+    assert middle["metadata"]["producer"]["name"] == "mineru-fast" and middle["is_full_document"] is True
+    assert middle["extensions"]["mineru_fast"]["status"] == "success"
+    blocks = middle["pages"][0]["blocks"]
+    table = next(b for b in blocks if b["type"] == "table")
+    assert [c["type"] for c in table["content"]] == ["table_caption", "table_body"]
+    assert table["content"][1]["image_path"] == "images/page_0_table_4.jpg"
+    model = json.loads((out / "model_output.json").read_text())
+    assert model["schema"] == "docvortex.model" and len(model["pages"]) == 1 and model["page_index_map"] == []
+    assert Image.open(out / "images" / "page_0_table_4.jpg").size == (800, 320)
+
+
+def test_middle_json_validates_against_docvortexs_schema():
+    """DocVortex ships its schema as code (pydantic models, ``docvortex.schema``), not as a file
+    this lane could read without it; CI's official lane has it."""
+    schema = pytest.importorskip("docvortex.schema", reason="docvortex not installed (the mineru4 extra)")
+    middle = schema.MiddleJson.from_dict(sample_document().to_middle_json())
+    assert [block.type for block in middle.pages[0].blocks][:2] == ["header", "paragraph_title"]
+
+
+def test_save_in_the_2x_layout_writes_markdown_json_crops_and_overlay(tmp_path):
+    doc = sample_document()
+    out = doc.save(tmp_path / "paper", layout="2.x")
     assert (out / "paper.md").read_text() == doc.to_markdown()
     assert json.loads((out / "paper_content_list.json").read_text()) == doc.to_content_list()
     assert (out / "paper_content_list.json").read_text() == json.dumps(
@@ -69,6 +104,8 @@ def test_save_writes_markdown_json_crops_and_overlay(tmp_path):
     assert crops == ["page_0_equation_5.jpg", "page_0_image_6.jpg", "page_0_table_4.jpg"]
     assert Image.open(out / "images" / "page_0_table_4.jpg").size == (800, 320)
     assert Image.open(out / "layout" / "page_0001.png").size == (1000, 2000)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        doc.save(tmp_path / "other", layout="3.x")
 
 
 def test_streaming_writer_releases_pages_and_matches_the_whole_document(tmp_path):
@@ -80,15 +117,22 @@ def test_streaming_writer_releases_pages_and_matches_the_whole_document(tmp_path
         writer.add_page(page)
         page.image = None  # written: the writer needs it no longer
     writer.close()
-    assert (tmp_path / "two.md").read_text() == doc.to_markdown()
-    assert json.loads((tmp_path / "two_content_list.json").read_text()) == doc.to_content_list()
+    assert (tmp_path / "markdown.md").read_text() == doc.to_markdown()
+    assert json.loads((tmp_path / "middle_json.json").read_text()) == doc.to_middle_json()
+    assert json.loads((tmp_path / "structured_content.json").read_text()) == doc.to_structured_content()
+    assert [p["page_idx"] for p in doc.to_middle_json()["pages"]] == [0, 1]
     assert len(list((tmp_path / "images").iterdir())) == 3
 
 
 def test_empty_document_writes_empty_outputs(tmp_path):
     Document("empty").save(tmp_path)
-    assert (tmp_path / "empty.md").read_text() == ""
-    assert (tmp_path / "empty_content_list.json").read_text() == "[]"
+    assert (tmp_path / "markdown.md").read_text() == ""
+    middle = json.loads((tmp_path / "middle_json.json").read_text())
+    assert middle["pages"] == [] and middle == Document("empty").to_middle_json()
+    assert json.loads((tmp_path / "structured_content.json").read_text())["pages"] == []
+    Document("empty").save(tmp_path / "old", layout="2.x")
+    assert (tmp_path / "old" / "empty.md").read_text() == ""
+    assert (tmp_path / "old" / "empty_content_list.json").read_text() == "[]"
 
 
 def test_overlay_draws_boxes_on_the_page():

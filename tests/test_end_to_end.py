@@ -41,7 +41,7 @@ def test_every_corpus_file_parses(tiny_model, tmp_path, capsys):
             sample_trace(opened.page_count).save(traces / f"{f.stem}.json")
     out = tmp_path / "out"
     args = ["parse", *map(str, files), "-o", str(out), "--model", str(tiny_model), "--replay", str(traces)]
-    rc = main([*args, "--preset", "exact", "--max-new-tokens", BOUNDS])
+    rc = main([*args, "--preset", "exact", "--max-new-tokens", BOUNDS, "-f", "2.x"])  # <stem>.json, overlays
     assert rc == 0, capsys.readouterr().err
     for f in files:
         result = json.loads((out / f.stem / f"{f.stem}.json").read_text())
@@ -77,7 +77,7 @@ def test_password_pdf_exits_2_then_parses_with_password(tiny_model, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert "--password" in err and len(err.splitlines()) == 1
     assert main([*args, "--replay", str(trace), "--password", "1234"]) == 0
-    assert "A replayed title" in (tmp_path / pdf.stem / f"{pdf.stem}.md").read_text()
+    assert "A replayed title" in (tmp_path / pdf.stem / "markdown.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -259,9 +259,9 @@ def expected_outputs(trace, image_name: str) -> tuple[str, list[dict]]:
     """Markdown and content list that the protocol functions give for a trace without an engine."""
     from official_replay import fast_outputs
 
-    with Image.open(WORKLOAD / "images" / image_name) as image:
-        markdown, content_list = fast_outputs([image.convert("RGB")], [trace])
-    return markdown, json.loads(content_list)
+    with Image.open(WORKLOAD / "images" / image_name) as image:  # image analysis on, as the parser reads
+        markdown, content_list = fast_outputs([image.convert("RGB")], [trace], image_analysis=True)
+    return markdown.decode("utf-8"), json.loads(content_list)
 
 
 def assert_replayed_outputs(markdown: str, content_list: list[dict], trace, image_name: str) -> None:
@@ -321,6 +321,8 @@ def test_cli_replay_directory_and_stream_many(tiny_model, workload_traces, tmp_p
             str(workload_traces),
             "--preset",
             "exact",
+            "-f",
+            "2.x",
         ]
     )
     assert rc == 0, capsys.readouterr().err

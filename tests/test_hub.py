@@ -100,6 +100,19 @@ def test_local_directories(tiny_model, tmp_path):
         resolve_model("./not/a/dir")
 
 
+def test_version_names_stand_for_their_hub_ids(hub_cache, monkeypatch):
+    """``--model 2509`` is MinerU2.5-2509's hub id (offline here: the error names the id); the
+    default is mineru 4.0.12's one model."""
+    from mineru_fast.hub import DEFAULT_MODEL_ID
+
+    assert DEFAULT_MODEL_ID == "opendatalab/MinerU2.5-Pro-2605-1.2B"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotCached, match="opendatalab/MinerU2.5-2509-1.2B"):
+        resolve_model("2509", cache_dir=hub_cache)
+    with pytest.raises(ModelNotCached, match="opendatalab/MinerU2.5-Pro-2605-1.2B"):
+        resolve_model(cache_dir=hub_cache)
+
+
 def test_cli_hub_flags(hub_cache, tmp_path, capsys):
     pdf = tmp_path / "one.pdf"
     pdf.write_bytes(pdf_bytes(1))
@@ -108,7 +121,7 @@ def test_cli_hub_flags(hub_cache, tmp_path, capsys):
     # it loads and runs: 8 layout tokens cut the random-weight layout, so the page says partial (1)
     assert main([*parse, *common, "--revision", "v1"]) == 1
     assert "layout output was cut (length)" in capsys.readouterr().err
-    assert (tmp_path / "out" / "one" / "one.md").is_file()
+    assert (tmp_path / "out" / "one" / "markdown.md").is_file()  # MinerU 4's bundle
     assert main([*parse, *common, "--revision", "v2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no ref 'v2'" in err[0]

@@ -32,6 +32,11 @@ def test_info_json_runs_here(capsys, tmp_path, monkeypatch):
     assert len(info["topology"]["numa_nodes"]) == len(here.nodes)
     assert info["isa"] == here.isa
     assert info["prepared_cache"] == {"root": str(tmp_path / "prepared"), "entries": 0, "bytes": 0}
+    assert info["model"]["default"] == "opendatalab/MinerU2.5-Pro-2605-1.2B"  # mineru 4.0.12's registry
+    assert info["model"]["protocol_version"] == "pro-2605"
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "auto chooses:" in out and "0 prepared model(s), 0.00 GB" in out
+    assert "Model:      opendatalab/MinerU2.5-Pro-2605-1.2B (pro-2605 protocol" in out
+    assert "--model 2509 (opendatalab/MinerU2.5-2509-1.2B)" in out
+    assert ("Renderer:   DocVortex" in out) == (info["renderer"]["docvortex"] is not None)

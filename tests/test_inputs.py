@@ -341,3 +341,36 @@ def test_only_the_supported_image_formats_are_opened(monkeypatch):
     for fmt in ("PNG", "JPEG", "TIFF", "BMP", "GIF", "WEBP"):
         with open_document(image_bytes(page.convert("RGB"), fmt)) as opened:
             assert opened.format == fmt and opened.render(0).size == (120, 160)
+
+
+def test_documents_mineru_4_reads_natively_are_refused_with_the_tool_that_reads_them(tmp_path):
+    """DOCX, XLSX, EPUB, HTML, RTF, CSV: MinerU 4's flash tier (DocVortex) parses them without a
+    model; mineru-fast runs the model on page images and says which tool to use instead."""
+    import zipfile
+
+    from mineru_fast.errors import NativeDocument
+    from mineru_fast.inputs import native_kind
+
+    def archive(members: dict[str, bytes]) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as out:
+            for name, data in members.items():
+                out.writestr(name, data)
+        return buffer.getvalue()
+
+    docx = archive({"[Content_Types].xml": b"<Types/>", "word/document.xml": b"<w:document/>"})
+    samples = {
+        "report.docx": (docx, "DOCX"),
+        "sheet.xlsx": (archive({"[Content_Types].xml": b"<Types/>", "xl/workbook.xml": b"<w/>"}), "XLSX"),
+        "book.epub": (archive({"mimetype": b"application/epub+zip", "OEBPS/a.xhtml": b"<html/>"}), "EPUB"),
+        "page.html": (b"<!DOCTYPE html><html><body><p>hi</p></body></html>", "HTML"),
+        "letter.rtf": (b"{\\rtf1\\ansi hello}", "RTF"),
+        "table.csv": (b"a,b\n1,2\n", "CSV"),
+    }
+    for name, (data, kind) in samples.items():
+        assert native_kind(name, data) == kind
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(NativeDocument, match=f"a {kind} document.*--tier flash.*mineru-fast\\[mineru4\\]") as info:
+            open_document(tmp_path / name)
+        assert isinstance(info.value, UnsupportedFormat) and info.value.code == "native_document"
+    assert native_kind("notes.bin", bytes(range(256))) is None

@@ -116,7 +116,7 @@ def test_launch_parses_with_the_tiny_model(tiny_model, tmp_path, capsys):
     argv = ["launch", "--instances", instances, "--", "parse", str(tmp_path / "one.png"), str(tmp_path / "two.png"),
             "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--replay", str(tmp_path / "traces")]  # fmt: skip
     assert main(argv) == 0
-    assert (tmp_path / "out" / "one" / "one.md").is_file() and (tmp_path / "out" / "two" / "two.md").is_file()
+    assert (tmp_path / "out" / "one" / "markdown.md").is_file() and (tmp_path / "out" / "two" / "markdown.md").is_file()
     captured = capsys.readouterr()
     assert f"{tmp_path / 'one.png'}: success" in captured.out
     assert "mineru-fast launch: worker 0: cpus" in captured.err

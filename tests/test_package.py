@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from importlib import resources
+from pathlib import Path
+
+import pytest
 
 import mineru_fast
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str) -> str:
@@ -83,3 +91,33 @@ def test_ci_keeps_its_own_environments_and_the_quick_start_installs_for_users():
     assert made and all(folder.startswith(".venv-") for folder in made), made
     quick_start = (repo / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert "pip install .\n" in quick_start and "MINERU_FAST_SHARED" in quick_start
+
+
+@pytest.mark.slow
+def test_wheel_and_sdist_carry_the_licence_and_notice(tmp_path):
+    """LICENSE (Apache-2.0) and NOTICE (MinerU, mineru-vl-utils, DocVortex) travel in both
+    distributions, built from the tracked files as a clean clone holds them."""
+    pytest.importorskip("setuptools", reason="setuptools builds the distributions")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    source = tmp_path / "src"
+    for name in filter(None, tracked.decode().split("\0")):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    out = tmp_path / "dist"
+    out.mkdir()
+    names = []
+    for hook in ("build_wheel", "build_sdist"):  # one process each: setuptools keeps state between hooks
+        code = f"import sys; from setuptools import build_meta as b; print('built:', b.{hook}(sys.argv[1]))"
+        proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=source, capture_output=True, text=True,
+                              timeout=300, check=True)  # fmt: skip
+        names.append(proc.stdout.rsplit("built: ", 1)[1].strip())
+    wheel_name, sdist_name = names
+    with zipfile.ZipFile(out / wheel_name) as wheel:
+        names = wheel.namelist()
+    info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+    assert {f"{info}/licenses/LICENSE", f"{info}/licenses/NOTICE"} <= set(names)
+    with tarfile.open(out / sdist_name) as sdist:
+        members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
+    assert {"LICENSE", "NOTICE"} <= members
+    assert "Apache License" in (REPO / "LICENSE").read_text() and "MinerU" in (REPO / "NOTICE").read_text()

@@ -100,12 +100,20 @@ def test_sampling_table_equals_mineru_vl_utils():
 def test_model_version_from_checkpoint_name_config_or_option(tmp_path):
     pro = tmp_path / "models--opendatalab--MinerU2.5-Pro-2605-1.2B" / "snapshots" / "abc"
     pro.mkdir(parents=True)
+    old = tmp_path / "models--opendatalab--MinerU2.5-2509-1.2B" / "snapshots" / "a2509f"
+    old.mkdir(parents=True)
     plain = tmp_path / "ckpt"
     plain.mkdir()
     assert detect_model_version(pro) == "pro-2605"
+    assert detect_model_version(old) == "2509"
+    assert detect_model_version(plain) == "pro-2605"  # names neither: MinerU 4's model
+    (plain / "config.json").write_text('{"_name_or_path": "opendatalab/MinerU2.5-2509-1.2B"}')
     assert detect_model_version(plain) == "2509"
-    (plain / "config.json").write_text('{"_name_or_path": "opendatalab/MinerU2.5-Pro-2605-1.2B"}')
-    assert detect_model_version(plain) == "pro-2605"
+    # the config's name wins over the folder's, and "2509" inside a longer token names nothing
+    (tmp_path / "x2509").mkdir()
+    assert detect_model_version(tmp_path / "x2509") == "pro-2605"
+    (old / "config.json").write_text('{"_name_or_path": "opendatalab/MinerU2.5-Pro-2605-1.2B"}')
+    assert detect_model_version(old) == "pro-2605"
     assert detect_model_version(pro, "2509") == "2509"
     with pytest.raises(ValueError):
         detect_model_version(plain, "2511")

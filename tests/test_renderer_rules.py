@@ -125,12 +125,21 @@ def test_table_split_across_pages_is_one_table_in_markdown_and_two_in_the_conten
     ]
     expected = "| name | value |\n| --- | --- |\n| a | 1 |\n| b | 2 |\n| b | 2 |"
     assert render_markdown(pages) == expected
-    with DocumentWriter(tmp_path, "doc", overlays=False) as writer:
+    with DocumentWriter(tmp_path / "2.x", "doc", layout="2.x", overlays=False) as writer:
         for page in pages:
             writer.add_page(page)
-    assert (tmp_path / "doc.md").read_text(encoding="utf-8") == expected
-    assert len(json.loads((tmp_path / "doc_content_list.json").read_text(encoding="utf-8"))) == 3
-    assert Document("doc", pages).to_markdown() == expected
+    assert (tmp_path / "2.x" / "doc.md").read_text(encoding="utf-8") == expected
+    assert len(json.loads((tmp_path / "2.x" / "doc_content_list.json").read_text(encoding="utf-8"))) == 3
+    with DocumentWriter(tmp_path / "bundle", "doc") as writer:  # MinerU 4's bundle, the default
+        for page in pages:
+            writer.add_page(page)
+    assert (tmp_path / "bundle" / "markdown.md").read_text(encoding="utf-8") == expected
+    middle = json.loads((tmp_path / "bundle" / "middle_json.json").read_text(encoding="utf-8"))
+    marks = [[block.get("continues_prev") for block in page["blocks"]] for page in middle["pages"]]
+    assert marks == [[None], [True], [True]]  # the tables of pages 1 and 2 continue the one before
+    document = Document("doc", pages)
+    assert document.to_markdown() == expected
+    assert document.to_middle_json()["pages"] == middle["pages"]
 
 
 def test_tables_with_column_spans_join_when_the_boundary_rows_line_up():

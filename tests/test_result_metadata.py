@@ -66,14 +66,14 @@ def test_parse_result_validates_against_the_shipped_schema(parser, two_pages, va
         "revision": None,
         "commit": None,
         "name": "tiny",
-        "protocol_version": "2509",
+        "protocol_version": "pro-2605",  # a synthetic model follows MinerU 4's Pro-2605 unless told
     }
     assert meta["tier"] == "advanced"
     assert ParserOptions.from_dict(meta["options"]) == parser.options
     assert meta["runtime"]["precision"] == "fp32" and meta["runtime"]["int8_kernel"] is None  # exact: no INT8
 
     # The streamed <stem>.json is the same document.
-    document.save(tmp_path / "out")
+    document.save(tmp_path / "out", layout="2.x")
     written = json.loads((tmp_path / "out" / "document.json").read_text())
     assert written == result
 
@@ -91,9 +91,11 @@ def test_timings_are_seconds_and_token_counts_apart(parser, two_pages):
     _, document = two_pages
     assert set(document.timings) == {"render", "vision", "prefill", "decode", "total", "wall"}
     assert all(isinstance(v, float) and v >= 0 for v in document.timings.values())
-    per_page = forced_len(parser, SAMPLE_LAYOUT) + sum(forced_len(parser, c) for c in SAMPLE_CONTENTS if c)
+    # the image's analysis (Pro-2605) is replayed as the empty answer: its end token
+    contents = [c if c is not None else "" for c in SAMPLE_CONTENTS]
+    per_page = forced_len(parser, SAMPLE_LAYOUT) + sum(forced_len(parser, c) for c in contents)
     for page in document.pages:
-        assert page.counts["requests"] == 4  # the layout and three readable blocks (the image is not read)
+        assert page.counts["requests"] == 5  # the layout and every block (the image analysed)
         assert page.counts["generated_tokens"] == per_page
         assert page.counts["prompt_tokens"] > 4 * per_page  # image tokens included
     assert document.counts == {k: 2 * document.pages[0].counts[k] for k in document.pages[0].counts}
@@ -186,7 +188,9 @@ def test_improbable_block_is_flagged(parser):
     assert text.confidence.mean_logprob < THRESHOLD and text.low_confidence
     for block in (title, caption):
         assert block.confidence.tokens == 1 and block.confidence.mean_logprob > -0.1 and not block.low_confidence
-    assert image.confidence is None and not image.low_confidence  # not read (2509: no image analysis)
+    # Pro-2605 reads images; the trace holds no analysis for this one, replayed as the empty answer:
+    # no token but the end token, which is no part of a block's text
+    assert image.confidence is None and not image.low_confidence
     assert page.status == "success"  # a flag is advice to review, not a failure
 
     record = page.to_dict()["blocks"][1]
@@ -211,7 +215,8 @@ def test_cli_writes_metadata_and_the_confidence_extension(tiny_model, validator,
     Trace([PageTrace(SAMPLE_LAYOUT, ["\n", "A replayed paragraph of body text.", None, "\n"])]).save(trace)
     out = tmp_path / "out"
     args = ["parse", str(image), "-o", str(out), "--model", str(tiny_model), "--replay", str(trace)]
-    assert main([*args, "--preset", "exact", "--confidence", "--confidence-threshold", "-5", "--quiet"]) == 0
+    argv = [*args, "--preset", "exact", "--confidence", "--confidence-threshold", "-5", "--quiet", "-f", "2.x"]
+    assert main(argv) == 0
     result = json.loads((out / "scan" / "scan.json").read_text())
     validator.validate(result)
     assert result["metadata"]["input"]["sha256"] == hashlib.sha256(image.read_bytes()).hexdigest()
@@ -219,7 +224,7 @@ def test_cli_writes_metadata_and_the_confidence_extension(tiny_model, validator,
     assert result["metadata"]["options"]["confidence_threshold"] == -5.0
     assert [b["low_confidence"] for b in result["pages"][0]["blocks"]] == [False, True, False, False]
     items = json.loads((out / "scan" / "scan_content_list.json").read_text())
-    # The empty title and caption leave no item of their own; the image was not read (2509).
+    # The empty title and caption leave no item of their own; the image's analysis is empty (no token).
     assert {item["type"]: item[CONFIDENCE_FIELD] for item in items} == {
         "text": {**result["pages"][0]["blocks"][1]["confidence"], "low_confidence": True},
         "image": None,

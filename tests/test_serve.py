@@ -137,7 +137,7 @@ def test_error_mapping_and_request_fields():
     assert from_exception(PageRangeError("x")).code == "bad_page_range"
     crash = from_exception(RuntimeError("secret internals"))
     assert crash.status == 500 and "secret internals" not in crash.message
-    assert parse_formats(None) == {"markdown", "content_list"}
+    assert parse_formats(None) == {"markdown", "middle_json"}  # MinerU 4's bundle: Markdown and middle JSON
     assert parse_formats("layout, json") == {"layout", "json"}
     with pytest.raises(ApiError) as info:
         parse_formats("markdown,pdf")
@@ -320,6 +320,8 @@ def test_health_ready_page_metrics_and_request_ids(server, client):
     page = httpx.get(f"{server.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="upload"' in page.text and 'id="markdown"' in page.text
+    # MinerU's licence (section 2): a service built on it says so, visibly, in its interface
+    assert 'Powered by <a href="https://github.com/opendatalab/MinerU">MinerU</a>' in page.text
     assert "default-src 'self'" in page.headers["content-security-policy"]
 
     assert client.get("/health", headers={"X-Request-ID": "client-id-42"}).headers["x-request-id"] == "client-id-42"
@@ -370,6 +372,11 @@ def test_sync_parse_results_are_not_kept(server, client):
     """A synchronous call's result stayed stored for --result-ttl and could be fetched by its id."""
     response = client.post("/v1/document/parse", headers={"X-Request-ID": "sync-not-kept-1"}, **upload(pdf_bytes(1)))
     assert response.status_code == 200, response.text
+    body = response.json()  # the default parts: MinerU 4's Markdown and middle JSON (no content list)
+    assert "markdown" in body and "content_list" not in body
+    middle = body["middle_json"]
+    assert middle["schema"] == "docvortex.middle" and [p["page_idx"] for p in middle["pages"]] == [0]
+    assert middle["extensions"]["mineru_fast"]["status"] == body["status"]
     (queued,) = [r for r in server.log_records() if r.get("request_id") == "sync-not-kept-1" and "job_id" in r][:1]
     assert_error(client.get(f"/v1/jobs/{queued['job_id']}"), 404, "job_not_found")
     assert_error(client.get(f"/v1/jobs/{queued['job_id']}/result"), 404, "job_not_found")

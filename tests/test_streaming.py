@@ -50,8 +50,8 @@ def test_streamed_outputs_equal_the_in_memory_document_and_exist_before_the_end(
     path.write_bytes(pdf_bytes(3))
     trace = sample_trace(3)
     document = parser.parse(path, replay=trace, keep_page_images=True)
-    document.save(tmp_path / "whole")
-    writer = DocumentWriter(tmp_path / "streamed", "three")
+    document.save(tmp_path / "whole", layout="2.x")
+    writer = DocumentWriter(tmp_path / "streamed", "three", layout="2.x")
     for n, page in enumerate(parser.iter_pages(path, replay=trace, keep_page_images=True), start=1):
         writer.add_page(page)
         assert page.image is None  # released once written
@@ -106,7 +106,7 @@ def test_a_long_table_comes_out_whole_even_under_a_token_bound(tiny_model, parse
     trace_path = tmp_path / "table.json"
     trace.save(trace_path)
     args = ["parse", str(image), "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--replay", str(trace_path)]
-    assert main([*args, "--preset", "exact", "--max-new-tokens", "table=500", "--quiet"]) == 0
+    assert main([*args, "--preset", "exact", "--max-new-tokens", "table=500", "--quiet", "-f", "2.x"]) == 0
     assert "was cut" not in capsys.readouterr().err
     saved = json.loads((tmp_path / "out" / "table" / "table.json").read_text())
     assert saved["status"] == "success" and saved["pages"][0]["blocks"][0]["finish_reason"] == "stop"
@@ -132,11 +132,11 @@ def test_directory_input_and_progress_lines(tiny_model, tmp_path, capsys):
         "mineru-fast: b.png: page 1 success",
     ]
     assert "ETA" in err[0] and "pages/min" in err[0]
-    md = (tmp_path / "out" / "a" / "a.md").read_text()
+    md = (tmp_path / "out" / "a" / "markdown.md").read_text()
     assert md.count(SAMPLE_CONTENTS[1]) == 2 and SAMPLE_LAYOUT not in md
 
 
-def test_writing_again_leaves_only_the_new_outputs_and_keeps_other_files(tmp_path):
+def test_writing_again_in_the_2x_layout_leaves_only_the_new_outputs_and_keeps_other_files(tmp_path):
     """A re-parse into the same folder used to keep the earlier run's crops and overlays of pages
     the new run does not produce; files mineru-fast does not write stay."""
     from mineru_fast.document import Block, Page
@@ -146,12 +146,12 @@ def test_writing_again_leaves_only_the_new_outputs_and_keeps_other_files(tmp_pat
         return Page(index, image.size, [Block("image", (0.1, 0.1, 0.5, 0.9))], image=image)
 
     out = tmp_path / "doc"
-    with DocumentWriter(out, "doc") as writer:
+    with DocumentWriter(out, "doc", layout="2.x") as writer:
         for index in (0, 1):
             writer.add_page(page(index))
     (out / "notes.txt").write_text("mine")
     (out / "images" / "cover.jpg").write_bytes(b"mine")
-    with DocumentWriter(out, "doc") as writer:
+    with DocumentWriter(out, "doc", layout="2.x") as writer:
         writer.add_page(page(1))
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == [
@@ -159,14 +159,14 @@ def test_writing_again_leaves_only_the_new_outputs_and_keeps_other_files(tmp_pat
         "layout/page_0002.png", "notes.txt",
     ]  # fmt: skip
     (out / "images" / "cover.jpg").unlink()
-    with DocumentWriter(out, "doc", overlays=False) as writer:  # a text-only page: no crops, no overlay
+    with DocumentWriter(out, "doc", layout="2.x", overlays=False) as writer:  # a text-only page: no crops, no overlay
         writer.add_page(Page(0, (200, 100), [Block("text", (0.1, 0.1, 0.5, 0.9), content="x")]))
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
         "doc.json", "doc.md", "doc_content_list.json", "notes.txt"
     ]  # fmt: skip
-    with DocumentWriter(out, "other") as writer:  # a second document in the same folder
+    with DocumentWriter(out, "other", layout="2.x") as writer:  # a second document in the same folder
         writer.add_page(page(0))
-    with DocumentWriter(out, "doc", overlays=False) as writer:  # its crop may be anyone's: kept
+    with DocumentWriter(out, "doc", layout="2.x", overlays=False) as writer:  # its crop may be anyone's: kept
         writer.add_page(Page(0, (200, 100), [Block("text", (0.1, 0.1, 0.5, 0.9), content="x")]))
     assert (out / "images" / "page_0_image_0.jpg").is_file() and (out / "layout" / "page_0001.png").is_file()
 
@@ -178,7 +178,7 @@ def _image_page(index: int):
     return Page(index, image.size, [Block("image", (0.1, 0.1, 0.5, 0.9))], image=image)
 
 
-def test_a_writer_closed_by_an_exception_records_the_failure_and_the_pages_it_holds(tmp_path):
+def test_a_2x_writer_closed_by_an_exception_records_the_failure_and_the_pages_it_holds(tmp_path):
     """The README's ``with DocumentWriter(...) as w: for page in ...`` loop raising after 5 of 40
     pages used to leave a valid ``<stem>.json`` saying ``success`` with no error: a silent loss."""
 
@@ -189,7 +189,7 @@ def test_a_writer_closed_by_an_exception_records_the_failure_and_the_pages_it_ho
             yield _image_page(index)
 
     out = tmp_path / "doc"
-    with pytest.raises(RuntimeError, match="engine died"), DocumentWriter(out, "doc") as writer:
+    with pytest.raises(RuntimeError, match="engine died"), DocumentWriter(out, "doc", layout="2.x") as writer:
         for page in pages():
             writer.add_page(page)
     result = json.loads((out / "doc.json").read_text())
@@ -202,7 +202,7 @@ def test_a_writer_closed_by_an_exception_records_the_failure_and_the_pages_it_ho
     assert sorted(p.name for p in out.iterdir()) == ["doc.json", "doc.md", "doc_content_list.json", "images", "layout"]
 
 
-def test_an_output_error_is_an_output_error_and_leaves_nothing_of_the_document(tmp_path, monkeypatch):
+def test_an_output_error_in_the_2x_layout_leaves_nothing_of_the_document(tmp_path, monkeypatch):
     """A full disk while writing used to leave a 0-byte content list and a traceback; the final
     files are now renamed into place only once whole."""
     import errno
@@ -213,7 +213,7 @@ def test_an_output_error_is_an_output_error_and_leaves_nothing_of_the_document(t
     out = tmp_path / "doc"
     (out / "images").mkdir(parents=True)
     (out / "images" / "mine.jpg").write_bytes(b"mine")  # not the writer's: stays
-    with DocumentWriter(out, "doc") as writer:
+    with DocumentWriter(out, "doc", layout="2.x") as writer:
         writer.add_page(_image_page(0))
         written = sorted(p.name for p in out.glob("doc*"))
         assert written == ["doc.md.part", "doc.pages.jsonl", "doc_content_list.json.part"]
@@ -224,7 +224,10 @@ def test_an_output_error_is_an_output_error_and_leaves_nothing_of_the_document(t
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "doc.json.part"))
 
     monkeypatch.setattr(writer_module, "_write_json_array", full_disk)
-    with pytest.raises(OutputError, match="No space left on device") as raised, DocumentWriter(out, "doc") as writer:
+    with (
+        pytest.raises(OutputError, match="No space left on device") as raised,
+        DocumentWriter(out, "doc", layout="2.x") as writer,
+    ):
         writer.add_page(_image_page(0))
     assert isinstance(raised.value, OSError) and raised.value.code == "output_error"
     assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC
@@ -232,4 +235,66 @@ def test_an_output_error_is_an_output_error_and_leaves_nothing_of_the_document(t
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["images", "images/mine.jpg"]
     (out / "stem").write_text("a file")
     with pytest.raises(OutputError, match="cannot write the outputs of stem"):
-        DocumentWriter(out / "stem", "stem")
+        DocumentWriter(out / "stem", "stem", layout="2.x")
+
+
+def test_the_bundle_is_streamed_and_a_rewrite_leaves_only_its_new_files(tmp_path):
+    """MinerU 4's bundle while a document runs: pages in .part files, nothing final; after close
+    only the bundle's files; a re-write removes the earlier crops, other files stay."""
+    out = tmp_path / "doc"
+    with DocumentWriter(out, "doc") as writer:
+        for index in (0, 1):
+            writer.add_page(_image_page(index))
+            assert sorted(p.name for p in out.glob("*.part")) == [
+                "markdown.md.part", "middle_json.json.pages.part", "model_output.json.pages.part",
+                "structured_content.json.part",
+            ]  # fmt: skip
+            assert not (out / "middle_json.json").exists() and not (out / "layout").exists()
+    middle = json.loads((out / "middle_json.json").read_text())
+    assert [p["page_idx"] for p in middle["pages"]] == [0, 1] and middle["is_full_document"] is True
+    (out / "notes.txt").write_text("mine")
+    with DocumentWriter(out, "doc") as writer:
+        writer.add_page(_image_page(1))
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == [
+        "images/page_1_image_0.jpg", "markdown.md", "middle_json.json", "model_output.json", "notes.txt",
+        "structured_content.json",
+    ]  # fmt: skip
+
+
+def test_a_bundle_closed_by_an_exception_records_the_failure_in_its_middle_json(tmp_path):
+    def pages():
+        for index in range(40):
+            if index == 5:
+                raise RuntimeError("engine died")
+            yield _image_page(index)
+
+    out = tmp_path / "doc"
+    with pytest.raises(RuntimeError, match="engine died"), DocumentWriter(out, "doc") as writer:
+        for page in pages():
+            writer.add_page(page)
+    middle = json.loads((out / "middle_json.json").read_text())
+    record = middle["extensions"]["mineru_fast"]
+    assert record["status"] == "failure" and len(record["pages"]) == len(middle["pages"]) == 5
+    assert record["errors"][0]["code"] == "interrupted"
+    assert len(json.loads((out / "structured_content.json").read_text())["pages"]) == 5
+    assert len(json.loads((out / "model_output.json").read_text())["pages"]) == 5
+
+
+def test_an_output_error_in_the_bundle_leaves_nothing_of_it(tmp_path, monkeypatch):
+    import errno
+    import shutil as shutil_module
+
+    from mineru_fast.errors import OutputError
+
+    out = tmp_path / "doc"
+    (out / "images").mkdir(parents=True)
+    (out / "images" / "mine.jpg").write_bytes(b"mine")  # not the writer's: stays
+
+    def full_disk(source, target, *args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "middle_json.json.part"))
+
+    monkeypatch.setattr(shutil_module, "copyfileobj", full_disk)
+    with pytest.raises(OutputError, match="No space left on device"), DocumentWriter(out, "doc") as writer:
+        writer.add_page(_image_page(0))
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["images", "images/mine.jpg"]

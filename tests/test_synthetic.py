@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from mineru_fast.protocol import MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS, build_prompt
-from mineru_fast.synthetic import SIZES, _config, make_synthetic_model
+from mineru_fast.protocol import MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS, build_prompt, detect_model_version
+from mineru_fast.synthetic import SIZES, _config, make_synthetic_model, synthetic_identity
 
 
 def test_full_size_has_mineru25_parameter_counts():
     with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**_config(SIZES["full"])))
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**_config(SIZES["full"], "pro-2605")))
     total = sum(p.numel() for p in model.parameters())
     vision = sum(p.numel() for p in model.model.visual.parameters())
     language = sum(p.numel() for p in model.model.language_model.parameters())
@@ -65,6 +66,19 @@ def test_image_processor_gives_1369_tokens_for_a_layout_page(tiny_model):
     out = processor(images=[Image.new("RGB", (1036, 1036))], return_tensors="pt")
     assert out["image_grid_thw"].tolist() == [[1, 74, 74]]
     assert out["pixel_values"].shape == (74 * 74, 3 * 2 * 14 * 14)
+
+
+def test_synthetic_models_follow_pro_2605_unless_told(tmp_path, tiny_model):
+    """MinerU 4 runs Pro-2605: a synthetic model reports its protocol, 2509 one option away; the
+    weights do not depend on the version."""
+    assert detect_model_version(tiny_model) == "pro-2605"
+    assert synthetic_identity(tiny_model) == "synthetic (random weights, size=tiny, seed=0, version=pro-2605)"
+    old = make_synthetic_model(tmp_path / "old", "tiny", seed=0, version="2509")
+    assert json.loads((old / "config.json").read_text())["_name_or_path"] == "mineru-fast/synthetic-MinerU2.5-2509-1.2B"
+    assert detect_model_version(old) == "2509"
+    assert (old / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="version must be one of"):
+        make_synthetic_model(tmp_path / "bad", "tiny", version="2511")
 
 
 def test_same_seed_same_weights_other_seed_differs(tmp_path, tiny_model):

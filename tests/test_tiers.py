@@ -253,7 +253,7 @@ def test_cli_parses_with_the_standard_tier(tiny_model, tiny_doclayout, tmp_path,
     pdf = tmp_path / "born.pdf"
     pdf.write_bytes(born_digital_pdf([RUNS]))
     bounds = ",".join(f"{k}={v}" for k, v in BOUNDS.items())
-    args = ["parse", str(pdf), "-o", str(out), "--model", str(tiny_model), "--preset", "exact", "--quiet"]
+    args = ["parse", str(pdf), "-o", str(out), "--model", str(tiny_model), "--preset", "exact", "--quiet", "-f", "2.x"]
     rc = main([*args, "--tier", "standard", "--layout-model", str(tiny_doclayout), "--max-new-tokens", bounds])
     assert rc == 1, capsys.readouterr().err  # partial: random weights read until the 16-token bound
     result = json.loads((out / "born" / "born.json").read_text())

@@ -93,16 +93,23 @@ class DocumentAssembly:
         name: the document's output stem.
         tasks: its tasks' 0-based page indices (``split_pages``).
         metadata: the result's metadata block (the parse actor's ``DocumentParser.result_metadata``).
-        confidence: add the ``mf_confidence`` extension field to the content list (``DocumentWriter``).
+        confidence: add the ``mf_confidence`` extension field (``DocumentWriter``).
+        layout: the ``DocumentWriter`` layout, ``"mineru4"`` or ``"2.x"``.
     """
 
     def __init__(
-        self, output: Path, name: str, tasks: list[list[int]], metadata: dict[str, Any], confidence: bool = False
+        self,
+        output: Path,
+        name: str,
+        tasks: list[list[int]],
+        metadata: dict[str, Any],
+        confidence: bool = False,
+        layout: str = "mineru4",
     ) -> None:
         self.output, self.name, self.tasks = output, name, tasks
         self.root = output / PARTIAL / name
         shutil.rmtree(self.root, ignore_errors=True)
-        self.writer = DocumentWriter(self.root / "doc", name, metadata=metadata, confidence=confidence)
+        self.writer = DocumentWriter(self.root / "doc", name, layout=layout, metadata=metadata, confidence=confidence)
         self.failed_pages: list[int] = []  # 0-based, pages of tasks that failed on every attempt
         self.error: str | None = None  # the last error of a failed task
         self.attempts = 0  # the most attempts any task took

@@ -108,7 +108,8 @@ class BatchConfig:
         pages / password: as ``DocumentParser.iter_pages``, for every input.
         pages_per_task: the most pages of one task: a document with more selected pages is split
             into tasks of this many consecutive pages that run on different actors.
-        confidence: add the ``mf_confidence`` extension field to the content lists.
+        confidence: add the ``mf_confidence`` extension field (``writer.DocumentWriter``).
+        layout: ``"mineru4"`` (MinerU 4's bundle in ``OUTPUT/<stem>/``) or ``"2.x"`` (``writer.LAYOUTS``).
         quiet: log a document's line only when it did not end in ``success``.
     """
 
@@ -126,6 +127,7 @@ class BatchConfig:
     password: str | None = None
     pages_per_task: int = PAGES_PER_TASK
     confidence: bool = False
+    layout: str = "mineru4"
     quiet: bool = False
 
 
@@ -366,15 +368,16 @@ class _ParseTasks:
         attempts: the most attempts of a task (``max_retries + 1``).
         password: as ``DocumentParser.iter_pages``.
         events: send each parsed page's event to the ledger (the driver has an ``on_event``).
+        overlays: as ``DocumentWorker`` (the 2.x layout's overlays).
     """
 
     def __init__(
         self, model: str, options: ParserOptions, threads: int, ledger: Any, attempts: int,
-        password: str | None, events: bool,
+        password: str | None, events: bool, overlays: bool = True,
     ) -> None:  # fmt: skip
         import ray
 
-        self.worker = DocumentWorker(model, options, threads, pin=True)
+        self.worker = DocumentWorker(model, options, threads, pin=True, overlays=overlays)
         self.ledger, self.attempts, self.password, self.events = ledger, attempts, password, events
         self.actor = ray.get_runtime_context().current_actor
         self.where = self.worker.describe()
@@ -471,7 +474,9 @@ class _Runner:
             selected = spec_pages(outcome.selection)
             metadata = {**outcome.metadata, "input": {**outcome.metadata["input"], "pages": selected}}
             tasks = split_pages(selected, self.config.pages_per_task)
-            document.assembly = DocumentAssembly(self.config.output, job.name, tasks, metadata, self.config.confidence)
+            document.assembly = DocumentAssembly(
+                self.config.output, job.name, tasks, metadata, self.config.confidence, self.config.layout
+            )
             document.pending = set(range(len(tasks)))
             if not tasks:  # nothing selected: written at once (an empty document, as parse writes it)
                 return self._finish(document)
@@ -604,6 +609,7 @@ def _pipeline(config: BatchConfig, jobs: list[_Job], actors: int, cores: int, le
                 "attempts": config.max_retries + 1,
                 "password": config.password,
                 "events": events,
+                "overlays": config.layout == "2.x",  # MinerU 4's bundle has no overlays
             },
             compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
             num_cpus=cores,

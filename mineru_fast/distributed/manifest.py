@@ -76,9 +76,12 @@ class Manifest:
         return last
 
     def complete(self) -> set[str]:
-        """Names whose outputs are complete: parsed, and ``OUTPUT/<name>/<name>.json`` in place."""
+        """Names whose outputs are complete: parsed, and their last file in place
+        (``OUTPUT/<name>/middle_json.json`` of MinerU 4's bundle, or the 2.x layout's
+        ``OUTPUT/<name>/<name>.json``)."""
         return {
             name
             for name, record in self.records().items()
-            if record.status in PARSED and (self.output / name / f"{name}.json").is_file()
+            if record.status in PARSED
+            and any((self.output / name / file).is_file() for file in ("middle_json.json", f"{name}.json"))
         }

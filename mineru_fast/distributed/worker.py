@@ -81,12 +81,16 @@ class DocumentWorker:
         threads: intra-op threads, the CPUs Ray reserved for this actor.
         pin: pin the process to ``threads`` cores of one NUMA node where the machine has several
             (``placement.pin_actor``), before the model loads.
+        overlays: also write each page's layout overlay (MinerU 2.x's layout has them, MinerU 4's
+            bundle does not).
 
     Raises:
         OSError: ``pin`` and the kernel refused the affinity.
     """
 
-    def __init__(self, model: str, options: ParserOptions, threads: int, pin: bool = False) -> None:
+    def __init__(
+        self, model: str, options: ParserOptions, threads: int, pin: bool = False, overlays: bool = True
+    ) -> None:
         from ..threads import configure_process
         from .placement import pin_actor
 
@@ -96,7 +100,7 @@ class DocumentWorker:
         configure_process(threads, bind=False)  # before torch loads (Ray also sets OMP_NUM_THREADS)
         from ..parser import DocumentParser
 
-        self.threads = threads
+        self.threads, self.overlays = threads, overlays
         self.parser = DocumentParser.from_pretrained(model, replace(options, threads=threads, progress=False))
 
     def describe(self) -> dict[str, Any]:
@@ -134,7 +138,7 @@ class DocumentWorker:
                 for page in self.parser.iter_pages(
                     _read(data), pages=pages, password=password, replay=trace, keep_page_images=True
                 ):
-                    write_page_images(root, page, render_page(page).crops)
+                    write_page_images(root, page, render_page(page).crops, overlay=self.overlays)
                     page.image, page.crops = None, {}  # written: the page travels as its record
                     yield {"kind": "page", "index": page.index, "status": page.status, "page": page,
                            "files": _take_files(root)}  # fmt: skip

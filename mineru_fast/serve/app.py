@@ -3,7 +3,8 @@
 Endpoints (``/v1/*`` need an API key when keys are configured):
 
 - ``POST /v1/document/parse``: multipart ``file`` (PDF or image) plus optional ``pages``,
-  ``password``, ``formats`` (``markdown,content_list,json,layout``) and, when the server allows
+  ``password``, ``formats`` (``markdown,middle_json,structured_content,content_list,json,layout``; default
+  ``markdown,middle_json``) and, when the server allows
   it, ``replay`` (a trace JSON file); waits for the parse and returns the result.
 - ``POST /v1/jobs``: the same fields; returns ``202`` with ``job_id`` at once. With an
   ``Idempotency-Key`` header, a repeat of the request by the same API key returns the job the
@@ -66,7 +67,13 @@ _PAGE_HEADERS = {
 DocumentField = Annotated[UploadFile, File(description="PDF or image; the format is sniffed from the content")]
 PagesField = Annotated[str | None, Form(description="1-based page range, e.g. '1-3,5'; default every page")]
 PasswordField = Annotated[str | None, Form(description="user password of an encrypted PDF")]
-FormatsField = Annotated[str | None, Form(description="comma-separated: markdown, content_list, json, layout")]
+FormatsField = Annotated[
+    str | None,
+    Form(
+        description="comma-separated: markdown, middle_json, structured_content, content_list, json, layout "
+        "(default: markdown, middle_json)"
+    ),
+]
 ReplayField = Annotated[UploadFile | None, File(description="replay trace JSON (servers started with --allow-replay)")]
 IdempotencyKeyHeader = Annotated[
     str | None,

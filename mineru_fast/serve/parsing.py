@@ -46,10 +46,11 @@ __all__ = [
     "run_canary",
 ]
 
-FORMATS = ("markdown", "content_list", "json", "layout")
-"""Result parts a client may ask for: Markdown, content list, the full ``Document.to_dict()``,
-and layout overlays (one JPEG per page, base64)."""
-DEFAULT_FORMATS = frozenset({"markdown", "content_list"})
+FORMATS = ("markdown", "middle_json", "structured_content", "content_list", "json", "layout")
+"""Result parts a client may ask for: MinerU 4's Markdown, middle JSON and structured content (the
+files of its result bundle, ``Document.to_middle_json`` / ``to_structured_content``), the content
+list, the full ``Document.to_dict()``, and layout overlays (one JPEG per page, base64)."""
+DEFAULT_FORMATS = frozenset({"markdown", "middle_json"})
 OVERLAY_MAX_SIDE = 1400  # long side of the overlay images returned, in pixels
 
 
@@ -297,6 +298,10 @@ def render_result(document: Document, formats: frozenset[str], overlays: list[di
     }
     if "markdown" in formats:
         result["markdown"] = document.to_markdown()
+    if "middle_json" in formats:
+        result["middle_json"] = document.to_middle_json()
+    if "structured_content" in formats:
+        result["structured_content"] = document.to_structured_content()
     if "content_list" in formats:
         result["content_list"] = document.to_content_list()
     if "json" in formats:
