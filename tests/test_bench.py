@@ -386,8 +386,9 @@ def test_fidelity_on_a_trained_lm_is_the_real_text_run(monkeypatch, tmp_path):
     assert record["mode"] == "content" and record["steps"] == 10 and record["free_blocks"] == 3
     assert rows[1]["fidelity"]["confident_top1_pct"] == 100.0 and rows[1]["fidelity"]["free_identical"] == 2
     for row in rows:
-        row.update(page_seconds=[1.0], timings={}, mean_s_per_page=1.0, p95_s_per_page=1.0, pages_per_min=60.0,
-                   speedup=1.0, peak_rss_gb=1.0, startup_s=1.0, markdown_equal_first_row=True)  # fmt: skip
+        row.update(s_per_page=1.0, stage_s_per_page={"vision": 0.5, "prefill": 0.2, "decode": 0.2},
+                   other_s_per_page=0.1, pages_per_min=60.0, speedup=1.0, peak_rss_gb=1.0, startup_s=1.0,
+                   markdown_equal_first_row=True)  # fmt: skip
     table = _stage_table({"rows": rows, "extra_rows": [], "fidelity": record})
     assert table[0].endswith("| top-1 vs fp32 % | top-1 confident % | logits cosine | free-run same as fp32 |")
     assert table[2].endswith("| fp32 itself | fp32 itself | fp32 itself | fp32 itself |")
