@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from mineru_fast.errors import GgufError
 from mineru_fast.gguf_lm import GGUF_NAMES, read_gguf_lm
+from mineru_fast.protocol import DEFAULT_MODEL_VERSION
 from mineru_fast.synthetic import SIZES, _bpe_vocabulary, _config, lm_source, make_synthetic_model, synthetic_identity
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (dev extra) writes and reads the test GGUF files")
@@ -22,7 +23,7 @@ def write_gguf(path: Path, source: Path, *, layers: int | None = None, untied: b
     """A qwen2 GGUF of the tiny size from ``source``'s LM tensors (published names), linears as Q8_0,
     norms and biases F32; ``token_embd`` Q8_0 and ``output`` F32 of the same matrix (``untied``:
     another one). Returns the float32 values each published name should get."""
-    config = _config(SIZES["tiny"])
+    config = _config(SIZES["tiny"], DEFAULT_MODEL_VERSION)
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_name("test qwen2")
     writer.add_block_count(layers or config["num_hidden_layers"])
@@ -91,7 +92,8 @@ def test_lm_slots_take_the_gguf_and_vision_stays_the_seeds(tiny_gguf, tiny_model
     assert source["head"].startswith("tied: output.weight (F32)")
     assert (
         synthetic_identity(out)
-        == "synthetic vision (random weights, size=tiny, seed=0) + trained LM 'test qwen2' (tiny-qwen2.gguf)"
+        == "synthetic vision (random weights, size=tiny, seed=0, version=pro-2605) + trained LM 'test qwen2' "
+        "(tiny-qwen2.gguf)"
     )
     assert lm_source(tiny_model) is None
 
@@ -109,20 +111,20 @@ def test_untied_matrices_are_refused(tmp_path, tiny_model):
     path = tmp_path / "untied.gguf"
     write_gguf(path, tiny_model, untied=True)
     with pytest.raises(GgufError, match="two matrices"):
-        read_gguf_lm(path, _config(SIZES["tiny"]), _bpe_vocabulary())
+        read_gguf_lm(path, _config(SIZES["tiny"], DEFAULT_MODEL_VERSION), _bpe_vocabulary())
 
 
 def test_other_shapes_and_files_are_refused(tmp_path, tiny_model):
     path = tmp_path / "deeper.gguf"
     write_gguf(path, tiny_model, layers=3)
     with pytest.raises(GgufError, match="block_count is 3, the checkpoint's num_hidden_layers is 2"):
-        read_gguf_lm(path, _config(SIZES["tiny"]))
+        read_gguf_lm(path, _config(SIZES["tiny"], DEFAULT_MODEL_VERSION))
     with pytest.raises(GgufError, match="block_count is 3, the checkpoint's num_hidden_layers is 24"):
         make_synthetic_model(tmp_path / "full", size="full", lm_gguf=path)
     assert not (tmp_path / "full" / "SYNTHETIC.md").exists()  # no marker: not a usable model
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(GgufError, match="cannot read junk.gguf"):
-        read_gguf_lm(tmp_path / "junk.gguf", _config(SIZES["tiny"]))
+        read_gguf_lm(tmp_path / "junk.gguf", _config(SIZES["tiny"], DEFAULT_MODEL_VERSION))
 
 
 def test_the_vocabulary_must_be_the_tokenizers(tiny_gguf):
@@ -130,11 +132,11 @@ def test_the_vocabulary_must_be_the_tokenizers(tiny_gguf):
     vocabulary = _bpe_vocabulary()
     vocabulary[5] = "not-this"
     with pytest.raises(GgufError, match="differs from the checkpoint's tokenizer at id 5"):
-        read_gguf_lm(path, _config(SIZES["tiny"]), vocabulary)
+        read_gguf_lm(path, _config(SIZES["tiny"], DEFAULT_MODEL_VERSION), vocabulary)
 
 
 def test_missing_gguf_package_is_a_typed_error(tiny_gguf, monkeypatch):
     path, _ = tiny_gguf
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(GgufError, match="needs the gguf package: pip install gguf"):
-        read_gguf_lm(path, _config(SIZES["tiny"]))
+        read_gguf_lm(path, _config(SIZES["tiny"], DEFAULT_MODEL_VERSION))
