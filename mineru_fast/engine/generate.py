@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,16 +85,11 @@ class FastEngine:
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.dtype = DTYPES[precision]
+        self.preprocessor = Preprocessor(model_dir)
         configs = {"vision": vision_quant, "lm": lm_quant, "lm_head": lm_head_quant}
         self.prepared_from: str | None = None  # "cache" or "checkpoint" once loaded
         self.cache_committed = False  # this load wrote the prepared cache's entry
-        # The tokenizer and image processor (transformers' imports: Python, holding the GIL) load
-        # on a second thread while the weights are read and packed (oneDNN's prepack: C++, without
-        # it): a warm start then costs the longer of the two rather than their sum.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mineru-fast-preprocessor") as pool:
-            preprocessor = pool.submit(Preprocessor, model_dir)
-            self.vision, self.lm = self._load(Path(model_dir), configs, prepared_cache)
-            self.preprocessor = preprocessor.result()
+        self.vision, self.lm = self._load(Path(model_dir), configs, prepared_cache)
         self.vision_mode = vision_mode
         self.vision_runner = make_vision_runner(self.vision, self.vision_mode)
         if max_seq_len is None:
