@@ -84,7 +84,7 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert all(r["load"]["wall_s"] > 0 for r in rows) and results["load"]["cpus"] >= 1
     assert all(v > 0 for v in results["roofline"]["peaks"]["gemm"].values())
     assert 0 < results["roofline"]["fraction"]["decode_batch1_of_bandwidth"]
-    assert results["header"]["model_identity"] == "synthetic (random weights, size=tiny, seed=0)"
+    assert results["header"]["model_identity"] == "synthetic (random weights, size=tiny, seed=0, version=pro-2605)"
     assert results["roofline"]["full_size"] is False
     out = capsys.readouterr().out
     assert "## Stage table" in out and f"| {baseline} |" in out and "+ IPEX backend" in out
