@@ -147,16 +147,22 @@ def page_requests(page: WorkloadPage, options: ParserOptions) -> list[tuple[str,
     return out
 
 
+def _prompt_embeds(engine, request: GenerationRequest):
+    """``(encoded, embeds [T, hidden], positions [3, T])`` of ``request``'s prompt: its token
+    embeddings with the vision encoder's output at the image pads, and its M-RoPE positions."""
+    encoded = engine.preprocessor.encode(request)
+    image_embeds = engine.vision_runner(encoded.pixel_values, [encoded.grid_thw])
+    embeds = engine.lm.embed_tokens(encoded.input_ids)
+    embeds[encoded.input_ids == engine.preprocessor.image_token_id] = image_embeds.to(embeds.dtype)
+    return encoded, embeds, engine.preprocessor.mrope_positions(encoded)
+
+
 @torch.inference_mode()
 def forced_logits(engine, request: GenerationRequest) -> Iterator[torch.Tensor]:
     """Logits ``[vocab]`` float32 before each forced token of ``request``, at batch 1 in slot 0:
     the prefill's, then one decode step per forced token but the last."""
-    encoded = engine.preprocessor.encode(request)
-    image_embeds = engine.vision_runner(encoded.pixel_values, [encoded.grid_thw])
+    encoded, embeds, positions = _prompt_embeds(engine, request)
     ids = encoded.input_ids
-    embeds = engine.lm.embed_tokens(ids)
-    embeds[ids == engine.preprocessor.image_token_id] = image_embeds.to(embeds.dtype)
-    positions = engine.preprocessor.mrope_positions(encoded)
     yield engine.lm.prefill(embeds[None], positions[:, None], 0)[0]
     rope, cache = int(positions.max()) + 1, len(ids)
     for step, token in enumerate(encoded.forced[:-1]):
@@ -273,12 +279,8 @@ def forced_logits_prefill(engine, request: GenerationRequest) -> torch.Tensor:
     positions at once, as a batch of ``T`` rows: per-token INT8 quantizes each row alone, as a
     decode step does, while a per-tensor activation scale covers the whole sequence.
     """
-    encoded = engine.preprocessor.encode(request)
-    image_embeds = engine.vision_runner(encoded.pixel_values, [encoded.grid_thw])
+    encoded, embeds, positions = _prompt_embeds(engine, request)
     ids = encoded.input_ids
-    embeds = engine.lm.embed_tokens(ids)
-    embeds[ids == engine.preprocessor.image_token_id] = image_embeds.to(embeds.dtype)
-    positions = engine.preprocessor.mrope_positions(encoded)
     rope = int(positions.max()) + 1
     chunks = [(embeds, positions, 0, 0)]
     forced = torch.tensor(encoded.forced[:-1], dtype=torch.long)
