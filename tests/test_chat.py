@@ -155,7 +155,11 @@ MAX_CHAT = 2
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    args = ("--max-new-tokens", "layout=24,text=12", "--max-chat-requests", str(MAX_CHAT))
+    # Every task bounded: a chat request without max_tokens gets the largest task bound (8192
+    # tokens for tables by default), which random weights may decode to the end; the fuzz test's
+    # bodies must stay short whatever they ask.
+    bounds = "layout=24,text=12,table=24,equation=24"
+    args = ("--max-new-tokens", bounds, "--max-chat-requests", str(MAX_CHAT))
     with running_server(tiny_model, tmp_path_factory.mktemp("chat"), *args) as s:
         yield s
 
