@@ -24,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-GEMM_OPS = {"onednn::qlinear_pointwise", "aten::_int_mm", "aten::addmm", "aten::mm", "aten::linear"}
+GEMM_OPS = {
+    "onednn::qlinear_pointwise",
+    "mineru_fast::int8_linear_rows",
+    "aten::_int_mm",
+    "aten::addmm",
+    "aten::mm",
+    "aten::linear",
+}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
 
 

@@ -55,17 +55,23 @@ def tiny_profile(tmp_path):
 def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
     from mineru_fast.cpu import isa_class, read_topology
+    from mineru_fast.engine.kernels import int8_gemv_status
 
     assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     rows = results["rows"]
     cls = isa_class(read_topology().isa)
     baseline = "reference bf16" if cls.native_bf16 else "reference fp32"  # never emulated bf16
-    # the shipped preset (per-token oneDNN INT8 where nothing else is recorded) and the other kernel
-    assert [r["label"] for r in rows] == [baseline, "+ continuous batching", "  INT8 per tensor, torch.ao"]
+    # the shipped preset (per-token oneDNN INT8 where nothing else is recorded) and the other kernel;
+    # where the own GEMV runs the shipped LM's decode rows, oneDNN alone is its A/B row (no candidate)
+    gemv = int8_gemv_status().op is not None
+    ab = ["  INT8 per token, oneDNN"] if gemv else []
+    assert [r["label"] for r in rows] == [baseline, "+ continuous batching", *ab, "  INT8 per tensor, torch.ao"]
     assert rows[0]["pages"] == ["tiny"] and "data data data data" in rows[0]["markdown"]
-    assert [r["candidate"] for r in rows] == [None, "int8-onednn", "int8-torch_ao"]
-    assert rows[1]["numerics"]["int8_kernel"] == "onednn" and rows[2]["numerics"]["int8_kernel"] == "torch_ao"
+    assert [r["candidate"] for r in rows] == [None, "int8-onednn", *[None] * len(ab), "int8-torch_ao"]
+    assert rows[1]["numerics"]["int8_kernel"] == "onednn" and rows[-1]["numerics"]["int8_kernel"] == "torch_ao"
+    assert "lm_decode_kernel" in rows[1]["numerics"]
+    assert all("lm_decode_kernel" not in r["numerics"] for r in rows[2:])
     assert results["header"]["isa_class"] == cls.name
     check = results["auto_check"]
     assert check["auto_picks"] == "int8-onednn" and set(check["measured_s_per_page"]) == {
@@ -92,7 +98,7 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert "Not a full-size model" in out and "| top-1 vs fp32 % | logits cosine |" in out
     assert "not run | not run" in out and f"ISA class: {cls.name}" in out
     assert "- + continuous batching: fast engine, fp32; onednn: int8 weights per channel" in out
-    assert "|   INT8 per token, oneDNN | int8_kernel=auto runs onednn on this class" in out
+    assert ("|   INT8 per token, oneDNN | int8_kernel=auto runs onednn on this class" in out) is not gemv
     # start-up without the prepared cache, cold (writes it) and warm (reads it), each a fresh process
     startup = results["startup"]
     assert [s["prepared_from"] for s in startup] == ["checkpoint", "checkpoint", "cache"]

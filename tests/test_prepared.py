@@ -20,6 +20,7 @@ from mineru_fast.engine.prepared import MANIFEST, PreparedCache, cacheable, prep
 from mineru_fast.engine.quantize import (
     Bf16WeightsConfig,
     Bf16WeightsLinear,
+    GemvInt8Linear,
     Int8DynamicConfig,
     Int8WeightOnlyConfig,
     Int8WeightOnlyLinear,
@@ -149,7 +150,9 @@ def test_only_int8_models_without_torch_ao_are_cached():
     assert not cacheable([Int8DynamicConfig("torch_ao"), INT8, INT8])
 
 
-@pytest.mark.parametrize("kind", [OneDnnInt8Linear, IntMmInt8Linear, Int8WeightOnlyLinear, Bf16WeightsLinear])
+@pytest.mark.parametrize(
+    "kind", [OneDnnInt8Linear, GemvInt8Linear, IntMmInt8Linear, Int8WeightOnlyLinear, Bf16WeightsLinear]
+)
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_layer_rebuilt_from_its_prepared_state_gives_the_same_outputs(kind, bias):
     torch.manual_seed(0)

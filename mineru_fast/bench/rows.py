@@ -60,7 +60,12 @@ class Row:
                 return f"bf16 is emulated on {cls.name} (no native bfloat16): not run"
         kernel = self.overrides.get("int8_kernel")
         if kernel and kernel == choose_int8_kernel("auto", _topology()).value:
-            return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
+            from ..engine.kernels import int8_gemv_status
+
+            if kernel != "onednn" or int8_gemv_status().op is None:
+                return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
+            # else auto runs oneDNN's numerics with the own GEMV for the LM's decode rows: this row
+            # (oneDNN everywhere) is their A/B
         if self.overrides.get("backend") == "ipex":
             from ..engine.backends import ipex_status
 
@@ -90,7 +95,8 @@ ROWS: list[Row] = [
     Row("+ dynamic INT8 (eager vision)", "fast", {**_SINGLE}),
     # The fast preset as shipped; its candidate is int8-<the kernel int8_kernel=auto runs>.
     Row("+ continuous batching", "fast", quick="always", candidate="int8-auto"),
-    # The same with each other INT8 kernel (a kernel int8_kernel=auto already runs is not repeated).
+    # The same with each other INT8 kernel (a kernel int8_kernel=auto already runs is not repeated;
+    # oneDNN is, where auto adds the own GEMV: it is then the A/B of that kernel, not a candidate).
     Row("  INT8 per token, oneDNN", "fast", {"int8_kernel": "onednn"}, "always", candidate="int8-onednn"),
     Row("  INT8 per tensor, torch.ao", "fast", {"int8_kernel": "torch_ao"}, "always", candidate="int8-torch_ao"),
     Row("  INT8 per token, torch._int_mm", "fast", {"int8_kernel": "int_mm"}, candidate="int8-int_mm"),

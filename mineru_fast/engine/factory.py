@@ -14,6 +14,7 @@ from ..options import TASKS, ParserOptions
 from ..protocol import sampling_for
 from ..threads import in_fresh_thread, set_torch_threads
 from .base import DTYPES, Engine
+from .kernels import int8_gemv_status
 from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,19 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
             int8_kernel="ipex", int8_kernel_path="IPEX INT8 linear (WoqLowpMode.INT8)", int8_reason=choice.reason
         )
 
+    lm_configs = configs
+    if options.int8_kernel == "auto" and numerics["int8_kernel"] == "onednn" and not ipex_int8:
+        # The language model's decode rows on the own GEMV (oneDNN's numerics, bit for bit);
+        # vision, all GEMMs of many rows, stays on oneDNN's prepacked kernel.
+        status = int8_gemv_status()
+        numerics["lm_decode_kernel"] = status.reason
+        if status.op is not None:
+            lm_configs = {**configs, "int8-dynamic": Int8DynamicConfig("gemv")}
+
     def quant(part: str) -> object | None:  # IPEX's INT8 starts from the float layer
-        return None if ipex_int8 and int8_parts[part] else configs[getattr(options, f"{part}_quant")]
+        if ipex_int8 and int8_parts[part]:
+            return None
+        return (configs if part == "vision" else lm_configs)[getattr(options, f"{part}_quant")]
 
     engine = FastEngine(
         model_dir,
@@ -90,6 +102,8 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
     logger.info("backend: %s (%s)", choice.backend, choice.reason)
     if numerics["int8_kernel"]:
         logger.info("INT8 kernel: %s (%s)", numerics["int8_kernel_path"], numerics["int8_reason"])
+    if numerics.get("lm_decode_kernel"):
+        logger.info("LM decode rows: %s", numerics["lm_decode_kernel"])
     if choice.backend == "ipex":
         apply_ipex(engine, int8_parts, ipex_int8)
     engine.numerics = numerics

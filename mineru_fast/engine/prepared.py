@@ -44,6 +44,7 @@ from torch import nn
 from .memory import trim_heap
 from .quantize import (
     Bf16WeightsLinear,
+    GemvInt8Linear,
     Int8DynamicConfig,
     Int8WeightOnlyConfig,
     Int8WeightOnlyLinear,
@@ -63,6 +64,7 @@ MANIFEST = "manifest.json"
 _KINDS: dict[type[nn.Module], str] = {
     nn.Linear: "linear",
     OneDnnInt8Linear: "onednn",
+    GemvInt8Linear: "gemv",
     IntMmInt8Linear: "int_mm",
     Int8WeightOnlyLinear: "int8_weight_only",
     Bf16WeightsLinear: "bf16_weights",
@@ -70,6 +72,7 @@ _KINDS: dict[type[nn.Module], str] = {
 _PACKED_ANEW = {"onednn": ("weight_q",)}  # tensors copied into another form when a layer is restored
 _RESTORE: dict[str, Callable[[dict[str, torch.Tensor]], nn.Module]] = {
     "onednn": OneDnnInt8Linear.from_prepared,
+    "gemv": GemvInt8Linear.from_prepared,
     "int_mm": IntMmInt8Linear.from_prepared,
     "int8_weight_only": Int8WeightOnlyLinear.from_prepared,
     "bf16_weights": Bf16WeightsLinear.from_prepared,

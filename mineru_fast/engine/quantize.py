@@ -13,6 +13,10 @@ quantized form through a handler registered for the config's type:
                 per output channel          token (row): ``max|x_row| / 127``    (VNNI / AMX where
                                             rounded half up; passed as uint8     present), weight scale
                                             ``q + 128`` with zero point 128      fused, float32 out
+  ``gemv``      as ``onednn``, in plain     as ``onednn``                        1-16 rows: the own
+                ``[out, in]`` layout                                             AVX-512 VNNI GEMV
+                                                                                 (``engine.kernels``),
+                                                                                 more: ``torch._int_mm``
   ``int_mm``    as ``onednn``               as ``onednn``, as signed int8,       ``torch._int_mm``
                                             rounded half to even                 s8 x s8 -> s32
   ``torch_ao``  int8, symmetric, one scale  uint8, asymmetric, ONE scale and     fbgemm u8 x s8 -> s32
@@ -27,6 +31,10 @@ quantized form through a handler registered for the config's type:
   So the integer products are exact on every ISA (tested under simulated classes), and the
   activation granularity is what differs: per token for ``onednn`` / ``int_mm``, per tensor for
   ``torch_ao`` (whose one scale follows the largest value anywhere in the batch).
+  ``gemv`` gives ``onednn``'s outputs bit for bit (the same integers, the same float steps): the
+  fast engine runs its language model on it where the own kernel builds (``engine.factory``), since
+  decode steps of a few rows are bound by reading the weights, which it does faster than oneDNN
+  there (``benchmarks/decode_step.py``), while vision's GEMMs of thousands of rows stay on oneDNN.
   ``"auto"`` is the per-token ``onednn`` kernel, ``int_mm`` where PyTorch lacks oneDNN's
   quantized linear ops, ``torch_ao`` where both are missing. Which one is fastest on a CPU class
   is measured, not assumed (``mineru_fast.choice``). ``torch_ao`` is the deprecated
@@ -53,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import MAX_ROWS, int8_gemv_status
 from .memory import trim_heap
 
 __all__ = [
@@ -62,6 +71,7 @@ __all__ = [
     "Bf16WeightsConfig",
     "OneDnnInt8Linear",
     "IntMmInt8Linear",
+    "GemvInt8Linear",
     "Int8WeightOnlyLinear",
     "Bf16WeightsLinear",
     "quantize_",
@@ -72,14 +82,14 @@ __all__ = [
     "torch_ao_available",
 ]
 
-INT8_BACKENDS = ("auto", "onednn", "int_mm", "torch_ao")
+INT8_BACKENDS = ("auto", "onednn", "gemv", "int_mm", "torch_ao")
 
 
 @dataclass(frozen=True)
 class Int8DynamicConfig:
     """Dynamic INT8 linears; ``backend`` picks the kernel (see the module docstring's table)."""
 
-    backend: Literal["auto", "onednn", "int_mm", "torch_ao"] = "auto"
+    backend: Literal["auto", "onednn", "gemv", "int_mm", "torch_ao"] = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in INT8_BACKENDS:
@@ -138,7 +148,8 @@ def _int_mm_matmul(qx: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def int8_weight_max(backend: str) -> int:
     """Largest int8 weight magnitude the ``onednn`` or ``int_mm`` kernel multiplies exactly: 127,
-    or 63 where a probe finds its 8-bit products saturate (int8 GEMMs without VNNI).
+    or 63 where a probe finds its 8-bit products saturate (int8 GEMMs without VNNI). ``gemv``
+    (VNNI only, exact at 127) is used only where ``int_mm``, its GEMM of many rows, gives ``onednn``'s.
 
     The probe multiplies the worst case (every activation 127, weights +-127 over 64 products,
     at 1 and 32 rows) and compares with the exact integer result, so it follows the kernel the
@@ -322,6 +333,49 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
         return self._finish(y, x_scale, shape, dtype)
 
 
+class GemvInt8Linear(_PerTokenInt8Linear):
+    """``y = x W^T + b``, backend ``gemv``: the ``onednn`` backend's numerics (per-token int8
+    activations rounded half up, per-channel int8 weights) on plain ``[out, in]`` int8 weights.
+
+    1 to ``kernels.MAX_ROWS`` rows (decode steps) run the engine's own AVX-512 VNNI kernel
+    (``engine.kernels``), which streams the weights once; more rows (prefill) run
+    ``torch._int_mm`` on the same weights (a transposed view, no copy). Both give exactly the
+    ``onednn`` backend's outputs (tested), so a sequence's tokens do not depend on which ran.
+    Needs ``kernels.int8_gemv_status().op`` (``resolve_int8_backend`` refuses ``gemv`` without it).
+
+    Input ``[..., in_features]`` of any float dtype; output in the input's dtype.
+    """
+
+    backend = "gemv"
+    weight_q: torch.Tensor  # buffers: [out, in] int8, [out] int32 (sum over in of each row)
+    weight_sum: torch.Tensor
+
+    def _pack(self, q: torch.Tensor) -> None:
+        self.register_buffer("weight_q", q.contiguous())
+        self.register_buffer("weight_sum", q.sum(dim=1, dtype=torch.int32))
+        self._kernel = int8_gemv_status().op
+
+    def _weight_state(self) -> dict[str, torch.Tensor]:
+        return {"weight_q": self.weight_q}
+
+    def _load_weight(self, state: dict[str, torch.Tensor]) -> int:
+        self._pack(state["weight_q"])
+        return state["weight_q"].shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        if x2.shape[0] <= MAX_ROWS and self._kernel is not None:
+            y = self._kernel(x2, self.weight_q, self.weight_sum, self.weight_scale, self.bias)
+            return y.to(dtype).reshape(*shape[:-1], self.out_features)
+        x_scale, inv = self._token_scales(x2)
+        shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
+        qx = _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted)  # q + 128, as the onednn path
+        signed = qx.view(torch.int8).bitwise_xor_(-128)  # the byte q + 128, top bit flipped, is q as int8
+        y = torch.mul(_int_mm_matmul(signed, self.weight_q.t()), self.weight_scale)
+        return self._finish(y, x_scale, shape, dtype)
+
+
 class _BufferLinear(nn.Module):
     """A linear layer whose state is all buffers (rebuilt by ``_from_buffers``)."""
 
@@ -455,13 +509,16 @@ def _onednn_available() -> bool:
 
 def resolve_int8_backend(backend: str = "auto") -> str:
     """The kernel ``Int8DynamicConfig(backend)`` gets in this PyTorch: ``"auto"`` -> ``"onednn"``,
-    else ``"int_mm"`` without oneDNN's quantized linear ops, else ``"torch_ao"``; others as given.
+    else ``"int_mm"`` without oneDNN's quantized linear ops, else ``"torch_ao"``; ``"gemv"`` ->
+    ``"onednn"`` where the own kernel is not available (``kernels.int8_gemv_status``); others as given.
 
     Raises:
         ValueError: unknown backend.
     """
     if backend not in INT8_BACKENDS:
         raise ValueError(f"backend must be one of {INT8_BACKENDS}, got {backend!r}")
+    if backend == "gemv" and (int8_gemv_status().op is None or int8_weight_max("int_mm") != int8_weight_max("onednn")):
+        return "onednn"  # the same numerics, bit for bit (gemv's prefill GEMM is torch._int_mm)
     if backend != "auto":
         return backend
     if _onednn_available():
@@ -482,7 +539,11 @@ def int8_kernel_path(backend: str) -> str:
         return (
             f"torch_ao: int8 weights per channel; uint8 activations per tensor, 7-bit (reduce_range); {engine} engine"
         )
-    kernel = "oneDNN u8s8s32" if backend == "onednn" else "torch._int_mm s8s8s32"
+    kernel = {
+        "onednn": "oneDNN u8s8s32",
+        "gemv": f"own AVX-512 VNNI u8s8s32 GEMV (1-{MAX_ROWS} rows), torch._int_mm s8s8s32 above",
+        "int_mm": "torch._int_mm s8s8s32",
+    }[backend]
     bits = 8 if int8_weight_max(backend) == 127 else 7
     return f"{backend}: int8 weights per channel ({bits}-bit); int8 activations per token; {kernel}"
 
@@ -491,7 +552,8 @@ def _int8_dynamic(linear: nn.Linear, config: Int8DynamicConfig) -> nn.Module:
     backend = resolve_int8_backend(config.backend)
     if backend == "torch_ao":
         return _TorchAoDynamicLinear(linear)
-    return OneDnnInt8Linear(linear) if backend == "onednn" else IntMmInt8Linear(linear)
+    layer = {"onednn": OneDnnInt8Linear, "gemv": GemvInt8Linear, "int_mm": IntMmInt8Linear}[backend]
+    return layer(linear)
 
 
 _HANDLERS: dict[type, Callable[[nn.Linear, object], nn.Module]] = {

@@ -1,0 +1,105 @@
+"""The engine's own compiled kernel: the per-token INT8 linear of decode steps (``csrc/int8_gemv.cpp``).
+
+A decode step multiplies a few rows (one per live sequence) by every language-model weight, so it
+is bound by reading the weights once. oneDNN's prepacked INT8 GEMM, built for many rows, spent
+about twice the time a weight read takes on one row (see ``benchmarks/decode_step.py``). The kernel
+here streams plain ``[out, in]`` int8 rows through AVX-512 VNNI dot products, 1 to 16 rows of
+activations at a time, and quantizes the activations itself; its arithmetic is the oneDNN path's
+(``quantize.OneDnnInt8Linear``) operation for operation, so its outputs are bit-identical to it.
+
+It is compiled once per machine with PyTorch's C++ extension builder (a C++ compiler and ninja are
+needed; about 30 s), into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``), and rebuilt when the source, the flags or PyTorch change. A process
+that finds another one building it does not wait: it runs on oneDNN until its next start. It is used
+only where the CPU class has AVX-512 VNNI (``cpu.isa_class``, caps included); elsewhere, when the
+build fails, or with ``MINERU_FAST_OWN_KERNELS=0``, the engine keeps oneDNN, with the reason
+reported by ``int8_gemv_status``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cpu import isa_class, read_topology
+
+logger = logging.getLogger(__name__)
+
+OWN_KERNELS_ENV = "MINERU_FAST_OWN_KERNELS"
+SOURCE = Path(__file__).parent / "csrc" / "int8_gemv.cpp"
+# -ffp-contract=off: no multiply-add is fused unless the source says so (std::fma), where the
+# PyTorch operator it mirrors fuses it; that is what keeps the outputs bit-identical to oneDNN's path.
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off")
+NAME = "mineru_fast_int8_gemv"
+STALE_LOCK_S = 600.0  # a build takes ~30 s on 2 busy cores; a lock this old belongs to a killed one
+MAX_ROWS = 16  # rows of activations per call (csrc/int8_gemv.cpp's kMaxRows)
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the INT8 GEMV kernel is in use here, and why not when it is not.
+
+    Attributes:
+        op: the kernel, ``torch.ops.mineru_fast.int8_linear_rows(x [M, K] float32, weight [N, K]
+            int8, weight_sum [N] int32, weight_scale [N] float32, bias [N] float32 or None)
+            -> [M, N] float32`` for 1 <= M <= ``MAX_ROWS``, or None.
+        reason: one line: what runs, or why the kernel does not.
+    """
+
+    op: Callable[..., torch.Tensor] | None
+    reason: str
+
+
+def _held_by_another_build(lock: Path) -> bool:
+    """Whether a live build holds ``lock`` (PyTorch's builder waits on it without a bound). A lock
+    older than ``STALE_LOCK_S`` was left by a killed build and is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return True
+    lock.unlink(missing_ok=True)
+    return False
+
+
+def _disabled() -> bool:
+    return os.environ.get(OWN_KERNELS_ENV, "").strip().lower() in ("0", "off", "false", "no")
+
+
+@functools.cache
+def int8_gemv_status() -> KernelStatus:
+    """Build (first time on this machine) and load the kernel, or say why it is not used.
+
+    Never raises: a missing compiler, a failed build or a CPU without AVX-512 VNNI gives a status
+    without an op (logged once).
+    """
+    if _disabled():
+        return KernelStatus(None, f"own INT8 GEMV off ({OWN_KERNELS_ENV}=0)")
+    cls = isa_class(read_topology().isa)
+    if not cls.vnni:
+        return KernelStatus(None, f"own INT8 GEMV needs AVX-512 VNNI; this CPU class is {cls.name}")
+    try:
+        from torch.utils.cpp_extension import get_default_build_root, load  # imports setuptools: only here
+
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+        build = Path(get_default_build_root()) / tag / NAME
+        if _held_by_another_build(build / "lock"):
+            return KernelStatus(None, f"own INT8 GEMV being built by another process ({build}); oneDNN for now")
+        build.mkdir(parents=True, exist_ok=True)
+        load(NAME, [str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(build), is_python_module=False)
+        op = torch.ops.mineru_fast.int8_linear_rows
+    except Exception as exc:  # a compiler or ninja missing, a failed build: oneDNN stays
+        last = (str(exc).strip().splitlines() or [""])[-1][:200]
+        reason = f"own INT8 GEMV not built ({type(exc).__name__}: {last})"
+        logger.warning("%s; decode uses oneDNN", reason)
+        return KernelStatus(None, reason)
+    return KernelStatus(op, f"own AVX-512 VNNI INT8 GEMV for 1-{MAX_ROWS} rows, torch._int_mm above")
