@@ -52,6 +52,37 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     assert torch.equal(logits[1], torch.zeros(5))  # no penalties configured on row 1
 
 
+def test_penalties_on_the_generated_tokens_alone_equal_the_whole_vocabulary_formula():
+    """The penalties touch only the tokens a row generated; the result equals
+    ``logits - (frequency * counts + presence * [counts > 0])`` over the whole row, bit for bit,
+    for every row subset and after a row moves (continuous batching)."""
+    torch.manual_seed(0)
+    vocab = 1000
+    params = [
+        SamplingParams(presence_penalty=1.0, frequency_penalty=0.05, no_repeat_ngram_size=0),
+        SamplingParams(presence_penalty=-0.7, frequency_penalty=0.3, no_repeat_ngram_size=0),
+        SamplingParams(no_repeat_ngram_size=0),
+        SamplingParams(presence_penalty=0.0, frequency_penalty=-1.5, no_repeat_ngram_size=0),
+    ]
+    rules = BatchLogitsProcessor(params, [None] * 4, vocab_size=vocab)
+    history = torch.zeros(4, vocab)
+    for _ in range(60):
+        tokens = torch.randint(0, 40, (4,)).tolist()  # few distinct ids: counts above 1
+        rules.observe(tokens)
+        history[torch.arange(4), torch.tensor(tokens)] += 1.0
+    presence = torch.tensor([[p.presence_penalty] for p in params])
+    frequency = torch.tensor([[p.frequency_penalty] for p in params])
+    for rows in (None, [2, 0], [3], [1, 3, 0]):
+        picked = list(range(4)) if rows is None else rows
+        logits = torch.randn(len(picked), vocab) * 5
+        expected = logits - (frequency[picked] * history[picked] + presence[picked] * (history[picked] > 0))
+        assert torch.equal(rules(logits.clone(), rows=rows), expected), rows
+    rules.move_row(1, 2)
+    logits = torch.randn(1, vocab)
+    expected = logits - (frequency[1] * history[1] + presence[1] * (history[1] > 0))
+    assert torch.equal(rules(logits.clone(), rows=[2]), expected)
+
+
 def test_forcing_overrides_bans_and_then_releases():
     params = SamplingParams(no_repeat_ngram_size=1)  # n=1 bans every generated token
     rules = BatchLogitsProcessor([params], [[4, 4]], vocab_size=6)

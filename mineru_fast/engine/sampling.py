@@ -74,6 +74,8 @@ class BatchLogitsProcessor:
         self.in_prompt = torch.zeros(batch, vocab_size, dtype=torch.bool)
         self.blockers: list[NGramBlocker] = [NGramBlocker(0)] * batch
         self.forced: list[list[int] | None] = [None] * batch
+        self.seen: list[set[int]] = [set() for _ in range(batch)]  # generated token ids, per row
+        self.penalized = [False] * batch  # the row has a presence or frequency penalty
         for row, (p, f) in enumerate(zip(params, forced, strict=True)):
             self.reset_row(row, p, f)
 
@@ -86,6 +88,8 @@ class BatchLogitsProcessor:
             prompt_ids: the prompt's token ids (int64), needed only by a repetition penalty.
         """
         self.counts[row].zero_()
+        self.seen[row] = set()
+        self.penalized[row] = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self.presence[row, 0] = params.presence_penalty
         self.frequency[row, 0] = params.frequency_penalty
         self.repetition[row, 0] = params.repetition_penalty
@@ -102,6 +106,7 @@ class BatchLogitsProcessor:
         for table in (self.counts, self.presence, self.frequency, self.repetition, self.in_prompt):
             table[dst] = table[src]
         self.min_new[dst], self.forced[dst] = self.min_new[src], self.forced[src]
+        self.seen[dst], self.penalized[dst] = self.seen[src], self.penalized[src]
         self.blockers[dst] = self.blockers[src]
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -115,14 +120,18 @@ class BatchLogitsProcessor:
             select = slice(0, logits.shape[0])
         else:
             select = torch.tensor(list(rows))
-        counts = self.counts[select]
         repetition = self.repetition[select]
         if bool((repetition != 1.0).any()):  # first, as vLLM does
-            seen = (counts > 0) | self.in_prompt[select]
+            seen = (self.counts[select] > 0) | self.in_prompt[select]
             penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
             logits.copy_(torch.where(seen, penalized, logits))
-        logits -= self.frequency[select] * counts + self.presence[select] * (counts > 0)
         for i, row in enumerate(rows):
+            seen = self.seen[row]
+            if seen and self.penalized[row]:
+                # Only the generated tokens' logits change (presence * [count > 0] + frequency * count
+                # is 0 elsewhere): the same float32 steps as over the whole row, on len(seen) of V.
+                ids = torch.tensor(sorted(seen))
+                logits[i, ids] -= self.frequency[row] * self.counts[row, ids] + self.presence[row]
             blocker = self.blockers[row]
             banned = blocker.banned()
             if banned:
@@ -142,3 +151,4 @@ class BatchLogitsProcessor:
         for row, token in zip(range(len(tokens)) if rows is None else rows, tokens, strict=True):
             self.blockers[row].append(token)
             self.counts[row, token] += 1.0
+            self.seen[row].add(token)

@@ -117,10 +117,12 @@ at::Tensor int8_linear_rows(const at::Tensor& x, const at::Tensor& weight, const
       for (int64_t m = 0; m < m_size; m += 4) {
         const int64_t count = std::min<int64_t>(4, m_size - m);
         if (rows == kRows) {
-          if (m_size == 1)
-            dot_tile<4, 1>(wp, k_size, qx.data(), k_size, n, m, count, dots);
-          else
-            dot_tile<4, 4>(wp, k_size, qx.data(), k_size, n, m, count, dots);
+          switch (count) {  // as many accumulators as rows of x: no product of a missing row
+            case 1: dot_tile<kRows, 1>(wp, k_size, qx.data(), k_size, n, m, count, dots); break;
+            case 2: dot_tile<kRows, 2>(wp, k_size, qx.data(), k_size, n, m, count, dots); break;
+            case 3: dot_tile<kRows, 3>(wp, k_size, qx.data(), k_size, n, m, count, dots); break;
+            default: dot_tile<kRows, 4>(wp, k_size, qx.data(), k_size, n, m, count, dots);
+          }
           for (int64_t j = 0; j < count; ++j)
             for (int64_t r = 0; r < kRows; ++r) {
               const int64_t row = m + j, col = n + r;
