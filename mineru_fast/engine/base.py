@@ -154,13 +154,10 @@ class RequestHandle:
             return list(self._tokens)
 
     def on_token(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` after each token the engine pushes from now on (called once at once
-        when tokens came before, so none is missed)."""
+        """Call ``listener()`` after each token the engine pushes from now on (tokens that came
+        before are in ``tokens()``; the result's future tells when there will be no more)."""
         with self._lock:
             self._listeners.append(listener)
-            came = bool(self._tokens)
-        if came:
-            listener()
 
     def push_token(self, token: int) -> None:
         """Engine side: record one generated token and call the listeners.
