@@ -85,7 +85,12 @@ def wait_ready(server: Server, timeout: float) -> dict:
 
 @contextmanager
 def running_server(
-    model: Path, log_dir: Path, *args: str, ready_timeout: float = 180.0, open_files: int | None = None
+    model: Path,
+    log_dir: Path,
+    *args: str,
+    ready_timeout: float = 180.0,
+    open_files: int | None = None,
+    python: str = sys.executable,
 ) -> Iterator[Server]:
     """Run ``mineru-fast serve`` on a free loopback port until the block exits.
 
@@ -95,8 +100,9 @@ def running_server(
         args: extra ``serve`` arguments.
         ready_timeout: seconds to wait for ``/ready``.
         open_files: the server process's open-file limit (soft and hard), if given.
+        python: the interpreter that runs it (one with mineru-fast's dependencies).
     """
-    server = start_server(model, log_dir, *args, open_files=open_files)
+    server = start_server(model, log_dir, *args, open_files=open_files, python=python)
     try:
         wait_ready(server, ready_timeout)
         yield server
@@ -104,11 +110,13 @@ def running_server(
         server.stop()
 
 
-def start_server(model: Path, log_dir: Path, *args: str, open_files: int | None = None) -> Server:
+def start_server(
+    model: Path, log_dir: Path, *args: str, open_files: int | None = None, python: str = sys.executable
+) -> Server:
     """Start ``mineru-fast serve`` on a free loopback port (not waiting for it); see ``running_server``."""
     port = free_port()
     command = [
-        sys.executable,
+        python,
         "-m",
         "mineru_fast.cli",
         "serve",
@@ -125,7 +133,8 @@ def start_server(model: Path, log_dir: Path, *args: str, open_files: int | None 
         *args,
     ]
     log_path = log_dir / f"server-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}  # this checkout, whichever interpreter
 
     def limit_files() -> None:
         import resource

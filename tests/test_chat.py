@@ -216,10 +216,23 @@ def test_chat_gives_the_tokens_of_the_parsers_own_request(server, tiny_model):
     assert choice["finish_reason"] == ("stop" if expected.finish_reason == "stop" else "length")
     assert answer["usage"]["completion_tokens"] == len(expected.token_ids)
     streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
-    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and expected.text in streamed.text.replace("\\n", "\n")
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and streamed_text(events) == expected.text
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "temperature": 1.0, "top_k": 40})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_sampling"
+
+
+def sse_events(text: str) -> list:
+    """The ``data:`` events of a server-sent event stream, JSON decoded (``[DONE]`` as is)."""
+    import json
+
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def streamed_text(events: list) -> str:
+    """The content deltas of a stream's chunks, joined."""
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events if e != "[DONE]" and e["choices"])
 
 
 def test_official_mineru_client_runs_against_the_server(server):

@@ -553,8 +553,10 @@ def test_chat_images_are_admitted_by_the_same_budget_before_they_are_decoded(ope
     for response in burst:
         assert response.status_code == 413, response.text
         assert response.json()["error"]["code"] == "image_too_large"
-    assert "needs 3,343 MiB" in burst[0].json()["error"]["message"]  # RGBA: 24 bytes a pixel, + the kept copy
-    assert "needs 1,695 MiB" in burst[3].json()["error"]["message"]  # RGB: 12 bytes a pixel, + the kept copy
+    # RGBA: 24 bytes a pixel, + the kept copy (3,343 MiB), + the model's input for it (24 bytes a pixel of
+    # at most 1,605,632: 37 MiB); RGB: 12 bytes a pixel (1,695 MiB), + the same input
+    assert "needs 3,379 MiB" in burst[0].json()["error"]["message"]
+    assert "needs 1,731 MiB" in burst[3].json()["error"]["message"]
     assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"
 
     blocker = httpx.post(f"{url}/v1/jobs", files={"file": ("b.pdf", pdf_bytes(6))}, timeout=60).json()

@@ -104,12 +104,20 @@ class RequestHandle:
     The engine never raises through a handle: every outcome, errors included, is a
     ``GenerationResult``. ``cancel()`` asks the engine loop to end the request at its next step
     (tokens so far are kept, ``finish_reason="cancelled"``); it returns at once.
+
+    Tokens as they come: an engine that reports them (the fast engine's scheduler) calls
+    ``push_token`` for each generated token; ``tokens()`` is what came so far and a listener added
+    with ``on_token`` is called (in the engine's thread, so it must be quick: e.g. wake an event
+    loop) after each. A listener that raises ends this request alone (the engine catches it).
     """
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
         self._future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
         self._cancelled = threading.Event()
+        self._tokens: list[int] = []
+        self._listeners: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
 
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Block until the result is ready.
@@ -138,6 +146,30 @@ class RequestHandle:
         """Engine side: publish the outcome (first call wins)."""
         if not self._future.done():
             self._future.set_result(result)
+
+    def tokens(self) -> list[int]:
+        """The tokens generated so far, as pushed by the engine (a copy; empty for an engine that
+        does not report tokens as they come: then only the result has them)."""
+        with self._lock:
+            return list(self._tokens)
+
+    def on_token(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after each token the engine pushes from now on (tokens that came
+        before are in ``tokens()``; the result's future tells when there will be no more)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def push_token(self, token: int) -> None:
+        """Engine side: record one generated token and call the listeners.
+
+        Raises:
+            Exception: whatever a listener raised (the engine ends this request with it).
+        """
+        with self._lock:
+            self._tokens.append(token)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
 
 FollowUp = Callable[[int, GenerationResult], Sequence[GenerationRequest]]

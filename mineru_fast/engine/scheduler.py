@@ -22,11 +22,11 @@ fewer than ``slots`` sequences wait for a slot. Lower ``priority`` values are ad
 One request cannot break a step. ``submit`` validates it before it reaches the loop (prompt and
 forced token ids within the vocabulary, exactly the image's pads, prompt + bound within a slot;
 sampling values are checked by ``SamplingParams``). Failures stay with their sequence: a
-per-sequence stage (prompt embeddings, decoding rules) that raises ends that sequence alone with an
-``"error"`` result; a batched unit (a vision pack, a prefill forward, a decode step) that raises is
-run again one sequence at a time, so only the sequences that fail alone end with ``"error"`` and the
-others go on with the tokens they get alone. When the loop goes idle (no work for a second) freed
-heap memory is returned to the OS (``memory.trim_heap``).
+per-sequence stage (prompt embeddings, decoding rules, the handle's token listeners) that raises
+ends that sequence alone with an ``"error"`` result; a batched unit (a vision pack, a prefill
+forward, a decode step) that raises is run again one sequence at a time, so only the sequences that
+fail alone end with ``"error"`` and the others go on with the tokens they get alone. When the loop
+goes idle (no work for a second) freed heap memory is returned to the OS (``memory.trim_heap``).
 
 ``max_decode_wait_s`` is the longest admission wait between two decode steps so far and
 ``max_decode_wait_cpu_s`` the loop thread's CPU seconds during that wait: a wait much longer than
@@ -585,6 +585,12 @@ class Scheduler:
             seq.logprobs.append(logprob)
             seq.rope_next += 1
             self.rules.observe([token], rows=[slot])
+            if seq.handle is not None:
+                try:
+                    seq.handle.push_token(token)
+                except Exception as exc:  # a caller's token listener: it ends its own request only
+                    self._fail(seq, "token listener", exc)
+                    continue
             reason = self._finish_reason(seq)
             if reason is not None:
                 self._end(seq, reason)

@@ -17,6 +17,11 @@ server cannot do is refused with ``400 unsupported_parameter``, never ignored: `
 ``top_logprobs``, ``tools`` / ``tool_choice`` / ``functions``, ``logit_bias``, a
 ``response_format`` other than text. Message text is text: control tokens typed in it
 (``<|im_start|>``, ``<|image_pad|>``) are characters (see ``engine.preprocess``).
+
+How requests are admitted, queued and shared between identical re-sends is ``chat_admission``'s;
+how a streamed answer's text is cut as tokens come is ``chat_text``'s (the fast engine reports
+tokens as they come; an engine that does not, the reference one, streams its answer in one piece).
+``ChatReplay`` answers recorded outputs (``serve --chat-replay``; tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -24,39 +29,53 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
+import hashlib
 import json
 import secrets
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
-from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.base import GenerationRequest, GenerationResult, RequestHandle
 from ..errors import InputError
-from ..inputs import open_document
+from ..inputs import RGB_BYTES_PER_PIXEL, open_document
 from ..protocol import FLOAT32_MAX, SYSTEM_PROMPT, SamplingParams
-from .errors import ApiError
+from .chat_admission import ChatAdmission, ChatGeneration
+from .chat_text import IncrementalText, StopCutter, before_stop
+from .errors import ApiError, error_body
 from .jobs import CostBudget
 
 if TYPE_CHECKING:
+    from ..parser import DocumentParser
     from .service import Service
 
 __all__ = [
     "ChatRequest",
+    "ChatPlan",
     "ChatImageDecoder",
-    "ChatSlots",
+    "ChatReplay",
+    "plan_request",
     "to_generation_request",
     "completion_body",
-    "stream_chunks",
+    "chunk_body",
+    "usage_chunk",
     "models_body",
     "add_chat_routes",
 ]
+
+# The model's input per image pixel: float32 patch values of 3 channels x 2 frames
+# (preprocess.EncodedRequest.pixel_values: 3 * 2 * 14 * 14 floats per 14x14-pixel patch).
+ENGINE_BYTES_PER_PIXEL = 3 * 2 * 4
 
 
 class _Part(BaseModel):
@@ -93,6 +112,7 @@ class ChatRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=1)
     priority: int = 0
     vllm_xargs: dict[str, Any] | None = None
@@ -126,30 +146,40 @@ def _text_of(content: str | list[_Part] | None) -> str:
 
 
 class ChatImageDecoder:
-    """Decodes a chat request's image within the service's decode budget (the one the jobs use).
+    """Holds a chat request's image memory in the service's decode budget (the one the jobs use).
 
-    The image's header is read first, nothing decoded: its cost (``OpenedDocument.page_cost``:
-    the peak bytes of decoding it) is taken from the budget before a pixel is decoded, and after
-    decoding only the rendered RGB image's bytes stay taken, until ``release`` (called when the
-    request has ended, whatever the outcome).
+    ``reserve`` reads the image's header only, nothing decoded, and takes its cost from the budget:
+    the peak bytes of decoding it (``OpenedDocument.page_cost``) plus, when ``model_max_pixels`` is
+    given, the model's input for it (``ENGINE_BYTES_PER_PIXEL`` per pixel, at most
+    ``model_max_pixels`` pixels). ``decode`` then decodes it and gives back the decode's extra above
+    the rendered RGB image; what stays taken is held until ``release`` (called when the request has
+    ended, whatever the outcome). Calling the decoder does both at once.
 
     Args:
         budget: the service's ``CostBudget`` (bytes).
         max_pixels: the largest image accepted (``ParserOptions.max_image_pixels``).
+        model_max_pixels: the most pixels the model's image processor keeps
+            (``Preprocessor.max_image_tokens`` times the pixels of one token); 0 = not counted.
     """
 
-    def __init__(self, budget: CostBudget, max_pixels: int) -> None:
-        self.budget, self.max_pixels = budget, max_pixels
+    def __init__(self, budget: CostBudget, max_pixels: int, model_max_pixels: int = 0) -> None:
+        self.budget, self.max_pixels, self.model_max_pixels = budget, max_pixels, model_max_pixels
         self._held = 0
+        self._decode_extra = 0
         self._lock = threading.Lock()
 
     def __call__(self, data: bytes) -> Image.Image:
-        """The RGB image in ``data`` (long side at most ``inputs.DEFAULT_MAX_SIDE``).
+        """``reserve(data)``, then ``decode(data)``."""
+        self.reserve(data)
+        return self.decode(data)
+
+    def reserve(self, data: bytes) -> None:
+        """Take the image's cost from the budget (headers read, nothing decoded).
 
         Raises:
             ApiError: 400 ``bad_image`` for a PDF or more than one frame, 413 ``image_too_large`` when it
                 alone needs more than the budget, 429 ``over_capacity`` (``Retry-After``) when the
-                budget is in use; 422 ``bad_image`` for an undecodable image.
+                budget is in use; 422 ``bad_image`` for an unreadable image.
         """
         try:
             with open_document(data, max_pixels=self.max_pixels, decode_first=False) as opened:
@@ -160,14 +190,26 @@ class ChatImageDecoder:
                 if opened.page_count != 1:
                     raise ApiError(400, "bad_image", f"the image must have one frame, it has {opened.page_count}")
                 peak, kept = opened.page_cost(0)
-                self._take(peak)
-                try:
-                    image = opened.render(0)
-                finally:
-                    self._give_back(peak - kept)
-                return image
         except InputError as exc:
             raise ApiError(422, "bad_image", f"the image cannot be used: {exc}") from exc
+        model_input = ENGINE_BYTES_PER_PIXEL * min(kept // RGB_BYTES_PER_PIXEL, self.model_max_pixels)
+        self._take(peak + model_input)
+        self._decode_extra = peak - kept
+
+    def decode(self, data: bytes) -> Image.Image:
+        """The RGB image in ``data`` (long side at most ``inputs.DEFAULT_MAX_SIDE``), once reserved.
+
+        Raises:
+            ApiError: 422 ``bad_image`` for an undecodable image.
+        """
+        try:
+            with open_document(data, max_pixels=self.max_pixels, decode_first=False) as opened:
+                return opened.render(0)
+        except InputError as exc:
+            raise ApiError(422, "bad_image", f"the image cannot be used: {exc}") from exc
+        finally:
+            extra, self._decode_extra = self._decode_extra, 0
+            self._give_back(extra)
 
     def _take(self, cost: int) -> None:
         limit = self.budget.limit
@@ -175,7 +217,8 @@ class ChatImageDecoder:
             raise ApiError(
                 413,
                 "image_too_large",
-                f"decoding the image needs {cost / 2**20:,.0f} MiB; this server's budget is {limit / 2**20:,.0f} MiB",
+                f"the image needs {cost / 2**20:,.0f} MiB (decoded, and the model's input); "
+                f"this server's budget is {limit / 2**20:,.0f} MiB",
             )
         if not self.budget.take(cost):
             raise ApiError(
@@ -197,31 +240,83 @@ class ChatImageDecoder:
         self.budget.release(held)
 
 
-def _image_from_url(url: str, decode: ChatImageDecoder) -> Image.Image:
-    """Decode a ``data:image/...;base64,`` URL into an RGB image (``decode``).
+def _image_data(url: str) -> bytes:
+    """The bytes of a ``data:image/...;base64,`` URL.
 
     Raises:
-        ApiError: 400 for another URL scheme or bad base64; as ``ChatImageDecoder`` for the image.
+        ApiError: 400 for another URL scheme or bad base64.
     """
     if not url.startswith("data:") or ";base64," not in url[:100]:
         raise ApiError(
             400, "unsupported_image_url", "image_url must be a base64 data: URL (remote URLs are not fetched)"
         )
     try:
-        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "bad_image_url", "image_url holds invalid base64") from None
-    return decode(data)
 
 
-def to_generation_request(body: ChatRequest, max_new_tokens: int, decode: ChatImageDecoder) -> GenerationRequest:
-    """The engine request of a chat request.
+@dataclass(frozen=True)
+class ChatPlan:
+    """A checked chat request, its image not decoded yet.
+
+    Attributes:
+        image_data: the image file's bytes (from the data URL).
+        prompt / system / text_before_image / sampling / priority / stop: as in ``GenerationRequest``.
+        forced_text: the replayed answer (``ChatReplay``), or None to decode.
+    """
+
+    image_data: bytes
+    prompt: str
+    system: str
+    text_before_image: bool
+    sampling: SamplingParams
+    priority: int = 0
+    stop: tuple[str, ...] = ()
+    forced_text: str | None = None
+
+    @property
+    def image_sha256(self) -> str:
+        """Hex SHA-256 of ``image_data``."""
+        return hashlib.sha256(self.image_data).hexdigest()
+
+    @property
+    def key(self) -> str:
+        """The twin key: a digest of everything that decides the generated tokens (the image
+        bytes, the prompts and their order, the decoding rules and bounds, the stop strings, a
+        replayed answer); requests of equal keys get equal tokens. ``priority`` is left out."""
+        fields = {
+            "image": self.image_sha256,
+            "prompt": self.prompt,
+            "system": self.system,
+            "text_before_image": self.text_before_image,
+            "sampling": dataclasses.asdict(self.sampling),
+            "stop": self.stop,
+            "forced_text": self.forced_text,
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    def request(self, image: Image.Image) -> GenerationRequest:
+        """The engine request, with the decoded ``image``."""
+        return GenerationRequest(
+            image=image,
+            prompt=self.prompt,
+            sampling=self.sampling,
+            forced_text=self.forced_text,
+            system=self.system,
+            text_before_image=self.text_before_image,
+            priority=self.priority,
+            stop=self.stop,
+        )
+
+
+def plan_request(body: ChatRequest, max_new_tokens: int) -> ChatPlan:
+    """Check a chat request and take its image's bytes out of the data URL (nothing decoded).
 
     Args:
         body: the validated request.
         max_new_tokens: the server's bound on generated tokens; used when the request sets none,
             and a larger request is refused.
-        decode: decodes the image within the service's budget (last, once the rest is checked).
 
     Raises:
         ApiError: 400 for anything this server cannot do as asked (not exactly one image, a
@@ -267,16 +362,63 @@ def to_generation_request(body: ChatRequest, max_new_tokens: int, decode: ChatIm
     except ValueError as exc:
         raise ApiError(400, "bad_request", str(exc)) from None
     text_parts = [p.text or "" for p in parts if p.type == "text"]
-    text_before = any(p.type == "text" for p in parts[: images[0]])
-    return GenerationRequest(
-        image=_image_from_url(url, decode),
+    return ChatPlan(
+        image_data=_image_data(url),
         prompt="".join(text_parts),
         sampling=sampling,
         system=system or SYSTEM_PROMPT,
-        text_before_image=text_before,
+        text_before_image=any(p.type == "text" for p in parts[: images[0]]),
         priority=body.priority,
         stop=body.stop_strings,
     )
+
+
+def to_generation_request(body: ChatRequest, max_new_tokens: int, decode: ChatImageDecoder) -> GenerationRequest:
+    """The engine request of a chat request: ``plan_request``, then its image decoded (last, once
+    the rest is checked) within the service's budget by ``decode``.
+
+    Raises:
+        ApiError: as ``plan_request``; as ``ChatImageDecoder`` for the image.
+    """
+    plan = plan_request(body, max_new_tokens)
+    return plan.request(decode(plan.image_data))
+
+
+class ChatReplay:
+    """Recorded answers a chat server replays (``serve --chat-replay FILE``; tests and benchmarks).
+
+    The file is JSON: ``{"answers": [{"image_sha256": HEX, "prompt": TEXT, "output": TEXT}, ...]}``;
+    a request whose image bytes (SHA-256 of the data URL's bytes) and prompt text match an entry is
+    decoded with that output forced (``GenerationRequest.forced_text``: every forward pass runs, so
+    it costs what decoding it costs), whatever the model would have chosen.
+
+    Raises:
+        ValueError: the file is not of that shape (at construction).
+    """
+
+    def __init__(self, path: Path) -> None:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        answers = raw.get("answers") if isinstance(raw, dict) else None
+        if not isinstance(answers, list):
+            raise ValueError(f"{path}: a chat replay file holds {{'answers': [...]}}")
+        self.answers: dict[tuple[str, str], str] = {}
+        for n, entry in enumerate(answers):
+            fields = [entry.get(k) if isinstance(entry, dict) else None for k in ("image_sha256", "prompt", "output")]
+            image, prompt, output = (v if isinstance(v, str) else None for v in fields)
+            if image is None or prompt is None or output is None:
+                raise ValueError(f"{path}: answers[{n}] needs the strings image_sha256, prompt and output")
+            self.answers[(image, prompt)] = output
+
+    def forced(self, plan: ChatPlan) -> ChatPlan:
+        """``plan`` with its recorded answer forced.
+
+        Raises:
+            ApiError: 422 ``replay_miss``: no answer was recorded for this image and prompt.
+        """
+        output = self.answers.get((plan.image_sha256, plan.prompt))
+        if output is None:
+            raise ApiError(422, "replay_miss", "no recorded answer for this image and prompt (--chat-replay)")
+        return dataclasses.replace(plan, forced_text=output)
 
 
 def _finish_reason(result: GenerationResult) -> str:
@@ -306,17 +448,19 @@ def completion_body(result: GenerationResult, text: str, model: str) -> dict:
     }
 
 
-def stream_chunks(result: GenerationResult, text: str, model: str) -> list[dict]:
-    """The ``chat.completion.chunk`` events of a streamed answer: the role, the text, the finish
-    reason with usage (the text arrives in one piece, when it is done)."""
-    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk", "created": int(time.time())}
-    base["model"] = model
-    usage = completion_body(result, text, model)["usage"]
-    return [
-        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _finish_reason(result)}], "usage": usage},
-    ]
+def chunk_body(chunk_id: str, model: str, delta: dict | None, finish_reason: str | None = None) -> dict:
+    """One ``chat.completion.chunk`` event of a streamed answer: a ``delta`` (``{"role": ...}``,
+    ``{"content": ...}``) or, with ``delta=None``, the finish chunk (an empty delta and ``finish_reason``)."""
+    choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish_reason}
+    return {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [choice]}  # fmt: skip
+
+
+def usage_chunk(chunk_id: str, model: str, result: GenerationResult) -> dict:
+    """The last chunk when ``stream_options.include_usage`` is set (OpenAI's: no choices, the usage)."""
+    usage = completion_body(result, "", model)["usage"]
+    return {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage}  # fmt: skip
 
 
 def models_body(model: str) -> dict:
@@ -334,53 +478,121 @@ def models_body(model: str) -> dict:
     }
 
 
-class ChatSlots:
-    """The chat door's bound on requests in flight: ``acquire`` never waits.
+class _Answer(StreamingResponse):
+    """A streamed answer that runs ``on_close`` once it is over, however it ends (sent, client gone,
+    cancelled, never started)."""
 
-    Args:
-        limit: requests in flight at most (``ServeConfig.max_chat_requests``).
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], media_type: str) -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Waiter:
+    """One chat request waiting for its generation: leaves it and is counted out exactly once.
+
+    ``status`` is what it is counted out with (499, client gone, until an answer is decided)."""
+
+    def __init__(self, admission: ChatAdmission, generation: ChatGeneration) -> None:
+        self.admission, self.generation = admission, generation
+        self.status = 499
+        self.waker: asyncio.Event | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.waker is not None:
+            self.generation.wakers.discard(self.waker)
+        self.admission.leave(self.generation)
+        self.admission.exit(self.status)
+
+
+def _result_of(generation: ChatGeneration) -> GenerationResult:
+    """The ended generation's result, if it is an answer.
+
+    Raises:
+        ApiError: the generation's error; 400 ``bad_request`` when the engine refused the request,
+            503 ``request_ended`` when it was cancelled or timed out.
     """
+    if generation.error is not None:
+        raise generation.error
+    result = generation.result
+    assert result is not None
+    if result.finish_reason == "error":
+        raise ApiError(400, "bad_request", f"the request cannot be run: {result.error}")
+    if result.finish_reason in ("cancelled", "timeout"):
+        raise ApiError(503, "request_ended", f"the request ended early: {result.finish_reason}")
+    return result
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_use = 0
-        self._lock = threading.Lock()
 
-    def acquire(self) -> bool:
-        """Take a slot; False when all ``limit`` are taken."""
-        with self._lock:
-            if self.in_use >= self.limit:
-                return False
-            self.in_use += 1
-            return True
-
-    def release(self) -> None:
-        """Give a slot back (once per successful ``acquire``).
-
-        Raises:
-            RuntimeError: no slot is taken.
-        """
-        with self._lock:
-            if self.in_use == 0:
-                raise RuntimeError("chat slot released more often than acquired")
-            self.in_use -= 1
+def _error_in_body(exc: ApiError, request_id: str | None) -> dict:
+    """An error told after a ``200`` was sent (vLLM's marker ``"object": "error"``, which MinerU's
+    client checks, with the service's error object and the status it would have had)."""
+    return {"object": "error", **error_body(exc.code, exc.message, request_id), "status": exc.status}
 
 
 def add_chat_routes(app: FastAPI, service: Service) -> None:
     """``POST /v1/chat/completions`` and ``GET /v1/models`` on the service's shared engine.
 
-    Requests skip the job queue (as on a vLLM server): each is one engine request, batched with
-    the parse jobs' requests; at most ``max_chat_requests`` are in flight (``429`` beyond; the slots
-    are ``app.state.chat_slots``, exported as ``mineru_fast_chat_requests_in_flight``). A slot is
-    given back on every path (answer, refusal, engine error, disconnect, cancellation); a client
-    that disconnects, or a handler cancelled, has its engine request cancelled. Keys, limits,
-    metrics and errors are the service's.
+    Requests skip the job queue (as on a vLLM server): each generation is one engine request,
+    batched with the parse jobs' requests, admitted by ``ChatAdmission`` (the decode budget bounds
+    the queue: ``429`` only when it is full; at most ``max_chat_requests`` requests in flight; twins
+    share a generation; twice the engine's slots in the engine at once). An answer not ready within
+    ``chat_keepalive`` seconds is sent as a stream: ``200`` and its headers at once, a space (JSON
+    allows leading whitespace) every ``chat_keepalive`` seconds, then the JSON body, so a client's
+    read timeout (MinerU's ``http_timeout``) counts from the last byte, not from the request; an
+    error after that is the body ``{"object": "error", "error": {...}, "status": N}``. ``stream``
+    answers are server-sent events as tokens come (``: keepalive`` comments while queued). A
+    client that disconnects, or a handler cancelled, leaves its generation (``ChatAdmission.leave``).
+    Keys, limits, metrics and errors are the service's.
     """
-    slots = app.state.chat_slots = ChatSlots(service.config.max_chat_requests)
-    registry = service.metrics.registry
-    gauge = Gauge("mineru_fast_chat_requests_in_flight", "Chat completions in flight", registry=registry)
-    gauge.set_function(lambda: float(slots.in_use))
-    decoding = asyncio.Semaphore(service.config.workers)  # images decoded at once (CPU), each within the budget
+    config = service.config
+    admission = app.state.chat_admission = ChatAdmission(
+        places=2 * config.options.slots,
+        max_requests=config.max_chat_requests,
+        orphan_grace=config.chat_orphan_grace,
+        registry=service.metrics.registry,
+    )
+    replay = ChatReplay(config.chat_replay) if config.chat_replay is not None else None
+    decoding = asyncio.Semaphore(config.workers)  # images decoded at once (CPU), each within the budget
+
+    def planned(body: ChatRequest, bound: int) -> tuple[ChatPlan, str]:
+        plan = plan_request(body, bound)
+        plan = replay.forced(plan) if replay is not None else plan
+        return plan, plan.key
+
+    async def admit(body: ChatRequest, parser: DocumentParser) -> ChatGeneration:
+        """The generation this request waits for: a twin's, or a new one admitted in the budget."""
+        options = parser.options
+        bound = max(options.sampling(task).max_new_tokens for task in ("layout", "text", "table", "equation"))
+        plan, key = await run_in_threadpool(planned, body, bound)
+        generation = admission.join(key)
+        if generation is not None:
+            return generation
+        pre = parser.engine.preprocessor
+        model_pixels = pre.max_image_tokens * (pre.image_processor.patch_size * pre.merge_size) ** 2
+        decoder = ChatImageDecoder(service.require_ready().budget, options.max_image_pixels, model_pixels)
+        await run_in_threadpool(decoder.reserve, plan.image_data)
+        generation = admission.join(key)  # a twin may have started while the header was read
+        if generation is not None:
+            decoder.release()
+            return generation
+
+        async def run(generation: ChatGeneration) -> RequestHandle | None:
+            async with decoding:
+                if generation.cancelled:
+                    return None
+                image = await run_in_threadpool(decoder.decode, plan.image_data)
+            return None if generation.cancelled else await run_in_threadpool(parser.engine.submit, plan.request(image))
+
+        return admission.start(key, plan.priority, decoder.release, run)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -389,51 +601,125 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
         return models_body(service.info["model"])
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
+    async def chat_completions(request: Request, body: ChatRequest) -> Response:
         """One image + prompt decoded greedily by the shared engine (OpenAI chat format)."""
         parser = service.require_parser()
-        decoder = ChatImageDecoder(service.require_ready().budget, parser.options.max_image_pixels)
-        if not slots.acquire():
-            raise ApiError(429, "too_many_chat_requests", "too many chat requests in flight", {"Retry-After": "1"})
+        admission.enter()
         try:
-            options = parser.options
-            bound = max(options.sampling(task).max_new_tokens for task in ("layout", "text", "table", "equation"))
-            async with decoding:
-                engine_request = await run_in_threadpool(to_generation_request, body, bound, decoder)
-            handle = await run_in_threadpool(parser.engine.submit, engine_request)
-            result = await _wait_or_cancel(request, handle)
+            generation = await admit(body, parser)
+        except ApiError as exc:
+            admission.exit(exc.status)
+            raise
+        except BaseException:
+            admission.exit(500)
+            raise
+        waiter = _Waiter(admission, generation)  # from here every path closes it once
+
+        def text_of(result: GenerationResult) -> str:
+            text = parser.engine.preprocessor.decode(result.token_ids, skip_special_tokens=body.skip_special_tokens)
+            return before_stop(text, body.stop_strings)
+
+        if body.stream:
+            waiter.waker = asyncio.Event()
+            generation.wakers.add(waiter.waker)
+            events = _sse_events(waiter, body, parser, service.info["model"], config.chat_keepalive, request)
+            return _Answer(events, waiter.close, "text/event-stream")
+        handed_over = False  # to an _Answer, which closes the waiter
+        try:
+            await _wait(generation, request, config.chat_keepalive)
+            if not generation.done.is_set():
+                early = _keepalive_json(waiter, text_of, service.info["model"], config.chat_keepalive, request)
+                handed_over = True
+                return _Answer(early, waiter.close, "application/json")
+            try:
+                result = _result_of(generation)
+            except ApiError as exc:
+                waiter.status = exc.status
+                raise
+            waiter.status = 200
+            return JSONResponse(completion_body(result, text_of(result), service.info["model"]))
         finally:
-            decoder.release()
-            slots.release()
-        if result.finish_reason == "error":
-            raise ApiError(400, "bad_request", f"the request cannot be run: {result.error}")
-        if result.finish_reason in ("cancelled", "timeout"):
-            raise ApiError(503, "request_ended", f"the request ended early: {result.finish_reason}")
-        text = parser.engine.preprocessor.decode(result.token_ids, skip_special_tokens=body.skip_special_tokens)
-        text = _before_stop(text, body.stop_strings)
-        model = service.info["model"]
-        if not body.stream:
-            return JSONResponse(completion_body(result, text, model))
-        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(result, text, model))
-        return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream")
+            if not handed_over:
+                waiter.close()
 
 
-def _before_stop(text: str, stop: tuple[str, ...]) -> str:
-    """``text`` up to the first of the ``stop`` strings (all of it when none occurs)."""
-    return text[: min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))]
+async def _wait(generation: ChatGeneration, request: Request, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``generation`` to end, watching the client.
 
-
-async def _wait_or_cancel(request: Request, handle: RequestHandle) -> GenerationResult:
-    """Wait for the engine without blocking the event loop; cancel the engine request if the
-    client goes away or this task is cancelled (the engine answers every request, so the wait ends)."""
-    future = asyncio.wrap_future(handle.future)
-    try:
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=1.0)
-            if done:
-                return future.result()
+    Raises:
+        ApiError: 499 ``client_gone`` when the client disconnected meanwhile.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not generation.done.is_set() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait_for(generation.done.wait(), min(1.0, left))
+        except TimeoutError:
             if await request.is_disconnected():
-                handle.cancel()
-    except asyncio.CancelledError:
-        handle.cancel()
-        raise
+                raise ApiError(499, "client_gone", "the client disconnected") from None
+
+
+async def _keepalive_json(
+    waiter: _Waiter, text_of: Callable[[GenerationResult], str], model: str, keepalive: float, request: Request
+) -> AsyncIterator[bytes]:
+    """A ``200`` JSON answer sent early: a space every ``keepalive`` seconds until the generation
+    ends, then the completion (or the error, in the body)."""
+    generation = waiter.generation
+    while not generation.done.is_set():
+        try:
+            await asyncio.wait_for(generation.done.wait(), keepalive)
+        except TimeoutError:
+            yield b" "
+    try:
+        result = _result_of(generation)
+    except ApiError as exc:
+        waiter.status = exc.status
+        yield json.dumps(_error_in_body(exc, request.state.request_id)).encode()
+        return
+    waiter.status = 200
+    yield json.dumps(completion_body(result, text_of(result), model)).encode()
+
+
+def _sse(payload: dict | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+async def _sse_events(
+    waiter: _Waiter, body: ChatRequest, parser: DocumentParser, model: str, keepalive: float, request: Request
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed answer: the role, the text as tokens come (held back
+    where it could begin a stop string), the finish reason, the usage when asked, ``[DONE]``; a
+    ``: keepalive`` comment every ``keepalive`` seconds without news."""
+    generation, waker = waiter.generation, waiter.waker
+    assert waker is not None
+    chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
+    decode = parser.engine.preprocessor.decode
+    texts = IncrementalText(lambda ids: decode(ids, skip_special_tokens=body.skip_special_tokens))
+    cutter = StopCutter(body.stop_strings)
+    yield _sse(chunk_body(chunk_id, model, {"role": "assistant", "content": ""}))
+    while not generation.done.is_set():
+        try:
+            await asyncio.wait_for(waker.wait(), keepalive)
+        except TimeoutError:
+            yield b": keepalive\n\n"
+            continue
+        waker.clear()
+        if generation.handle is not None and not generation.done.is_set():
+            delta = cutter.add(texts.feed(generation.handle.tokens()))
+            if delta:
+                yield _sse(chunk_body(chunk_id, model, {"content": delta}))
+    try:
+        result = _result_of(generation)
+    except ApiError as exc:
+        waiter.status = exc.status
+        yield _sse(_error_in_body(exc, request.state.request_id))
+        yield _sse("[DONE]")
+        return
+    rest = cutter.finish(decode(result.token_ids, skip_special_tokens=body.skip_special_tokens))
+    if rest:
+        yield _sse(chunk_body(chunk_id, model, {"content": rest}))
+    yield _sse(chunk_body(chunk_id, model, None, _finish_reason(result)))
+    if (body.stream_options or {}).get("include_usage"):
+        yield _sse(usage_chunk(chunk_id, model, result))
+    waiter.status = 200
+    yield _sse("[DONE]")

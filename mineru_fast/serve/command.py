@@ -99,7 +99,29 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds a PDF page may take to render, in its own process; then that page fails (default: 60)",
     )
-    v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
+    v.add_argument(
+        "--max-chat-requests",
+        type=int,
+        default=256,
+        help="chat completions in flight at once, queued or running; beyond it 429 (default: 256)",
+    )
+    v.add_argument(
+        "--chat-keepalive",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="a chat answer not ready by then is streamed: 200 at once, a keep-alive byte this often (default: 15)",
+    )
+    v.add_argument(
+        "--chat-orphan-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a chat generation whose clients all left runs this long for a re-send to join it (default: 10)",
+    )
+    v.add_argument(
+        "--chat-replay", type=Path, metavar="FILE", help="recorded chat answers to replay (tests, benchmarks)"
+    )
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument(
         "--log-level",
@@ -155,10 +177,19 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             allow_replay=args.allow_replay,
             max_pages=args.max_pages,
             max_chat_requests=args.max_chat_requests,
+            chat_keepalive=args.chat_keepalive,
+            chat_orphan_grace=args.chat_orphan_grace,
+            chat_replay=args.chat_replay,
             log_level=args.log_level,
         )
         if config.api_key_file is not None:
             load_api_keys(config.api_key_file)
+        if config.chat_replay is not None:
+            from .chat import ChatReplay
+
+            ChatReplay(config.chat_replay)  # refused here, before the model is loaded
+    except OSError as exc:
+        raise MineruFastError(f"--chat-replay: {exc}") from exc
     except ValueError as exc:
         raise MineruFastError(str(exc)) from exc
     return config

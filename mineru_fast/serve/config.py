@@ -58,7 +58,16 @@ class ServeConfig:
             ``Origin`` must name the same host as ``Host``.
         allow_replay: accept a ``replay`` trace upload (tests and benchmarks only).
         max_pages: most pages one request may select.
-        max_chat_requests: chat completions in flight at once; beyond it ``429``.
+        max_chat_requests: chat completions in flight at once (queued or running), an outer
+            bound; beyond it ``429``. Requests past the engine's slots wait in a queue bounded by
+            ``decode_budget_mb``; the default, 256, lets MinerU's client (100 at once) through.
+        chat_keepalive: seconds a chat answer may take before it is sent as a stream: ``200`` at
+            once, then a space (JSON) or a ``: keepalive`` comment (SSE) every this many seconds
+            until the answer, so a client's read timeout never fires on a queued request.
+        chat_orphan_grace: seconds a chat generation keeps running once every request waiting
+            for it has gone, so a client's re-send of the same body joins it; then it is cancelled.
+        chat_replay: a file of recorded chat answers to replay (``chat.ChatReplay``; tests and
+            benchmarks); None = decode.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
     """
 
@@ -84,7 +93,10 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
     max_pages: int = 500
-    max_chat_requests: int = 64
+    max_chat_requests: int = 256
+    chat_keepalive: float = 15.0
+    chat_orphan_grace: float = 10.0
+    chat_replay: Path | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -102,12 +114,13 @@ class ServeConfig:
             "decode_budget_mb",
             "write_timeout",
             "max_response_buffer_mb",
+            "chat_keepalive",
         )
         for name in positive:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        for name in ("rate_limit", "drain_timeout"):
+        for name in ("rate_limit", "drain_timeout", "chat_orphan_grace"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

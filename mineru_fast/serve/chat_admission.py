@@ -1,0 +1,220 @@
+"""How chat completions reach the engine: a queue bounded by memory, and twins sharing one generation.
+
+A batch client (MinerU's ``http-client``: 100 requests at once by default, retried on ``429``,
+``5xx`` and timeouts) sends more requests than the engine has slots. Here each request is first
+*admitted*: its memory (the image's decode peak and the model's input for it, estimated from the
+image's headers) is reserved in the service's decode budget, or it is refused ``429`` with
+``Retry-After`` when the budget cannot hold it. An admitted request waits for one of ``places``
+engine places (lower ``priority`` first, then arrival order) and only then has its image decoded
+and submitted, so a queue of requests holds their bodies and reservations, not decoded pixels.
+
+Requests whose generation-defining inputs are equal (``ChatPlan.key``: the image bytes, prompts,
+sampling, bounds, stop strings) while one of them is queued or running are *twins*: the later ones
+join the first one's ``ChatGeneration`` instead of decoding it again (a client's re-send after a
+timeout, the same crop twice in a document), and every waiter gets the same tokens. A generation
+is cancelled only once no waiter is left, after ``orphan_grace`` seconds (time for a re-send to
+join it).
+
+Everything here runs on the event loop's thread; the engine's thread only calls the token waker,
+through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ..engine.base import GenerationResult, RequestHandle
+from .errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChatAdmission", "ChatGeneration"]
+
+Runner = Callable[["ChatGeneration"], Awaitable[RequestHandle | None]]
+"""Decodes a generation's image and submits it to the engine once it has a place; returns the
+engine's handle (None when the generation was cancelled meanwhile). Raises ``ApiError``."""
+
+
+@dataclass(eq=False)
+class ChatGeneration:
+    """One engine generation and the chat requests waiting for it.
+
+    Attributes:
+        key: the twin key (``ChatPlan.key``).
+        priority: the first request's priority (lower first).
+        release: gives back the generation's budget reservation (called once, when it ends).
+        waiters: requests waiting for it now.
+        handle: the engine's handle once submitted.
+        result: the engine's result once done (None on ``error``).
+        error: why it ended without a result.
+        done: set when it ended (``result`` or ``error`` set).
+    """
+
+    key: str
+    priority: int
+    release: Callable[[], None]
+    waiters: int = 0
+    handle: RequestHandle | None = None
+    result: GenerationResult | None = None
+    error: ApiError | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False
+    placed: asyncio.Event = field(default_factory=asyncio.Event)
+    wakers: set[asyncio.Event] = field(default_factory=set)
+    _wake_pending: bool = False
+
+    def wake(self) -> None:
+        """Tell every streaming waiter that tokens came (or the generation ended)."""
+        self._wake_pending = False
+        for waker in self.wakers:
+            waker.set()
+
+    def waker(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+        """The engine-thread side of ``wake``: one call scheduled on ``loop`` at a time."""
+
+        def from_engine() -> None:
+            if not self._wake_pending:
+                self._wake_pending = True
+                loop.call_soon_threadsafe(self.wake)
+
+        return from_engine
+
+    def cancel(self) -> None:
+        """End the generation: at once while it waits for a place, at the engine's next step once submitted."""
+        self.cancelled = True
+        self.placed.set()  # a queued one stops waiting
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+class ChatAdmission:
+    """The chat door's requests, places and twins (see the module docstring).
+
+    Args:
+        places: generations in the engine at once (submitted, not yet finished).
+        max_requests: chat requests in flight at once (waiting or answered), an outer bound; beyond
+            it ``429 too_many_chat_requests``.
+        orphan_grace: seconds a generation without waiters keeps running before it is cancelled.
+        registry: where the door's metrics go.
+    """
+
+    def __init__(self, places: int, max_requests: int, orphan_grace: float, registry: CollectorRegistry) -> None:
+        self.places, self.max_requests, self.orphan_grace = places, max_requests, orphan_grace
+        self.in_flight = 0  # requests
+        self._holders: set[ChatGeneration] = set()  # generations holding a place
+        self.generations: dict[str, ChatGeneration] = {}  # queued or running, by key
+        self._queue: list[tuple[int, int, ChatGeneration]] = []
+        self._order = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        r = registry
+        Gauge("mineru_fast_chat_requests_in_flight", "Chat completions in flight", registry=r).set_function(
+            lambda: float(self.in_flight)
+        )
+        Gauge("mineru_fast_chat_generations_in_flight", "Chat generations queued or running", registry=r).set_function(
+            lambda: float(len(self.generations))
+        )
+        Gauge("mineru_fast_chat_queued", "Chat generations waiting for an engine place", registry=r).set_function(
+            lambda: float(sum(1 for _, _, g in self._queue if not g.cancelled))
+        )
+        self.outcomes = Counter(
+            "mineru_fast_chat_requests", "Chat completions by the status they were answered", ["status"], registry=r
+        )
+        self.started = Counter("mineru_fast_chat_generations_started", "Chat generations submitted", registry=r)
+        self.joins = Counter("mineru_fast_chat_twin_joins", "Chat requests that joined a running twin", registry=r)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def enter(self) -> None:
+        """Count a request in.
+
+        Raises:
+            ApiError: 429 ``too_many_chat_requests`` beyond ``max_requests``.
+        """
+        if self.in_flight >= self.max_requests:
+            raise ApiError(429, "too_many_chat_requests", "too many chat requests in flight", {"Retry-After": "1"})
+        self.in_flight += 1
+
+    def exit(self, status: int) -> None:
+        """Count a request out, with the status it was answered (once per ``enter``)."""
+        self.in_flight -= 1
+        self.outcomes.labels(status=str(status)).inc()
+
+    # -- generations -----------------------------------------------------------------------------
+
+    def join(self, key: str) -> ChatGeneration | None:
+        """The queued or running generation of ``key``, now with one waiter more; None when none."""
+        generation = self.generations.get(key)
+        if generation is None or generation.cancelled:
+            return None
+        generation.waiters += 1
+        self.joins.inc()
+        return generation
+
+    def start(self, key: str, priority: int, release: Callable[[], None], run: Runner) -> ChatGeneration:
+        """A new generation of ``key`` with one waiter: queued for a place, then ``run``."""
+        generation = ChatGeneration(key, priority, release, waiters=1)
+        self.generations[key] = generation
+        task = asyncio.get_running_loop().create_task(self._run(generation, run))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return generation
+
+    def leave(self, generation: ChatGeneration) -> None:
+        """One waiter less; the last one gone, the generation is cancelled after ``orphan_grace``
+        seconds unless a twin joined meanwhile."""
+        generation.waiters -= 1
+        if generation.waiters > 0 or generation.done.is_set():
+            return
+
+        def cancel_if_orphaned() -> None:
+            if generation.waiters == 0 and not generation.done.is_set():
+                generation.cancel()
+                if self.generations.get(generation.key) is generation:
+                    del self.generations[generation.key]
+
+        asyncio.get_running_loop().call_later(self.orphan_grace, cancel_if_orphaned)
+
+    async def _run(self, generation: ChatGeneration, run: Runner) -> None:
+        try:
+            heapq.heappush(self._queue, (generation.priority, next(self._order), generation))
+            self._grant()
+            await generation.placed.wait()
+            handle = None if generation.cancelled else await run(generation)
+            if handle is None:
+                raise ApiError(503, "request_ended", "the request ended early: cancelled")
+            self.started.inc()
+            generation.handle = handle
+            handle.on_token(generation.waker(asyncio.get_running_loop()))
+            if generation.cancelled:
+                handle.cancel()
+            generation.result = await asyncio.wrap_future(handle.future)
+        except ApiError as exc:
+            generation.error = exc
+        except Exception:
+            logger.exception("chat generation failed")
+            generation.error = ApiError(500, "internal_error", "the server failed to run the request; see its logs")
+        finally:
+            if generation in self._holders:
+                self._holders.discard(generation)
+                self._grant()
+            generation.release()
+            if self.generations.get(generation.key) is generation:
+                del self.generations[generation.key]
+            generation.done.set()
+            generation.wake()
+
+    def _grant(self) -> None:
+        """Give free places to the queue's first generations (cancelled ones are dropped)."""
+        while self._queue and len(self._holders) < self.places:
+            _, _, generation = heapq.heappop(self._queue)
+            if generation.cancelled:
+                continue
+            self._holders.add(generation)
+            generation.placed.set()

@@ -1,0 +1,258 @@
+"""The chat door as a batch client's VLM server: tokens streamed as they come (SSE), stop strings
+cut without sending their start, a queue bounded by memory instead of 429 by count, twins sharing
+one generation, and a client that leaves freeing what it held."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from samples import text_page
+from serve_helpers import running_server
+from test_chat import CROP, mineru_body, sse_events, streamed_text
+
+from mineru_fast.engine.base import GenerationRequest, GenerationResult, RequestHandle
+from mineru_fast.protocol import SamplingParams, prompt_for
+from mineru_fast.serve.chat_admission import ChatAdmission
+from mineru_fast.serve.chat_text import IncrementalText, StopCutter, before_stop
+from mineru_fast.serve.errors import ApiError
+
+# -- text as tokens come ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def preprocessor(tiny_model):
+    from mineru_fast.engine.preprocess import Preprocessor
+
+    return Preprocessor(tiny_model)
+
+
+def test_incremental_text_never_splits_a_character_and_joins_to_the_whole_decode(preprocessor):
+    """Byte-level tokens of multi-byte characters (accents, CJK, an emoji, full-width forms) and
+    special tokens: no delta holds a half character (U+FFFD), and the deltas join to the decode of
+    every id."""
+    text = "é 中文表格 😀 ＡＢ１ <|box_start|>100 200<|box_end|> \\(x^2\\)\n| a | b |"
+    ids = preprocessor.tokenizer.encode(text, add_special_tokens=False)
+    decode = preprocessor.decode
+    texts = IncrementalText(decode)
+    deltas = [texts.feed(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == decode(ids) == text
+    assert sum(1 for d in deltas if d) > 10  # it streamed, not one piece at the end
+    assert any(d == "" for d in deltas)  # the emoji's first bytes were held until it was whole
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    pieces=st.lists(st.text(alphabet="abcXY\n", max_size=4), max_size=12),
+    stop=st.lists(st.text(alphabet="abcXY\n", min_size=1, max_size=4), max_size=3),
+)
+def test_stop_cutter_sends_only_a_prefix_of_the_cut_answer(pieces, stop):
+    """Whatever the chunks and stop strings: what is sent at every point is a prefix of the answer
+    cut before its first stop string, and with the rest it is that answer exactly."""
+    full = "".join(pieces)
+    expected = before_stop(full, stop)
+    cutter = StopCutter(stop)
+    sent = ""
+    for piece in pieces:
+        sent += cutter.add(piece)
+        assert expected.startswith(sent)
+    assert sent + cutter.finish(full) == expected
+
+
+# -- the engine reports tokens as they come ------------------------------------------------------------
+
+
+def test_a_token_listener_that_raises_ends_its_request_alone(tiny_model):
+    """The scheduler pushes each token to its handle; a listener that raises ends that request with
+    an error, the other request of the batch goes on and its listener saw every token."""
+    from mineru_fast import DocumentParser, ParserOptions
+
+    parser = DocumentParser.from_pretrained(tiny_model, ParserOptions.preset("exact", threads=1))
+    try:
+        scheduler = parser.engine.scheduler
+        sampling = SamplingParams(max_new_tokens=12)
+        broken = scheduler.submit(GenerationRequest(CROP, prompt_for("text"), sampling), start=False)
+        fine = scheduler.submit(GenerationRequest(CROP, prompt_for("table"), sampling), start=False)
+
+        def explode() -> None:
+            raise RuntimeError("listener bug")
+
+        seen: list[int] = []
+        broken.on_token(explode)
+        fine.on_token(lambda: seen.append(len(fine.tokens())))
+        for _ in range(500):  # bounded: 12 tokens need far fewer steps
+            if broken.done() and fine.done():
+                break
+            scheduler.step()
+        failed, result = broken.result(timeout=0), fine.result(timeout=0)
+        assert failed.finish_reason == "error" and "token listener failed: RuntimeError: listener bug" in failed.error
+        assert result.finish_reason in ("stop", "length") and len(result.token_ids) > 1
+        assert fine.tokens() == result.token_ids and seen == list(range(1, len(result.token_ids) + 1))
+    finally:
+        parser.close()
+
+
+# -- admission: places, twins, orphans (deterministic: handles resolved by the test) -------------------
+
+
+def test_admission_queues_beyond_its_places_joins_twins_and_cancels_only_orphans():
+    async def scenario() -> None:
+        admission = ChatAdmission(places=1, max_requests=3, orphan_grace=0.0, registry=CollectorRegistry())
+        handles: dict[str, RequestHandle] = {}
+        released: list[str] = []
+
+        def runner(key: str):
+            async def run(generation):
+                handles[key] = RequestHandle(GenerationRequest(CROP, "", SamplingParams()))
+                return handles[key]
+
+            return run
+
+        for _ in range(3):
+            admission.enter()
+        with pytest.raises(ApiError) as full:
+            admission.enter()
+        assert (full.value.status, full.value.code) == (429, "too_many_chat_requests")
+        first = admission.start("a", 0, lambda: released.append("a"), runner("a"))
+        second = admission.start("b", 0, lambda: released.append("b"), runner("b"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert list(handles) == ["a"]  # one place: b waits, nothing decoded for it
+        twin = admission.join("a")
+        assert twin is first and first.waiters == 2 and admission.joins._value.get() == 1
+        assert admission.join("c") is None
+        admission.leave(first)
+        await asyncio.sleep(0.01)
+        assert not handles["a"].cancel_requested  # a waiter is left: it runs on
+        admission.leave(first)
+        await asyncio.sleep(0.01)
+        assert handles["a"].cancel_requested  # the last one gone: cancelled
+        handles["a"].set_result(GenerationResult("", [], "cancelled"))
+        await asyncio.wait_for(first.done.wait(), 10)
+        assert released == ["a"] and "a" not in admission.generations
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert "b" in handles  # the freed place went to b
+        handles["b"].set_result(GenerationResult("x", [1], "stop"))
+        await asyncio.wait_for(second.done.wait(), 10)
+        assert second.result is not None and second.result.text == "x" and released == ["a", "b"]
+        assert admission.started._value.get() == 2
+
+    asyncio.run(scenario())
+
+
+# -- end to end on a real server ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    # One slot (two engine places): more requests than places queue. Text answers of random weights
+    # run to their bound (the tiny model repeats a newline), so a text request is long enough to
+    # disconnect from; a keep-alive of 0.05 s makes every answer that waits at all a streamed one.
+    args = ["--slots", "1", "--max-new-tokens", "layout=24,text=256,table=24,equation=24"]
+    args += ["--chat-keepalive", "0.05", "--chat-orphan-grace", "0"]
+    with running_server(tiny_model, tmp_path_factory.mktemp("chat_stream"), *args) as s:
+        yield s
+
+
+def metrics(server) -> dict[str, float]:
+    """The server's metric samples, keyed ``name{label="v",...}`` (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def wait_for_metric(server, name: str, value: float, bound_s: float = 120.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while metrics(server).get(name) != value:
+        assert time.monotonic() < deadline, f"{name} never became {value}: {metrics(server).get(name)}"
+        time.sleep(0.1)
+
+
+def post(server, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300, **kwargs)
+
+
+def test_a_streamed_answer_comes_in_token_chunks_that_join_to_the_answer(server):
+    body = mineru_body(CROP, prompt_for("text"), max_tokens=12)
+    answer = post(server, body)
+    assert answer.status_code == 200, answer.text
+    expected = answer.json()["choices"][0]["message"]["content"]
+    streamed = post(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(streamed.text)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    contents = [e for e in events[1:-1] if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert len(contents) > 1  # token by token, not one piece
+    assert streamed_text(events) == expected
+    finish = [e["choices"][0]["finish_reason"] for e in events[1:-1] if e["choices"]]
+    assert finish[-1] == answer.json()["choices"][0]["finish_reason"] and set(finish[:-1]) == {None}
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == answer.json()["usage"]
+    assert events[-1] == "[DONE]"
+    stop = expected[3:5]  # the tiny model's newlines: a stop string two characters long
+    cut = post(server, {**body, "stream": True, "stop": [stop]})
+    assert streamed_text(sse_events(cut.text)) == expected[: expected.find(stop)]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request_and_generation(server):
+    body = mineru_body(CROP, prompt_for("text"), max_tokens=256, stream=True)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if '"content": "\\n' in line:  # the first token came: it is generating
+                break
+    wait_for_metric(server, "mineru_fast_chat_requests_in_flight", 0)
+    wait_for_metric(server, "mineru_fast_chat_generations_in_flight", 0)
+    assert metrics(server)['mineru_fast_chat_requests_total{status="499"}'] >= 1
+
+
+def test_twins_sent_together_share_one_generation(server):
+    """Four identical bodies at once: one generation, the others join it, all get its answer."""
+    body = mineru_body(text_page(size=(300, 120), lines=2), prompt_for("text"), max_tokens=256)
+    before = metrics(server)
+    barrier = threading.Barrier(4)
+
+    def send(_: int) -> httpx.Response:
+        barrier.wait(timeout=60)
+        return post(server, body)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(send, range(4)))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert len({a.json()["choices"][0]["message"]["content"] for a in answers}) == 1
+    after = metrics(server)
+    started = after["mineru_fast_chat_generations_started_total"] - before["mineru_fast_chat_generations_started_total"]
+    joins = after["mineru_fast_chat_twin_joins_total"] - before.get("mineru_fast_chat_twin_joins_total", 0)
+    assert started + joins == 4 and joins >= 1
+
+
+def test_more_requests_than_engine_places_queue_and_are_all_answered(server):
+    """Twelve different requests at once against one slot (two places): none refused, every answer
+    valid JSON, those that waited sent early (chunked, keep-alive spaces before the JSON)."""
+    bodies = [
+        mineru_body(text_page(size=(200 + 8 * n, 90), lines=1), prompt_for("text"), max_tokens=6) for n in range(12)
+    ]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda b: post(server, b), bodies))
+    assert [a.status_code for a in answers] == [200] * 12
+    assert all(a.json()["choices"][0]["finish_reason"] in ("stop", "length") for a in answers)
+    assert any(a.headers.get("transfer-encoding") == "chunked" for a in answers)
+    samples = metrics(server)
+    assert not any('status="429"' in name for name in samples if name.startswith("mineru_fast_requests"))
+    wait_for_metric(server, "mineru_fast_chat_generations_in_flight", 0)
