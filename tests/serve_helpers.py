@@ -85,7 +85,12 @@ def wait_ready(server: Server, timeout: float) -> dict:
 
 @contextmanager
 def running_server(
-    model: Path, log_dir: Path, *args: str, ready_timeout: float = 180.0, open_files: int | None = None
+    model: Path,
+    log_dir: Path,
+    *args: str,
+    ready_timeout: float = 180.0,
+    open_files: int | None = None,
+    python: str | None = None,
 ) -> Iterator[Server]:
     """Run ``mineru-fast serve`` on a free loopback port until the block exits.
 
@@ -95,8 +100,10 @@ def running_server(
         args: extra ``serve`` arguments.
         ready_timeout: seconds to wait for ``/ready``.
         open_files: the server process's open-file limit (soft and hard), if given.
+        python: the interpreter that runs the server (default this one; the official lane's
+            has no torch and passes mineru-fast's).
     """
-    server = start_server(model, log_dir, *args, open_files=open_files)
+    server = start_server(model, log_dir, *args, open_files=open_files, python=python)
     try:
         wait_ready(server, ready_timeout)
         yield server
@@ -104,11 +111,13 @@ def running_server(
         server.stop()
 
 
-def start_server(model: Path, log_dir: Path, *args: str, open_files: int | None = None) -> Server:
+def start_server(
+    model: Path, log_dir: Path, *args: str, open_files: int | None = None, python: str | None = None
+) -> Server:
     """Start ``mineru-fast serve`` on a free loopback port (not waiting for it); see ``running_server``."""
     port = free_port()
     command = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "mineru_fast.cli",
         "serve",

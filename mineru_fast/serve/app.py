@@ -11,6 +11,8 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
   first one made (header ``Idempotent-Replayed: true``) instead of queueing another.
 - ``GET /v1/jobs/{job_id}``: status and per-page progress; ``GET /v1/jobs/{job_id}/result``.
 - ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page).
+- MinerU 4's v1 document API (``/v1/health``, ``/v1/uploads``, ``/v1/parse/jobs``, ``/v1/files``,
+  ``/v1/tasks``, ``/v1/file_parse``): ``mineru_api``.
 
 Uploads are checked from their headers (format sniffed from the content, page range, password,
 each page's size) before they are queued, so a broken document is answered ``422`` at once and
@@ -45,6 +47,7 @@ from .errors import ApiError, error_body, from_exception
 from .hosts import HostCheckMiddleware
 from .jobs import AlreadySubmitted
 from .metrics import CONTENT_TYPE_LATEST
+from .mineru_api import add_mineru_routes
 from .parsing import ParseRequest, parse_formats, trace_from_json
 from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
 from .service import Service
@@ -162,6 +165,7 @@ def create_app(
     _add_error_handlers(app)
     _add_routes(app, service)
     add_chat_routes(app, service)
+    add_mineru_routes(app, service)
     return app
 
 

@@ -102,6 +102,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-chat-requests", type=int, default=64, help="chat completions in flight at once (default: 64)")
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument(
+        "--replay",
+        type=Path,
+        metavar="DIR",
+        help="directory of <stem>.json traces replayed for MinerU-API uploads of that file stem (tests, benchmarks)",
+    )
+    v.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -153,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             decode_budget_mb=args.decode_budget_mb,
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,
+            replay_dir=args.replay,
             max_pages=args.max_pages,
             max_chat_requests=args.max_chat_requests,
             log_level=args.log_level,
