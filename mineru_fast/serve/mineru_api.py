@@ -71,10 +71,11 @@ from .store import JobRecord
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["TIERS", "add_mineru_routes", "page_spec"]
+__all__ = ["MineruDoor", "MineruJob", "MineruJobs", "add_mineru_routes", "page_spec", "needs_page_count"]
 
-TIERS = ("flash", "basic", "standard", "advanced")
-"""MinerU 4's tiers (mineru 4.0.12 ``mineru.types.TIERS``); mineru-fast builds ``standard`` and ``advanced``."""
+Tier = Literal["flash", "basic", "standard", "advanced"]
+"""MinerU 4's tiers (mineru 4.0.12 ``mineru.types.Tier``); mineru-fast builds ``standard`` and ``advanced``."""
+OcrMode = Literal["auto", "txt", "ocr"]
 SOURCES = ("file_id", "inline")
 """The job sources served (MinerU's server also takes ``url`` and, when allowed, ``local``)."""
 MAX_FILES_PER_REQUEST = 100  # MinerU's bound (api_server._MAX_FILES_PER_JOB_DEFAULT); mineru-fast takes one
@@ -168,8 +169,8 @@ class CreateJobBody(_Strict):
     """``POST /v1/parse/jobs`` (and the JSON form of ``/v1/tasks`` and ``/v1/file_parse``)."""
 
     files: list[JobFile] = Field(min_length=1, max_length=MAX_FILES_PER_REQUEST)
-    tier: Literal["flash", "basic", "standard", "advanced"] | None = None
-    ocr_mode: Literal["auto", "txt", "ocr"] | None = None
+    tier: Tier | None = None
+    ocr_mode: OcrMode | None = None
     output_formats: list[str] = Field(default_factory=lambda: ["markdown"], max_length=16)
     callback: Callback | None = None
 
@@ -177,8 +178,8 @@ class CreateJobBody(_Strict):
 class TaskOptions(_Strict):
     """The query-string options of ``/v1/tasks`` and ``/v1/file_parse`` with an uploaded body."""
 
-    tier: Literal["flash", "basic", "standard", "advanced"] | None = None
-    ocr_mode: Literal["auto", "txt", "ocr"] | None = None
+    tier: Tier | None = None
+    ocr_mode: OcrMode | None = None
     page_range: str = ""
     output_formats: list[str] = Field(default_factory=lambda: ["markdown"], max_length=16)
     filename: str | None = Field(default=None, min_length=1, max_length=1024)
@@ -352,27 +353,36 @@ class _Asked:
     outputs: list[str]
 
 
-def add_mineru_routes(app: FastAPI, service: Service) -> None:
-    """Register MinerU's v1 document API (see the module's text) on the service's application.
+class MineruDoor:
+    """What MinerU's routes share: the service, the uploads (``FileStore``), the ``MineruJob`` of
+    each job queued here, the replay traces; the checks, submission and answers of the routes.
 
-    The uploads live in a ``FileStore`` of this process (``app.state.mineru_files``): at most one
-    full-size upload (``--max-upload-mb``) per job the server holds at once (``--workers`` plus
-    ``--workers-queue``), each for ``--result-ttl`` seconds at most. With ``--replay DIR`` a
-    document whose file name's stem names a trace ``DIR/<stem>.json`` is replayed (tests, benchmarks).
+    Uploads live in this process: at most one full-size upload (``--max-upload-mb``) per job the
+    server holds at once (``--workers`` plus ``--workers-queue``), each for ``--result-ttl``
+    seconds at most. With ``--replay DIR`` a document whose file name's stem names a trace
+    ``DIR/<stem>.json`` is replayed (tests, benchmarks).
+
+    Args:
+        service: the running service.
     """
-    config = service.config
-    holding = config.queue_size + config.workers
-    files = app.state.mineru_files = FileStore(config.max_upload_bytes * holding, config.result_ttl)
-    jobs = MineruJobs(config.result_ttl)
-    traces = {path.stem: path for path in sorted(config.replay_dir.glob("*.json"))} if config.replay_dir else {}
 
-    def access_level() -> str:
-        return "registered" if config.api_key_file is not None else "anonymous"
+    def __init__(self, service: Service) -> None:
+        config = self.config = service.config
+        self.service = service
+        self.files = FileStore(config.max_upload_bytes * (config.queue_size + config.workers), config.result_ttl)
+        self.jobs = MineruJobs(config.result_ttl)
+        replay = config.replay_dir
+        self.traces = {path.stem: path for path in sorted(replay.glob("*.json"))} if replay else {}
+
+    @property
+    def access_level(self) -> str:
+        """MinerU's ``access_level``: ``registered`` when the server takes API keys."""
+        return "registered" if self.config.api_key_file is not None else "anonymous"
 
     # -- checks and submission ---------------------------------------------------------------------
-    def checked(tier: str | None, ocr_mode: str | None, formats: list[str], callback: object) -> _Asked:
+    def checked(self, tier: str | None, ocr_mode: str | None, formats: list[str], callback: object) -> _Asked:
         """The options a request may have here, or a ``400`` naming what is not served."""
-        parser = service.require_parser()
+        parser = self.service.require_parser()
         if callback is not None:
             raise ApiError(400, "callback_unsupported", "webhook callbacks are not served; poll the job instead")
         if tier is not None and tier != parser.tier:
@@ -402,18 +412,16 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             )
         return _Asked(parser.tier, list(dict.fromkeys(formats)))
 
-    def one_file(count: int) -> None:
-        if count != 1:
-            raise ApiError(
-                400,
-                "too_many_files",
-                f"{count} files in one request; this server parses one file per job (send one each)",
-            )
+    def source_document(self, request: Request, entry: JobFile) -> _Document:
+        """The document a job's file names: a source file of the request's key, or inline bytes.
 
-    def source_document(request: Request, entry: JobFile) -> _Document:
+        Raises:
+            ApiError: 404 ``file_not_found``; 400 ``invalid_request`` for data that is not
+                base64, ``unsupported_source`` for a ``url`` or ``local`` source.
+        """
         source = entry.source
         if isinstance(source, FileIdSource):
-            held = files.get_file(request.state.api_key, source.file_id)
+            held = self.files.get_file(request.state.api_key, source.file_id)
             return _Document(held.data, held.filename, held.id)
         if isinstance(source, InlineSource):
             try:
@@ -429,8 +437,13 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             "or send it inline",
         )
 
-    async def replay_trace(name: str) -> Trace | None:
-        path = traces.get(PurePath(name).stem)
+    async def replay_trace(self, name: str) -> Trace | None:
+        """The ``--replay`` trace of a document named ``name`` (by its stem), None without one.
+
+        Raises:
+            ApiError: 422 ``bad_replay_trace`` for a trace file that does not read.
+        """
+        path = self.traces.get(PurePath(name).stem)
         if path is None:
             return None
         try:
@@ -438,15 +451,20 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
         except Exception as exc:
             raise from_exception(exc) from exc
 
-    async def submit(request: Request, document: _Document, page_range: str | None, asked: _Asked) -> Job:
-        """Queue a document as one of the service's jobs, parsed into MinerU 4's bundle."""
+    async def submit(self, request: Request, document: _Document, page_range: str | None, asked: _Asked) -> Job:
+        """Queue a document as one of the service's jobs, parsed into MinerU 4's bundle.
+
+        Raises:
+            ApiError: 400 ``empty_file``; as ``admission.check_and_submit`` (422 for a broken
+                document or a bad page range, 429 when full, 503 when not ready).
+        """
         if not document.data:
             raise ApiError(400, "empty_file", "the file is empty")
         try:
             count = None
             if needs_page_count(page_range):
                 probe = ParseRequest(data=document.data)
-                info = await run_in_threadpool(inspect_document, probe, config.options, sys.maxsize)
+                info = await run_in_threadpool(inspect_document, probe, self.config.options, sys.maxsize)
                 count = info.page_count
             pages = page_spec(page_range, count)
         except Exception as exc:
@@ -455,29 +473,29 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             data=document.data,
             pages=pages,
             formats=frozenset(),
-            trace=await replay_trace(document.name),
+            trace=await self.replay_trace(document.name),
             name=PurePath(document.name).stem or "document",
             outputs=frozenset(asked.outputs),
         )
-        job = await check_and_submit(service, request, parse_request, retain=True)
+        job = await check_and_submit(self.service, request, parse_request, retain=True)
         described = MineruJob(
             job.id, document.name, document.file_id, (page_range or "").strip(), asked.tier, asked.outputs
         )
-        jobs.add(job, described)
+        self.jobs.add(job, described)
         return job
 
     # -- answers -----------------------------------------------------------------------------------
-    async def lookup(request: Request, job_id: str) -> tuple[JobRecord, MineruJob]:
+    async def lookup(self, request: Request, job_id: str) -> tuple[JobRecord, MineruJob]:
         """The job's record, with its result (its outputs' sizes are part of the status), and description."""
-        described = jobs.get(job_id)
-        record = await run_in_threadpool(service.job_store.get, job_id, request.state.api_key, with_result=True)
+        described = self.jobs.get(job_id)
+        record = await run_in_threadpool(self.service.job_store.get, job_id, request.state.api_key, with_result=True)
         if record is None or described is None:
             raise ApiError(404, "job_not_found", "no such job (unknown id, another key's, or its result expired)")
         return record, described
 
-    def job_body(record: JobRecord, described: MineruJob, base: str = "/v1/parse/jobs") -> dict:
+    def job_body(self, record: JobRecord, described: MineruJob, base: str = "/v1/parse/jobs") -> dict:
         """MinerU's ``JobAsyncResponse`` of a job (mineru 4.0.12 ``api_server``)."""
-        status, entry = _file_entry(record, described, service.info.get("model"))
+        status, entry = _file_entry(record, described, self.service.info.get("model"))
         completed, failed = entry["status"] == "completed", entry["status"] == "failed"
         link = f"{base}/{record.id}"
         return {
@@ -488,29 +506,30 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             "finished_at": _iso(record.finished_at),
             "tier": described.tier,
             "output_formats": described.output_formats,
-            "access_level": access_level(),
+            "access_level": self.access_level,
             "progress": {"completed": int(completed), "failed": int(failed), "total": 1},
             "files": [entry],
             "links": {"self": link, "cancel": link},
         }
 
-    def task_body(record: JobRecord, described: MineruJob) -> dict:
+    def task_body(self, record: JobRecord, described: MineruJob) -> dict:
         """A job as ``/v1/tasks`` answers it: ``task_id`` and its URLs (``task_api.task_payload``)."""
-        body = job_body(record, described, "/v1/tasks")
+        body = self.job_body(record, described, "/v1/tasks")
         task_id = body.pop("job_id")
         link = f"/v1/tasks/{task_id}"
         return {"task_id": task_id, **body, "status_url": link, "result_url": f"{link}/result"}
 
-    async def collect(record: JobRecord) -> None:
-        await run_in_threadpool(service.job_store.collect, record.id)
+    async def collect(self, record: JobRecord) -> None:
+        """Record that the job's outcome went to a client (what a drain waits for)."""
+        await run_in_threadpool(self.service.job_store.collect, record.id)
 
-    async def task_result(record: JobRecord, described: MineruJob, response_format: str) -> Response:
+    async def task_result(self, record: JobRecord, described: MineruJob, response_format: str) -> Response:
         """``GET /v1/tasks/{id}/result``'s answer (``task_api.build_task_result``): ``202`` with the
         status while it runs, ``409`` with it once failed, else the outputs inline or the zip."""
-        body = task_body(record, described)
+        body = self.task_body(record, described)
         if body["status"] not in _TERMINAL:
             return JSONResponse(body, 202, {"Retry-After": "1"})
-        await collect(record)
+        await self.collect(record)
         if body["status"] in ("failed", "canceled"):
             return JSONResponse(body, 409)
         bundle = (record.result or {}).get("bundle", {})
@@ -534,13 +553,13 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
         body["files"][0]["content"] = content
         return JSONResponse(body)
 
-    async def output(request: Request, file_id: str) -> tuple[JobRecord, MineruJob, str] | None:
+    async def output(self, request: Request, file_id: str) -> tuple[JobRecord, MineruJob, str] | None:
         """The finished job and output a parse output's id names; None for another kind of id."""
         fmt, dot, job_id = file_id.removeprefix("file-").partition(".")
         if not (file_id.startswith("file-") and dot and fmt in BUNDLE_OUTPUTS):
             return None
         try:
-            record, described = await lookup(request, job_id)
+            record, described = await self.lookup(request, job_id)
         except ApiError:
             record = None
         if record is None or fmt not in ((record.result or {}).get("bundle") or {}):
@@ -549,20 +568,21 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             )
         return record, described, fmt
 
-    def output_object(record: JobRecord, described: MineruJob, fmt: str) -> dict:
+    def output_object(self, record: JobRecord, described: MineruJob, fmt: str) -> dict:
+        """MinerU's ``FileObjectModel`` of a job's output ``fmt``."""
         finished = int(record.finished_at or time.time())
         return {
             "id": _output_id(fmt, record.id),
             "object": "file",
             "bytes": record.result["bundle"][fmt]["bytes"] if record.result else 0,
             "created_at": finished,
-            "expires_at": finished + int(config.result_ttl),
+            "expires_at": finished + int(self.config.result_ttl),
             "filename": described.name + _OUTPUT_SUFFIXES.get(fmt, ".zip"),
             "purpose": "parse_output",
             "sha256sum": None,
         }
 
-    async def task_submission(request: Request, sync: bool, force_zip: bool) -> Job:
+    async def task_submission(self, request: Request, sync: bool, force_zip: bool) -> Job:
         """Read a ``/v1/tasks`` or ``/v1/file_parse`` request (JSON, multipart or raw) and queue it."""
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         params = {
@@ -573,16 +593,20 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
                 raise ApiError(400, "invalid_request", "a JSON request carries its options in the body, not the query")
             body = _validated(CreateJobBody, await request.body())
             formats = body.output_formats + (["zip"] if force_zip else [])
-            asked = checked(body.tier, body.ocr_mode, formats, body.callback)
-            one_file(len(body.files))
-            return await submit(request, source_document(request, body.files[0]), body.files[0].page_range, asked)
+            asked = self.checked(body.tier, body.ocr_mode, formats, body.callback)
+            _one_file(len(body.files))
+            return await self.submit(
+                request, self.source_document(request, body.files[0]), body.files[0].page_range, asked
+            )
         if "output_formats" in params:
             params["output_formats"] = request.query_params.getlist("output_formats")  # type: ignore[assignment]
         try:
             options = TaskOptions.model_validate(params)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        asked = checked(options.tier, options.ocr_mode, options.output_formats + (["zip"] if force_zip else []), None)
+        asked = self.checked(
+            options.tier, options.ocr_mode, options.output_formats + (["zip"] if force_zip else []), None
+        )
         if media_type == "application/octet-stream":
             if options.filename is None:
                 raise ApiError(400, "invalid_request", "a raw upload names its file: ?filename=NAME")
@@ -591,7 +615,7 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             data = await request.body()
             if options.sha256sum is not None and await run_in_threadpool(_sha256, data) != options.sha256sum:
                 raise ApiError(400, "file_hash_mismatch", "the SHA-256 of the body differs from sha256sum")
-            return await submit(request, _Document(data, options.filename), options.page_range, asked)
+            return await self.submit(request, _Document(data, options.filename), options.page_range, asked)
         if media_type == "multipart/form-data":
             if options.filename is not None or options.sha256sum is not None:
                 raise ApiError(400, "invalid_request", "filename and sha256sum go with a raw upload only")
@@ -599,20 +623,36 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
                 uploads = form.getlist("files")
                 if not uploads or any(key != "files" for key in form):
                     raise ApiError(400, "invalid_request", "send the document as the multipart field 'files'")
-                one_file(len(uploads))
+                _one_file(len(uploads))
                 (upload,) = uploads
                 if not isinstance(upload, UploadFile) or not upload.filename:
                     raise ApiError(400, "invalid_request", "the 'files' field must be a named file")
                 document = _Document(await upload.read(), upload.filename)
-            return await submit(request, document, options.page_range, asked)
+            return await self.submit(request, document, options.page_range, asked)
         raise ApiError(
             415, "unsupported_media_type", "send application/json, multipart/form-data or application/octet-stream"
         )
 
-    def not_cancellable() -> ApiError:
-        return ApiError(
-            405, "cancel_unsupported", "jobs run to completion here; cancelling is not served", {"Allow": "GET"}
+
+def _one_file(count: int) -> None:
+    """Raises ``400 too_many_files`` unless a request holds one file."""
+    if count != 1:
+        raise ApiError(
+            400, "too_many_files", f"{count} files in one request; this server parses one file per job (send one each)"
         )
+
+
+def _not_cancellable() -> ApiError:
+    return ApiError(
+        405, "cancel_unsupported", "jobs run to completion here; cancelling is not served", {"Allow": "GET"}
+    )
+
+
+def add_mineru_routes(app: FastAPI, service: Service) -> None:
+    """Register MinerU's v1 document API (see the module's text) on the service's application;
+    its uploads are ``app.state.mineru_files`` (see ``MineruDoor``)."""
+    door = MineruDoor(service)
+    app.state.mineru_files = door.files
 
     # -- health --------------------------------------------------------------------------------------
     @app.get("/v1/health")
@@ -626,14 +666,14 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/uploads")
     async def create_upload(request: Request, body: CreateUploadBody) -> dict:
         """Declare an upload; answers where to ``PUT`` its bytes (or the file, for bytes held already)."""
-        if body.size > config.max_upload_bytes:
+        if body.size > door.config.max_upload_bytes:
             raise ApiError(
                 413,
                 "payload_too_large",
-                f"the upload is larger than this server's limit of {config.max_upload_mb:g} MiB",
+                f"the upload is larger than this server's limit of {door.config.max_upload_mb:g} MiB",
             )
         lifetime = body.expires_after.seconds if body.expires_after else None
-        upload = files.create_upload(
+        upload = door.files.create_upload(
             request.state.api_key, body.filename, body.size, body.mime_type, body.purpose, body.sha256sum, lifetime
         )
         answer = _upload_body(upload)
@@ -646,13 +686,13 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/uploads/{upload_id}")
     async def get_upload(request: Request, upload_id: str) -> dict:
         """An upload's state."""
-        return _upload_body(files.get_upload(request.state.api_key, upload_id))
+        return _upload_body(door.files.get_upload(request.state.api_key, upload_id))
 
     @app.put("/v1/uploads/{upload_id}/content")
     async def put_upload_content(request: Request, upload_id: str) -> Response:
         """The bytes of a declared upload."""
-        files.get_upload(request.state.api_key, upload_id)  # 404 before the body is read
-        files.put_content(request.state.api_key, upload_id, await request.body())
+        door.files.get_upload(request.state.api_key, upload_id)  # 404 before the body is read
+        door.files.put_content(request.state.api_key, upload_id, await request.body())
         return Response(status_code=200)
 
     @app.post("/v1/uploads/{upload_id}/complete")
@@ -660,32 +700,32 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
         """Make the upload's bytes a file (optional JSON body ``{"sha256sum"}``)."""
         raw = await request.body()
         body = _validated(CompleteUploadBody, raw if raw.strip() else b"{}")
-        upload = files.get_upload(request.state.api_key, upload_id)
+        upload = door.files.get_upload(request.state.api_key, upload_id)
         digest = await run_in_threadpool(_sha256, upload.data or b"")
-        return _upload_body(files.complete(request.state.api_key, upload_id, digest, body.sha256sum))
+        return _upload_body(door.files.complete(request.state.api_key, upload_id, digest, body.sha256sum))
 
     @app.post("/v1/uploads/{upload_id}/cancel")
     async def cancel_upload(request: Request, upload_id: str) -> dict:
         """Cancel a pending upload."""
-        return _upload_body(files.cancel(request.state.api_key, upload_id))
+        return _upload_body(door.files.cancel(request.state.api_key, upload_id))
 
     @app.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> dict:
         """A source file or a parse output."""
-        found = await output(request, file_id)
+        found = await door.output(request, file_id)
         if found is not None:
-            return output_object(*found)
-        return _file_body(files.get_file(request.state.api_key, file_id))
+            return door.output_object(*found)
+        return _file_body(door.files.get_file(request.state.api_key, file_id))
 
     @app.get("/v1/files/{file_id}/content")
     async def get_file_content(request: Request, file_id: str) -> Response:
         """A parse output's bytes (source files are not handed back, as on MinerU's server)."""
-        found = await output(request, file_id)
+        found = await door.output(request, file_id)
         if found is None:
-            files.get_file(request.state.api_key, file_id)  # 404 for what does not exist
+            door.files.get_file(request.state.api_key, file_id)  # 404 for what does not exist
             raise ApiError(403, "source_not_downloadable", "source files cannot be downloaded; parse outputs can")
         record, _, fmt = found
-        await collect(record)
+        await door.collect(record)
         held = record.result["bundle"][fmt] if record.result else {}
         data = base64.b64decode(held["base64"]) if fmt == "zip" else held["content"].encode("utf-8")
         return Response(data, media_type=_OUTPUT_TYPES.get(fmt, "application/json"))
@@ -693,60 +733,60 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> dict:
         """Forget a source file (a parse output goes when its job's result expires)."""
-        if await output(request, file_id) is not None:
+        if await door.output(request, file_id) is not None:
             raise ApiError(
                 405, "output_not_deletable", "parse outputs expire with their job's result", {"Allow": "GET"}
             )
-        files.delete_file(request.state.api_key, file_id)
+        door.files.delete_file(request.state.api_key, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # -- parse jobs ----------------------------------------------------------------------------------
     @app.post("/v1/parse/jobs", status_code=202)
     async def create_parse_job(request: Request, body: CreateJobBody) -> JSONResponse:
         """Queue a parse job; poll ``GET /v1/parse/jobs/{job_id}``, then download its outputs."""
-        asked = checked(body.tier, body.ocr_mode, body.output_formats, body.callback)
-        one_file(len(body.files))
-        job = await submit(request, source_document(request, body.files[0]), body.files[0].page_range, asked)
-        return JSONResponse(job_body(*await lookup(request, job.id)), 202)
+        asked = door.checked(body.tier, body.ocr_mode, body.output_formats, body.callback)
+        _one_file(len(body.files))
+        job = await door.submit(request, door.source_document(request, body.files[0]), body.files[0].page_range, asked)
+        return JSONResponse(door.job_body(*await door.lookup(request, job.id)), 202)
 
     @app.get("/v1/parse/jobs/{job_id}")
     async def get_parse_job(request: Request, job_id: str) -> dict:
         """A job's status, and its outputs' ids once completed."""
-        record, described = await lookup(request, job_id)
-        body = job_body(record, described)
+        record, described = await door.lookup(request, job_id)
+        body = door.job_body(record, described)
         if body["status"] in ("failed", "canceled"):  # the status carries the whole outcome
-            await collect(record)
+            await door.collect(record)
         return body
 
     @app.delete("/v1/parse/jobs/{job_id}")
     async def cancel_parse_job(job_id: str) -> None:
         """Not served: jobs run to completion."""
-        raise not_cancellable()
+        raise _not_cancellable()
 
     # -- tasks ---------------------------------------------------------------------------------------
     @app.post("/v1/tasks", status_code=202)
     async def create_task(request: Request) -> JSONResponse:
         """Queue one document (JSON, multipart ``files`` or a raw body); answers its ``task_id``."""
-        job = await task_submission(request, sync=False, force_zip=False)
-        return JSONResponse(task_body(*await lookup(request, job.id)), 202)
+        job = await door.task_submission(request, sync=False, force_zip=False)
+        return JSONResponse(door.task_body(*await door.lookup(request, job.id)), 202)
 
     @app.get("/v1/tasks/{task_id}")
     async def get_task(request: Request, task_id: str) -> dict:
         """A task's status."""
-        return task_body(*await lookup(request, task_id))
+        return door.task_body(*await door.lookup(request, task_id))
 
     @app.delete("/v1/tasks/{task_id}")
     async def cancel_task(task_id: str) -> None:
         """Not served: tasks run to completion."""
-        raise not_cancellable()
+        raise _not_cancellable()
 
     @app.get("/v1/tasks/{task_id}/result", response_model=None)
     async def get_task_result(
         request: Request, task_id: str, response_format: Literal["json", "zip"] = "json"
     ) -> Response:
         """The outputs inline (``json``) or the bundle (``zip``); ``202`` while it runs."""
-        record, described = await lookup(request, task_id)
-        return await task_result(record, described, response_format)
+        record, described = await door.lookup(request, task_id)
+        return await door.task_result(record, described, response_format)
 
     @app.post("/v1/file_parse", response_model=None)
     async def file_parse(
@@ -756,10 +796,10 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
     ) -> Response:
         """Submit one document and wait up to ``wait_timeout`` s for its outputs (then ``202``:
         poll ``/v1/tasks/{task_id}/result``)."""
-        job = await task_submission(request, sync=True, force_zip=response_format == "zip")
+        job = await door.task_submission(request, sync=True, force_zip=response_format == "zip")
         await wait_for_job(job, service, wait_timeout)
-        record, described = await lookup(request, job.id)
-        return await task_result(record, described, response_format)
+        record, described = await door.lookup(request, job.id)
+        return await door.task_result(record, described, response_format)
 
 
 def _file_entry(record: JobRecord, described: MineruJob, model: str | None) -> tuple[str, dict]:
