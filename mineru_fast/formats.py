@@ -22,10 +22,11 @@ from __future__ import annotations
 import shutil
 import zipfile
 from pathlib import Path
+from typing import IO
 
 from .errors import MineruFastError
 
-__all__ = ["FORMATS", "OFFICIAL_TARGETS", "DEFAULT_FORMAT", "writer_folder", "destination", "finish"]
+__all__ = ["FORMATS", "OFFICIAL_TARGETS", "DEFAULT_FORMAT", "writer_folder", "destination", "finish", "zip_bundle"]
 
 # mineru 4.0.12 mineru/kit/common.py OUTPUT_FILE_SUFFIXES (its -f choices), then DocVortex's targets.
 _SINGLE_FILES = {"markdown": ".md", "middle_json": ".json", "zip": ".zip"}
@@ -81,12 +82,23 @@ def finish(folder: Path, output: Path, stem: str, fmt: str) -> Path:
         return dest
     if fmt == "zip":
         partial = dest.with_name(dest.name + ".part")
-        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as archive:
-            for child in sorted(folder.rglob("*")):
-                if child.is_file():
-                    archive.write(child, arcname=child.relative_to(folder).as_posix())
+        zip_bundle(folder, partial)
         partial.replace(dest)
     else:
         shutil.copyfile(folder / ("markdown.md" if fmt == "markdown" else "middle_json.json"), dest)
     shutil.rmtree(folder)
     return dest
+
+
+def zip_bundle(folder: Path, target: Path | IO[bytes]) -> None:
+    """Zip the bundle in ``folder`` into ``target`` (a path or a binary file) as
+    ``mineru.kit.common.save_parse_result`` zips it: every file, by its path relative to
+    ``folder``, sorted, deflated.
+
+    Raises:
+        OSError: a file cannot be read or the archive written.
+    """
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+        for child in sorted(folder.rglob("*")):
+            if child.is_file():
+                archive.write(child, arcname=child.relative_to(folder).as_posix())

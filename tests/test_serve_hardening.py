@@ -280,17 +280,17 @@ def test_no_pixel_is_decoded_before_a_job_is_queued(app_server, monkeypatch):
 
 def test_health_answers_while_an_upload_is_inspected(app_server, monkeypatch):
     """The event loop never waits for a document check: /health answers while one is held."""
-    import mineru_fast.serve.app as app_module
+    import mineru_fast.serve.admission as admission  # where every door checks its uploads
 
     entered, release = threading.Event(), threading.Event()
-    inspect = app_module.inspect_document
+    inspect = admission.inspect_document
 
     def held_inspection(*args, **kwargs):
         entered.set()
         assert release.wait(60)
         return inspect(*args, **kwargs)
 
-    monkeypatch.setattr(app_module, "inspect_document", held_inspection)
+    monkeypatch.setattr(admission, "inspect_document", held_inspection)
     upload = blank_png(3000, 3000)
     with ThreadPoolExecutor(1) as pool:
         submitted = pool.submit(httpx.post, f"{app_server}/v1/jobs", files={"file": ("big.png", upload)}, timeout=120)

@@ -11,6 +11,10 @@ pool of worker threads, never on the event loop. Modules, one concern each:
 - ``store``: the ``JobStore`` interface of job records (status, result TTL, key isolation, claims)
   and ``MemoryJobStore``.
 - ``parsing``: request checks, the parse run with per-page progress, result rendering, the canary.
+- ``admission``: an upload checked and queued as a job (every door that parses documents).
+- ``bundle``: a job parsed into MinerU 4's result bundle (MinerU's document API's outputs).
+- ``mineru_api``: MinerU 4's v1 document API (uploads, parse jobs, files, tasks, ``file_parse``);
+  ``mineru_files``: its uploads and source files, in memory.
 - ``metrics``: Prometheus metrics.
 - ``app``: the FastAPI application factory ``create_app``.
 - ``server``: ``serve(config)``, which runs the application under uvicorn.

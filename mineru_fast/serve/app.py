@@ -11,6 +11,8 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
   first one made (header ``Idempotent-Replayed: true``) instead of queueing another.
 - ``GET /v1/jobs/{job_id}``: status and per-page progress; ``GET /v1/jobs/{job_id}/result``.
 - ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page).
+- MinerU 4's v1 document API (``/v1/health``, ``/v1/uploads``, ``/v1/parse/jobs``, ``/v1/files``,
+  ``/v1/tasks``, ``/v1/file_parse``): ``mineru_api``.
 
 Uploads are checked from their headers (format sniffed from the content, page range, password,
 each page's size) before they are queued, so a broken document is answered ``422`` at once and
@@ -21,7 +23,6 @@ the workers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import threading
@@ -38,14 +39,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..parser import DocumentParser
+from .admission import check_and_submit, request_id, wait_for_job
 from .chat import add_chat_routes
 from .config import ServeConfig
 from .context import RequestContextMiddleware
 from .errors import ApiError, error_body, from_exception
 from .hosts import HostCheckMiddleware
-from .jobs import AlreadySubmitted, Job, OverBudget, QueueFull, ShuttingDown
+from .jobs import AlreadySubmitted
 from .metrics import CONTENT_TYPE_LATEST
-from .parsing import ParseRequest, inspect_document, parse_formats, trace_from_json
+from .mineru_api import add_mineru_routes
+from .parsing import ParseRequest, parse_formats, trace_from_json
 from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
 from .service import Service
 from .store import JobRecord, JobStore
@@ -82,17 +85,10 @@ IdempotencyKeyHeader = Annotated[
 # The field's convention (IETF draft "The Idempotency-Key HTTP Header Field"; Stripe's API): an
 # opaque client-chosen string, typically a UUID. The bound is this service's.
 _IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,255}")
-# How often a waiting synchronous parse checks the drain's deadline: well within the 1 s that
-# uvicorn gives open requests once a drain has run out (``server.DrainingServer``).
-_DRAIN_POLL_SECONDS = 0.2
-
-
-def _request_id(request: Request) -> str | None:
-    return getattr(request.state, "request_id", None)
 
 
 def _error_response(request: Request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(error.code, error.message, _request_id(request)), error.status, error.headers)
+    return JSONResponse(error_body(error.code, error.message, request_id(request)), error.status, error.headers)
 
 
 def _index_html() -> str:
@@ -169,6 +165,7 @@ def create_app(
     _add_error_handlers(app)
     _add_routes(app, service)
     add_chat_routes(app, service)
+    add_mineru_routes(app, service)
     return app
 
 
@@ -228,82 +225,6 @@ async def _read_request(
     )
 
 
-async def _check_and_submit(
-    service: Service,
-    request: Request,
-    parse_request: ParseRequest,
-    retain: bool,
-    idempotency: tuple[str, str] | None = None,
-) -> Job:
-    """Inspect the document's headers off the event loop, then queue it.
-
-    Args:
-        retain: keep the job findable by id after it finished (False for synchronous calls).
-        idempotency: ``(Idempotency-Key, ParseRequest.fingerprint())`` of a retained job, if sent.
-
-    Raises:
-        ApiError: 422 for a broken or unsupported document, 413 ``document_too_large`` when its
-            decoded pages alone exceed the budget, 429 ``queue_full`` or ``over_capacity`` with
-            ``Retry-After``, 503 when not ready or shutting down.
-        AlreadySubmitted: the store holds a job of this API key with this ``Idempotency-Key``.
-    """
-    jobs = service.require_ready()
-    try:
-        info = await run_in_threadpool(
-            inspect_document, parse_request, service.config.options, service.config.max_pages
-        )
-    except Exception as exc:
-        error = from_exception(exc)
-        if error.status >= 500:
-            logger.exception("document check failed", extra={"request_id": _request_id(request)})
-        raise error from exc
-    budget = service.config.decode_budget_bytes
-    if info.cost > budget:
-        service.metrics.observe_job("rejected", None, None, [])
-        raise ApiError(
-            413,
-            "document_too_large",
-            f"parsing needs {info.cost / 2**20:,.0f} MiB of decoded pages at once; this server's budget is "
-            f"{budget / 2**20:,.0f} MiB",
-        )
-    job = Job(
-        payload=parse_request,
-        owner=request.state.api_key,
-        request_id=_request_id(request),
-        pages_total=len(info.selected),
-        cost=info.cost,
-        retain=retain,
-        idempotency_key=idempotency[0] if idempotency else None,
-        fingerprint=idempotency[1] if idempotency else None,
-    )
-    try:
-        await run_in_threadpool(jobs.submit, job)  # a retained job is recorded in the store first
-    except QueueFull as exc:
-        service.metrics.observe_job("rejected", None, None, [])
-        retry = str(exc.retry_after)
-        code, what = (
-            ("over_capacity", "the server's decode budget is in use")
-            if isinstance(exc, OverBudget)
-            else ("queue_full", "the job queue is full")
-        )
-        raise ApiError(429, code, f"{what}; retry in {retry} s", {"Retry-After": retry}) from None
-    except ShuttingDown:
-        raise ApiError(503, "shutting_down", "the server is shutting down and takes no new jobs") from None
-    logger.info(
-        "job queued",
-        extra={
-            "job_id": job.id,
-            "request_id": job.request_id,
-            "format": info.format,
-            "page_count": len(info.selected),
-            "bytes_in": len(parse_request.data),
-            "bytes_decoded": info.cost,
-            "queue_length": jobs.queue_length,
-        },
-    )
-    return job
-
-
 def _idempotency_key(value: str | None) -> str | None:
     """The ``Idempotency-Key`` header's value, checked (None when absent).
 
@@ -327,17 +248,17 @@ async def _submit_once(
         The job's record and whether this request made it.
 
     Raises:
-        ApiError: as ``_check_and_submit``; 422 ``idempotency_key_reused`` when the key's job was
+        ApiError: as ``admission.check_and_submit``; 422 ``idempotency_key_reused`` when the key's job was
             made from another request (another document, page range, formats, or password presence).
     """
     if key is None:
-        job = await _check_and_submit(service, request, parse_request, retain=True)
+        job = await check_and_submit(service, request, parse_request, retain=True)
         return job.to_record(service.replica), True
     fingerprint = await run_in_threadpool(parse_request.fingerprint)  # hashes the whole upload
     stored = await run_in_threadpool(service.job_store.find, request.state.api_key, key)
     if stored is None:
         try:
-            job = await _check_and_submit(service, request, parse_request, retain=True, idempotency=(key, fingerprint))
+            job = await check_and_submit(service, request, parse_request, retain=True, idempotency=(key, fingerprint))
         except AlreadySubmitted as exc:  # a concurrent request with this key came first
             stored = exc.record
         else:
@@ -349,33 +270,8 @@ async def _submit_once(
             "this Idempotency-Key was sent with another request (document, page range, formats or password); "
             "use a new key for a new request",
         )
-    logger.info("job submission repeated", extra={"job_id": stored.id, "request_id": _request_id(request)})
+    logger.info("job submission repeated", extra={"job_id": stored.id, "request_id": request_id(request)})
     return stored, False
-
-
-async def _wait(job: Job, service: Service) -> None:
-    """Wait, without blocking the event loop, until a worker has finished the job.
-
-    Raises:
-        ApiError: 503 ``shutting_down`` when the server's drain ran out first (the client gets a
-            JSON answer before uvicorn's own grace period ends and it cancels the request, which
-            would answer a plain-text ``500``); the worker finishes the page it is on regardless.
-    """
-    loop = asyncio.get_running_loop()
-    finished: asyncio.Future[None] = loop.create_future()
-
-    def finish() -> None:
-        if not finished.done():
-            finished.set_result(None)
-
-    def wake(_: Job) -> None:
-        loop.call_soon_threadsafe(finish)
-
-    job.add_done_callback(wake)
-    while not finished.done():
-        await asyncio.wait({finished}, timeout=_DRAIN_POLL_SECONDS)
-        if not finished.done() and service.drain_expired():
-            raise ApiError(503, "shutting_down", "the server shut down before the parse finished; submit it again")
 
 
 async def _job_or_404(service: Service, request: Request, job_id: str, with_result: bool = False) -> JobRecord:
@@ -430,11 +326,11 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     ) -> JSONResponse:
         """Parse a document and wait for the result."""
         parse_request = await _read_request(service, file, pages, password, formats, replay)
-        job = await _check_and_submit(service, request, parse_request, retain=False)
-        await _wait(job, service)
+        job = await check_and_submit(service, request, parse_request, retain=False)
+        await wait_for_job(job, service)
         if job.status != "done" or job.result is None:
             raise job.error or ApiError(500, "internal_error", "the job ended without a result")
-        return JSONResponse({"request_id": _request_id(request), **job.result})
+        return JSONResponse({"request_id": request_id(request), **job.result})
 
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(

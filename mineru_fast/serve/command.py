@@ -124,6 +124,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument(
+        "--replay",
+        type=Path,
+        metavar="DIR",
+        help="directory of <stem>.json traces replayed for MinerU-API uploads of that file stem (tests, benchmarks)",
+    )
+    v.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -175,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             decode_budget_mb=args.decode_budget_mb,
             allowed_hosts=tuple(filter(None, args.allowed_hosts.split(","))) if args.allowed_hosts else None,
             allow_replay=args.allow_replay,
+            replay_dir=args.replay,
             max_pages=args.max_pages,
             max_chat_requests=args.max_chat_requests,
             chat_keepalive=args.chat_keepalive,

@@ -57,6 +57,9 @@ class ServeConfig:
             listening on all interfaces), with API keys no check. When checked, a browser's
             ``Origin`` must name the same host as ``Host``.
         allow_replay: accept a ``replay`` trace upload (tests and benchmarks only).
+        replay_dir: directory of ``<stem>.json`` replay traces: a document sent to MinerU's
+            document API (``mineru_api``) whose file name's stem names one is replayed (tests and
+            benchmarks only; MinerU's clients cannot send a trace); None = none.
         max_pages: most pages one request may select.
         max_chat_requests: chat completions in flight at once (queued or running), an outer
             bound; beyond it ``429``. Requests past the engine's slots wait in a queue bounded by
@@ -92,6 +95,7 @@ class ServeConfig:
     decode_budget_mb: float = 4096.0
     allowed_hosts: tuple[str, ...] | None = None
     allow_replay: bool = False
+    replay_dir: Path | None = None
     max_pages: int = 500
     max_chat_requests: int = 256
     chat_keepalive: float = 15.0
@@ -127,6 +131,8 @@ class ServeConfig:
         for host in self.allowed_hosts or ():
             if host != "*" and not _HOST_NAME.fullmatch(host):
                 raise ValueError(f"allowed_hosts: {host[:40]!r} is not a host name or address (no port, no scheme)")
+        if self.replay_dir is not None and not Path(self.replay_dir).is_dir():
+            raise ValueError(f"replay_dir {self.replay_dir} is not a directory")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

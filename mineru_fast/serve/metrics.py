@@ -13,9 +13,33 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 __all__ = ["ServiceMetrics", "route_label", "method_label", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_JOB_ROUTE = re.compile(r"^/v1/jobs/[^/]+$")
-_RESULT_ROUTE = re.compile(r"^/v1/jobs/[^/]+/result$")
-_ROUTES = {"/", "/health", "/ready", "/metrics", "/v1/document/parse", "/v1/jobs", "/v1/chat/completions", "/v1/models"}
+_ROUTES = {
+    "/",
+    "/health",
+    "/ready",
+    "/metrics",
+    "/v1/document/parse",
+    "/v1/jobs",
+    "/v1/chat/completions",
+    "/v1/models",
+    # MinerU's document API (mineru_api)
+    "/v1/health",
+    "/v1/uploads",
+    "/v1/parse/jobs",
+    "/v1/tasks",
+    "/v1/file_parse",
+}
+_TEMPLATES = [  # routes with an id in their path, as (pattern, label)
+    (re.compile(r"^/v1/jobs/[^/]+/result$"), "/v1/jobs/{job_id}/result"),
+    (re.compile(r"^/v1/jobs/[^/]+$"), "/v1/jobs/{job_id}"),
+    (re.compile(r"^/v1/uploads/[^/]+/(content|complete|cancel)$"), "/v1/uploads/{upload_id}/{step}"),
+    (re.compile(r"^/v1/uploads/[^/]+$"), "/v1/uploads/{upload_id}"),
+    (re.compile(r"^/v1/files/[^/]+/content$"), "/v1/files/{file_id}/content"),
+    (re.compile(r"^/v1/files/[^/]+$"), "/v1/files/{file_id}"),
+    (re.compile(r"^/v1/parse/jobs/[^/]+$"), "/v1/parse/jobs/{job_id}"),
+    (re.compile(r"^/v1/tasks/[^/]+/result$"), "/v1/tasks/{task_id}/result"),
+    (re.compile(r"^/v1/tasks/[^/]+$"), "/v1/tasks/{task_id}"),
+]
 _METHODS = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"}
 
 
@@ -23,11 +47,7 @@ def route_label(path: str) -> str:
     """A bounded label for a request path: the route template, or ``"other"``."""
     if path in _ROUTES:
         return path
-    if _RESULT_ROUTE.match(path):
-        return "/v1/jobs/{job_id}/result"
-    if _JOB_ROUTE.match(path):
-        return "/v1/jobs/{job_id}"
-    return "other"
+    return next((label for pattern, label in _TEMPLATES if pattern.match(path)), "other")
 
 
 def method_label(method: str) -> str:

@@ -205,7 +205,10 @@ def inspect_document(request: ParseRequest, parser_options: ParserOptions, max_p
 
 
 def run_parse(
-    parser: DocumentParser, request: ParseRequest, progress: Callable[[int, int], None] | None = None
+    parser: DocumentParser,
+    request: ParseRequest,
+    progress: Callable[[int, int], None] | None = None,
+    on_page: Callable[[Document, Page], None] | None = None,
 ) -> tuple[Document, list[dict]]:
     """Parse a document page by page (``DocumentParser.iter_pages``), reporting progress per page.
 
@@ -219,6 +222,8 @@ def run_parse(
         parser: the service's parser.
         request: the document and its options.
         progress: called as ``progress(pages_done, pages_total)``.
+        on_page: called as ``on_page(document, page)`` with each page as it comes, before its
+            image and crops are released (a writer of the result bundle writes its crops then).
 
     Returns:
         The ``Document`` (no page images) and the layout overlays (empty unless asked for).
@@ -245,6 +250,8 @@ def run_parse(
         keep_page_images="layout" in request.formats,
     )
     for page in pages:
+        if on_page is not None:
+            on_page(document, page)
         if page.image is not None:
             overlays.append(_overlay_jpeg(page))
             page.image = None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..parser import DocumentParser
+from .bundle import BundleRequest, run_bundle
 from .config import ServeConfig
 from .errors import ApiError
 from .jobs import Job, JobManager
@@ -212,11 +213,14 @@ class Service:
     @staticmethod
     def _runner(parser: DocumentParser, replay_parser: DocumentParser) -> Callable[[Job], dict]:
         """The job runner every worker thread uses (parsers are thread-safe; the workers'
-        documents share the engine's batch). Replayed uploads go to ``replay_parser``."""
+        documents share the engine's batch). Replayed uploads go to ``replay_parser``; a
+        ``BundleRequest`` (MinerU's document API) is parsed into MinerU 4's bundle."""
 
         def run(job: Job) -> dict:
             request: ParseRequest = job.payload
             chosen = replay_parser if request.trace is not None else parser
+            if isinstance(request, BundleRequest):
+                return run_bundle(chosen, request, job.report_progress)
             document, overlays = run_parse(chosen, request, job.report_progress)
             return render_result(document, request.formats, overlays)
 
