@@ -126,11 +126,11 @@ class BatchLogitsProcessor:
             penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
             logits.copy_(torch.where(seen, penalized, logits))
         for i, row in enumerate(rows):
-            seen = self.seen[row]
-            if seen and self.penalized[row]:
+            generated = self.seen[row]
+            if generated and self.penalized[row]:
                 # Only the generated tokens' logits change (presence * [count > 0] + frequency * count
                 # is 0 elsewhere): the same float32 steps as over the whole row, on len(seen) of V.
-                ids = torch.tensor(sorted(seen))
+                ids = torch.tensor(sorted(generated))
                 logits[i, ids] -= self.frequency[row] * self.counts[row, ids] + self.presence[row]
             blocker = self.blockers[row]
             banned = blocker.banned()
