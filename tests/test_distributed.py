@@ -302,8 +302,11 @@ def ready_replicas(url: str, timeout: float = 240) -> set[str]:
 
 
 def replay_files(pages: int) -> dict:
+    """The upload of a ``pages``-page document with its replay trace, asking for the parts
+    ``check_results`` compares (the service's default is MinerU 4's markdown + middle JSON)."""
     return {"file": ("doc.pdf", pdf_bytes(pages)),
-            "replay": ("t.json", json.dumps(sample_trace(pages).to_dict()).encode())}  # fmt: skip
+            "replay": ("t.json", json.dumps(sample_trace(pages).to_dict()).encode()),
+            "formats": (None, "markdown,content_list")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
