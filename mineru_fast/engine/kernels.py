@@ -37,7 +37,10 @@ OWN_KERNELS_ENV = "MINERU_FAST_OWN_KERNELS"
 SOURCE = Path(__file__).parent / "csrc" / "int8_gemv.cpp"
 # -ffp-contract=off: no multiply-add is fused unless the source says so (std::fma), where the
 # PyTorch operator it mirrors fuses it; that is what keeps the outputs bit-identical to oneDNN's path.
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off")
+# -fopenmp: ATen's parallel_for is inlined here and splits the rows over PyTorch's OpenMP threads
+# only when this file is compiled with OpenMP (without it, one thread does all the work).
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 NAME = "mineru_fast_int8_gemv"
 STALE_LOCK_S = 600.0  # a build takes ~30 s on 2 busy cores; a lock this old belongs to a killed one
 MAX_ROWS = 16  # rows of activations per call (csrc/int8_gemv.cpp's kMaxRows)
@@ -95,7 +98,14 @@ def int8_gemv_status() -> KernelStatus:
         if _held_by_another_build(build / "lock"):
             return KernelStatus(None, f"own INT8 GEMV being built by another process ({build}); oneDNN for now")
         build.mkdir(parents=True, exist_ok=True)
-        load(NAME, [str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(build), is_python_module=False)
+        load(
+            NAME,
+            [str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(build),
+            is_python_module=False,
+        )
         op = torch.ops.mineru_fast.int8_linear_rows
     except Exception as exc:  # a compiler or ninja missing, a failed build: oneDNN stays
         last = (str(exc).strip().splitlines() or [""])[-1][:200]
