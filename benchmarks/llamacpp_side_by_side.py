@@ -484,9 +484,10 @@ def _cell(value: float | None, base: float | None, unit: str, higher_is_better: 
     if base is None or base == value or value == 0:
         return text
     ratio = value / base
-    slower = ratio > 1 if not higher_is_better else ratio < 1
+    worse = ratio > 1 if not higher_is_better else ratio < 1
     factor = ratio if ratio >= 1 else 1 / ratio
-    return f"{text} ({factor:.2f}x {'slower' if slower else 'faster'})"
+    words = ("more", "less") if unit == "GB" else ("slower", "faster")  # memory is not a speed
+    return f"{text} ({factor:.2f}x {words[0] if worse else words[1]})"
 
 
 def markdown(results: dict) -> str:
