@@ -365,7 +365,7 @@ class GemvInt8Linear(_PerTokenInt8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        if x2.shape[0] <= MAX_ROWS and self._kernel is not None:
+        if 1 <= x2.shape[0] <= MAX_ROWS and self._kernel is not None:
             y = self._kernel(x2, self.weight_q, self.weight_sum, self.weight_scale, self.bias)
             return y.to(dtype).reshape(*shape[:-1], self.out_features)
         x_scale, inv = self._token_scales(x2)
