@@ -153,6 +153,16 @@ def start_server(
     return Server(f"http://127.0.0.1:{port}", process, log_path)
 
 
+def assert_error(response, status: int, code: str) -> dict:
+    """The service's error shape (``errors.error_body``) with ``status`` and ``code``; returns the error."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "request_id"}
+    assert body["error"]["code"] == code and body["error"]["message"]
+    assert body["error"]["request_id"] == response.headers["x-request-id"]
+    return body["error"]
+
+
 def workload_page_with_text(traces_dir: Path, max_bytes: int):
     """The workload image under ``max_bytes`` with text blocks and the least replayed output.
 

@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 from samples import pdf_bytes, sample_trace
-from serve_helpers import BOUNDS, running_server
+from serve_helpers import BOUNDS, assert_error, running_server
 
 from mineru_fast.errors import PageRangeError
 from mineru_fast.serve.errors import ApiError
@@ -34,16 +34,6 @@ BETA = "beta-secret-4567"
 MAX_UPLOAD_MB = 3
 PAGES = 2  # pages of the replayed documents
 REPLAYED = "report"  # the stem of the replayed documents' name (its trace is REPLAYED.json)
-
-
-def assert_error(response, status: int, code: str) -> dict:
-    """The service's error shape (``errors.error_body``), with ``code``."""
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "request_id"}
-    assert body["error"]["code"] == code and body["error"]["message"]
-    assert body["error"]["request_id"] == response.headers["x-request-id"]
-    return body["error"]
 
 
 # -- parts, in process -----------------------------------------------------------------------------

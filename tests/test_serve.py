@@ -19,7 +19,7 @@ import pytest
 from conftest import WORKLOAD, need
 from PIL import Image
 from samples import pdf_bytes, sample_trace, text_page, tiff_with_frame_size
-from serve_helpers import BOUNDS, running_server, workload_page_with_text
+from serve_helpers import BOUNDS, assert_error, running_server, workload_page_with_text
 
 from mineru_fast.errors import CorruptDocument, PageRangeError
 from mineru_fast.serve.errors import ApiError, from_exception
@@ -287,15 +287,6 @@ def metrics(client) -> dict[tuple[str, tuple], float]:
 
 def metric(values: dict, name: str, **labels: str) -> float:
     return values.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def assert_error(response, status: int, code: str) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "request_id"}
-    assert body["error"]["code"] == code and body["error"]["message"]
-    assert body["error"]["request_id"] == response.headers["x-request-id"]
-    return body["error"]
 
 
 def upload(data: bytes, name: str = UPLOAD_NAME, replay: int | None = None, **fields: str) -> dict:
