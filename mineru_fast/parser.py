@@ -176,10 +176,12 @@ class DocumentParser:
     @functools.cached_property
     def runtime(self) -> dict[str, Any]:
         """What the engine runs on this machine and why (``choice.describe``: ISA class, precision,
-        bfloat16 native or emulated, INT8 kernel and the reason for it); JSON-ready."""
+        bfloat16 native or emulated, INT8 kernel and the reason for it, and, as the engine was
+        built, the kernel of the language model's decode rows, ``lm_decode_kernel``); JSON-ready."""
         from .choice import describe
 
-        return describe(self.options)
+        built = getattr(self.engine, "numerics", None)
+        return dict(built) if built else describe(self.options)
 
     def result_metadata(self, source: InputInfo | None) -> dict[str, Any]:
         """The metadata block of a result of this parser (``metadata.result_metadata``).

@@ -3,6 +3,8 @@ for bit, at every row count, shape and input, alone and inside the engine; the f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_prepared import entries, make_engine, outputs
@@ -149,3 +151,26 @@ def test_a_build_in_progress_is_not_waited_for_and_a_stale_lock_is_removed(monke
     old = time.time() - kernels.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
     assert not kernels._held_by_another_build(lock) and not lock.exists()  # a killed build's lock
+
+
+def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(monkeypatch, tmp_path, caplog):
+    import torch.utils.cpp_extension as cpp_extension
+
+    seen = {}
+
+    def recording_load(*_args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv(kernels.OWN_KERNELS_ENV, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "isa_class", lambda _isa: type("Cls", (), {"vnni": True, "name": "amx"})())
+    monkeypatch.setattr(cpp_extension, "load", recording_load)
+    kernels.int8_gemv_status.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=kernels.__name__):
+            status = kernels.int8_gemv_status()
+    finally:
+        kernels.int8_gemv_status.cache_clear()
+    assert status.op is None and Path(seen["build_directory"]).parent.parent == tmp_path
+    assert "compiling the own INT8 GEMV once for this machine" in caplog.text

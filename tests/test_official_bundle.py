@@ -36,7 +36,7 @@ from mineru_fast.traces import Trace, build_omnidocbench_traces, load_trace  # n
 
 # reference_lists and table_across_pages: what continues across pages (test_continuations_are_marked_...).
 NAMES = ["visuals", "two_pages", "equations_rotation_nontext", "all_types", "reference_lists", "table_across_pages"]
-WORKLOAD_PAGES = 2  # workload pages in this lane (the differential lane of test_official_compat covers all)
+WORKLOAD_PAGES = 14  # every page of the demo set, as the differential lane of test_official_compat
 
 
 def fast_python() -> str:

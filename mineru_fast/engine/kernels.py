@@ -94,10 +94,12 @@ def int8_gemv_status() -> KernelStatus:
         from torch.utils.cpp_extension import get_default_build_root, load  # imports setuptools: only here
 
         tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-        build = Path(get_default_build_root()) / tag / NAME
+        build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag / NAME
         if _held_by_another_build(build / "lock"):
             return KernelStatus(None, f"own INT8 GEMV being built by another process ({build}); oneDNN for now")
         build.mkdir(parents=True, exist_ok=True)
+        if not (build / f"{NAME}.so").exists():
+            logger.warning("compiling the own INT8 GEMV once for this machine (~30 s) into %s", build)
         load(
             NAME,
             [str(SOURCE)],
