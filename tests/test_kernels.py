@@ -158,8 +158,8 @@ def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(m
 
     seen = {}
 
-    def recording_load(*_args, **kwargs):
-        seen.update(kwargs)
+    def recording_load(name, sources, **kwargs):
+        seen.update(kwargs, name=name, sources=sources)
         raise RuntimeError("stop here")
 
     monkeypatch.delenv(kernels.OWN_KERNELS_ENV, raising=False)
@@ -172,5 +172,9 @@ def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(m
             status = kernels.int8_gemv_status()
     finally:
         kernels.int8_gemv_status.cache_clear()
-    assert status.op is None and Path(seen["build_directory"]).parent.parent == tmp_path
+    build = Path(seen["build_directory"])
+    assert status.op is None and build.parent.parent == tmp_path and build.name.startswith(kernels.NAME + "-")
+    # built from a copy inside the build folder: two checkouts of the same code share one build
+    assert seen["sources"] == [str(build / "int8_gemv.cpp")]
+    assert (build / "int8_gemv.cpp").read_bytes() == kernels.SOURCE.read_bytes()
     assert "compiling the own INT8 GEMV once for this machine" in caplog.text

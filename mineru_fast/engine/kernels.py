@@ -9,7 +9,8 @@ activations at a time, and quantizes the activations itself; its arithmetic is t
 
 It is compiled once per machine with PyTorch's C++ extension builder (a C++ compiler and ninja are
 needed; about 30 s), into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), and rebuilt when the source, the flags or PyTorch change. A process
+``~/.cache/torch_extensions``), in a folder named by the digest of the source and the flags, so a
+change of either builds anew and installs of the same code share one build. A process
 that finds another one building it does not wait: it runs on oneDNN until its next start. It is used
 only where the CPU class has AVX-512 VNNI (``cpu.isa_class``, caps included); elsewhere, when the
 build fails, or with ``MINERU_FAST_OWN_KERNELS=0``, the engine keeps oneDNN, with the reason
@@ -19,6 +20,7 @@ reported by ``int8_gemv_status``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -61,6 +63,28 @@ class KernelStatus:
     reason: str
 
 
+def _build_directory() -> Path:
+    """Where this source, built with these flags for this Python and PyTorch, lives: one folder per
+    content, so installs of the same code share one build and different code never shares one."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, LDFLAGS)).encode()).hexdigest()[:12]
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag / f"{NAME}-{digest}"
+
+
+def _source_copy(build: Path) -> Path:
+    """The source, copied into ``build`` (atomically, once): PyTorch's build file names the source's
+    path, so builds from two checkouts of the same code would otherwise rebuild each other's."""
+    build.mkdir(parents=True, exist_ok=True)
+    copy = build / SOURCE.name
+    if not copy.exists():
+        partial = build / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(SOURCE.read_bytes())
+        partial.replace(copy)
+    return copy
+
+
 def _held_by_another_build(lock: Path) -> bool:
     """Whether a live build holds ``lock`` (PyTorch's builder waits on it without a bound). A lock
     older than ``STALE_LOCK_S`` was left by a killed build and is removed."""
@@ -91,18 +115,17 @@ def int8_gemv_status() -> KernelStatus:
     if not cls.vnni:
         return KernelStatus(None, f"own INT8 GEMV needs AVX-512 VNNI; this CPU class is {cls.name}")
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load  # imports setuptools: only here
+        from torch.utils.cpp_extension import load  # imports setuptools: only here
 
-        tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-        build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag / NAME
+        build = _build_directory()
         if _held_by_another_build(build / "lock"):
             return KernelStatus(None, f"own INT8 GEMV being built by another process ({build}); oneDNN for now")
-        build.mkdir(parents=True, exist_ok=True)
+        source = _source_copy(build)
         if not (build / f"{NAME}.so").exists():
             logger.warning("compiling the own INT8 GEMV once for this machine (~30 s) into %s", build)
         load(
             NAME,
-            [str(SOURCE)],
+            [str(source)],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build),
