@@ -1,7 +1,9 @@
 """Build the engine ``ParserOptions`` ask for, with threads and quantization applied.
 
 The built engine carries ``engine.numerics``: ``choice.describe(options)`` (ISA class, precision,
-native or emulated bfloat16, INT8 kernel and why) for result metadata.
+native or emulated bfloat16, INT8 kernel and why) for result metadata, and, where the fast preset's
+INT8 is oneDNN's, ``lm_decode_kernel``: whether the language model runs on the own GEMV
+(``engine.kernels``; the same numerics) or why not.
 """
 
 from __future__ import annotations
