@@ -1,8 +1,9 @@
 """The engine's own compiled kernel: the per-token INT8 linear of decode steps (``csrc/int8_gemv.cpp``).
 
 A decode step multiplies a few rows (one per live sequence) by every language-model weight, so it
-is bound by reading the weights once. oneDNN's prepacked INT8 GEMM, built for many rows, spent
-about twice the time a weight read takes on one row (see ``benchmarks/decode_step.py``). The kernel
+is bound by reading the weights once. oneDNN's prepacked INT8 GEMM, built for many rows, took
+about 1.5 times the time a weight read takes on one row, plus ~50 us of overhead a call (see
+``benchmarks/decode_step.py`` and benchmarks/README.md). The kernel
 here streams plain ``[out, in]`` int8 rows through AVX-512 VNNI dot products, 1 to 16 rows of
 activations at a time, and quantizes the activations itself; its arithmetic is the oneDNN path's
 (``quantize.OneDnnInt8Linear``) operation for operation, so its outputs are bit-identical to it.
