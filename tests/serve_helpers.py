@@ -163,6 +163,18 @@ def assert_error(response, status: int, code: str) -> dict:
     return body["error"]
 
 
+def read_response_head(sock) -> bytes:
+    """What a raw socket receives up to the end of a response's headers (at most 64 KiB, or until
+    the server closes)."""
+    reply = b""
+    while b"\r\n\r\n" not in reply and len(reply) < 65536:
+        data = sock.recv(4096)
+        if not data:
+            break
+        reply += data
+    return reply
+
+
 def workload_page_with_text(traces_dir: Path, max_bytes: int):
     """The workload image under ``max_bytes`` with text blocks and the least replayed output.
 

@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 from samples import pdf_bytes, sample_trace
-from serve_helpers import BOUNDS, assert_error, running_server
+from serve_helpers import BOUNDS, assert_error, read_response_head, running_server
 
 from mineru_fast.errors import PageRangeError
 from mineru_fast.serve.errors import ApiError
@@ -201,12 +201,7 @@ def put_declaring(server, upload_id: str, size: int) -> bytes:
             f"Content-Type: application/pdf\r\nContent-Length: {size}\r\n\r\n"
         )
         sock.sendall(head.encode())
-        reply = b""
-        while b"\r\n\r\n" not in reply and len(reply) < 65536:
-            data = sock.recv(4096)
-            if not data:
-                break
-            reply += data
+        reply = read_response_head(sock)
     return reply
 
 

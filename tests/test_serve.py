@@ -19,7 +19,7 @@ import pytest
 from conftest import WORKLOAD, need
 from PIL import Image
 from samples import pdf_bytes, sample_trace, text_page, tiff_with_frame_size
-from serve_helpers import BOUNDS, assert_error, running_server, workload_page_with_text
+from serve_helpers import BOUNDS, assert_error, read_response_head, running_server, workload_page_with_text
 
 from mineru_fast.errors import CorruptDocument, PageRangeError
 from mineru_fast.serve.errors import ApiError, from_exception
@@ -528,12 +528,7 @@ def test_oversize_upload_is_413_before_it_is_read(server):
             f"Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: {50 * limit}\r\n\r\n"
         )
         sock.sendall(request.encode() + b"--xyz\r\n")
-        reply = b""
-        while b"\r\n\r\n" not in reply and len(reply) < 65536:
-            data = sock.recv(4096)
-            if not data:
-                break
-            reply += data
+        reply = read_response_head(sock)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert httpx.get(f"{server.url}/health").status_code == 200  # the server is fine
 
