@@ -113,6 +113,17 @@ def _grid(table: dict) -> _Grid | None:
     return _Grid(tree, container, rows, cells, owners, columns, tail)
 
 
+def _grids(first: dict, second: dict) -> tuple[_Grid, _Grid] | None:
+    """The grids of two tables, or None when either has no rows or a span that is not an integer."""
+    try:
+        grids = _grid(first), _grid(second)
+    except ValueError:
+        return None
+    if grids[0] is None or grids[1] is None:
+        return None
+    return grids[0], grids[1]
+
+
 def _scan(
     rows: list[Tag],
 ) -> tuple[list[list[Tag]], list[dict[int, tuple[int, int]]], int, dict[int, set[int]]]:
@@ -330,12 +341,10 @@ def can_merge_tables(current: dict, previous: dict) -> bool:
     width_a, width_b = a[2] - a[0], b[2] - b[0]
     if min(width_a, width_b) <= 0 or abs(width_a - width_b) / min(width_a, width_b) >= WIDTH_TOLERANCE:
         return False
-    try:
-        grid_a, grid_b = _grid(current), _grid(previous)
-    except ValueError:
+    grids = _grids(current, previous)
+    if grids is None:
         return False
-    if grid_a is None or grid_b is None:
-        return False
+    grid_a, grid_b = grids
     return grid_a.columns == grid_b.columns or _rows_match(grid_b, grid_a)
 
 
@@ -381,12 +390,10 @@ def merge_tables(previous: dict, current: dict) -> dict | None:
     if not can_merge_tables(current, previous):
         return None
     previous, current = deepcopy(previous), deepcopy(current)
-    try:
-        grid_a, grid_b = _grid(previous), _grid(current)
-    except ValueError:
+    grids = _grids(previous, current)
+    if grids is None:
         return None
-    if grid_a is None or grid_b is None:
-        return None
+    grid_a, grid_b = grids
     appended = grid_b.rows[_header_rows(grid_a, grid_b) :]
     header, last = len(grid_b.rows) - len(appended), len(grid_a.rows) - 1
     placed_a, placed_b = _placements(grid_a.rows, grid_a.columns), _placements(grid_b.rows, grid_b.columns)
