@@ -547,16 +547,21 @@ class _PageRenderer:
         return render_table(text) or _format_embedded_html(text)
 
 
-def _algorithm_markdown(spans: list[dict]) -> str:
-    """An algorithm's spans as Markdown, a space between two adjacent inline equations."""
+def _algorithm_text(spans: list[dict], render: Callable[[dict], str]) -> str:
+    """An algorithm's spans, each rendered by ``render``, a space between two adjacent inline equations."""
     parts, previous_eq = [], False
     for span in spans:
         is_eq = span["type"] == "equation_inline"
         if previous_eq and is_eq:
             parts.append(" ")
-        parts.append(render_spans([span]))
+        parts.append(render(span))
         previous_eq = is_eq
     return "".join(parts)
+
+
+def _algorithm_markdown(spans: list[dict]) -> str:
+    """An algorithm's spans as Markdown."""
+    return _algorithm_text(spans, lambda span: render_spans([span]))
 
 
 def _confidences(entry: dict) -> Iterable[tuple[Confidence | None, bool]]:
@@ -648,15 +653,12 @@ def _fenced(content: str, language: str = "") -> str:
 
 def _algorithm_html(spans: list[dict]) -> str:
     """An algorithm as preformatted HTML (docvortex ``markdown.blocks._render_algorithm_html``)."""
-    parts, previous_eq = [], False
-    for span in spans:
-        is_eq = span["type"] == "equation_inline"
-        if previous_eq and is_eq:
-            parts.append(" ")
-        text = f"${span['content']}$" if is_eq else span["content"]
-        parts.append(html.escape(text, quote=False))
-        previous_eq = is_eq
-    body = "".join(parts)
+    body = _algorithm_text(
+        spans,
+        lambda span: html.escape(
+            f"${span['content']}$" if span["type"] == "equation_inline" else span["content"], quote=False
+        ),
+    )
     if not body.strip():
         return ""
     return f'<div class="docvortex-algorithm" style="white-space: pre-wrap; font-family:monospace;">\n{body}\n</div>'

@@ -178,19 +178,21 @@ def _image_page(index: int):
     return Page(index, image.size, [Block("image", (0.1, 0.1, 0.5, 0.9))], image=image)
 
 
+def _pages_dying_after_five():
+    """The pages of a 40-page document whose producer raises after the 5th (the caller's loop dies)."""
+    for index in range(40):
+        if index == 5:
+            raise RuntimeError("engine died")
+        yield _image_page(index)
+
+
 def test_a_2x_writer_closed_by_an_exception_records_the_failure_and_the_pages_it_holds(tmp_path):
     """The README's ``with DocumentWriter(...) as w: for page in ...`` loop raising after 5 of 40
     pages used to leave a valid ``<stem>.json`` saying ``success`` with no error: a silent loss."""
 
-    def pages():
-        for index in range(40):
-            if index == 5:
-                raise RuntimeError("engine died")
-            yield _image_page(index)
-
     out = tmp_path / "doc"
     with pytest.raises(RuntimeError, match="engine died"), DocumentWriter(out, "doc", layout="2.x") as writer:
-        for page in pages():
+        for page in _pages_dying_after_five():
             writer.add_page(page)
     result = json.loads((out / "doc.json").read_text())
     assert result["status"] == "failure" and len(result["pages"]) == 5
@@ -263,15 +265,9 @@ def test_the_bundle_is_streamed_and_a_rewrite_leaves_only_its_new_files(tmp_path
 
 
 def test_a_bundle_closed_by_an_exception_records_the_failure_in_its_middle_json(tmp_path):
-    def pages():
-        for index in range(40):
-            if index == 5:
-                raise RuntimeError("engine died")
-            yield _image_page(index)
-
     out = tmp_path / "doc"
     with pytest.raises(RuntimeError, match="engine died"), DocumentWriter(out, "doc") as writer:
-        for page in pages():
+        for page in _pages_dying_after_five():
             writer.add_page(page)
     middle = json.loads((out / "middle_json.json").read_text())
     record = middle["extensions"]["mineru_fast"]
