@@ -55,7 +55,12 @@ def test_incremental_text_never_splits_a_character_and_joins_to_the_whole_decode
 )
 def test_stop_cutter_sends_only_a_prefix_of_the_cut_answer(pieces, stop):
     """Whatever the chunks and stop strings: what is sent at every point is a prefix of the answer
-    cut before its first stop string, and with the rest it is that answer exactly."""
+    cut before its first stop string, and with the rest it is that answer exactly. The answer ends
+    where the engine ends it: after the piece in which a stop string first appears whole."""
+    for n in range(len(pieces)):
+        if any(s in "".join(pieces[: n + 1]) for s in stop):
+            pieces = pieces[: n + 1]
+            break
     full = "".join(pieces)
     expected = before_stop(full, stop)
     cutter = StopCutter(stop)
