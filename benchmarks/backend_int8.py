@@ -16,9 +16,9 @@ import time
 import torch
 from torch import nn
 
-from mineru_fast.cpu import read_topology
 from mineru_fast.engine.backends import ipex_int8_linear, isa_tier, load_ipex
 from mineru_fast.engine.quantize import Int8DynamicConfig, quantize_
+from mineru_fast.runtime.cpu import read_topology
 
 
 def milliseconds(module: nn.Module, x: torch.Tensor, repeat: int) -> float:

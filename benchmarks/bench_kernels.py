@@ -11,9 +11,10 @@ from PIL import Image, ImageDraw
 from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.sampling import BatchLogitsProcessor
 from mineru_fast.engine.scheduler import SequenceState
-from mineru_fast.inputs import open_document
-from mineru_fast.page_protocol import ContentOutput, finish_blocks, read_layout
-from mineru_fast.protocol import LAYOUT_TASK, SamplingParams, layout_image, prompt_for, sampling_for
+from mineru_fast.inputs.documents import open_document
+from mineru_fast.protocol.page import ContentOutput, read_layout
+from mineru_fast.protocol.spec import LAYOUT_TASK, SamplingParams, layout_image, prompt_for, sampling_for
+from mineru_fast.results.finish import finish_blocks
 
 
 def page_image() -> Image.Image:

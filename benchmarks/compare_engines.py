@@ -37,7 +37,7 @@ CONFIGS = ["reference", "fast"]
 
 def trace_dir(workload: Path) -> Path:
     """Where the workload's replay traces are built (the workload folder may be read-only)."""
-    from mineru_fast.hub import cache_dir
+    from mineru_fast.runtime.hub import cache_dir
 
     return cache_dir() / "traces" / workload.name
 
@@ -48,7 +48,7 @@ def run_config(preset: str, model: Path, workload: Path, threads: int) -> dict:
 
     from mineru_fast import DocumentParser, ParserOptions
     from mineru_fast.engine.memory import peak_rss_bytes
-    from mineru_fast.traces import Trace, load_trace
+    from mineru_fast.protocol.traces import Trace, load_trace
 
     start = time.perf_counter()
     parser = DocumentParser.from_pretrained(model, ParserOptions.preset(preset, threads=threads))
@@ -104,7 +104,7 @@ def vision_mode(model: Path, workload: Path, threads: int, mode: str) -> dict:
     from mineru_fast.engine.factory import build_engine
     from mineru_fast.engine.memory import peak_rss_bytes
     from mineru_fast.engine.vision_runner import make_vision_runner
-    from mineru_fast.protocol import LAYOUT_TASK, layout_image, prompt_for, sampling_for
+    from mineru_fast.protocol.spec import LAYOUT_TASK, layout_image, prompt_for, sampling_for
 
     engine = build_engine(model, ParserOptions.preset("fast", threads=threads))
     image = layout_image(Image.open(workload / "images" / PAGES[0]).convert("RGB"))
@@ -132,11 +132,11 @@ def main() -> None:
     if args.model:
         model = args.model
     else:
-        from mineru_fast.synthetic import cached_synthetic_model
+        from mineru_fast.engine.synthetic import cached_synthetic_model
 
         model = cached_synthetic_model("full", seed=0)
     if not trace_dir(args.workload).is_dir():
-        from mineru_fast.traces import build_omnidocbench_traces
+        from mineru_fast.protocol.traces import build_omnidocbench_traces
 
         build_omnidocbench_traces(
             args.workload / "annotations.json", args.workload / "images", trace_dir(args.workload)

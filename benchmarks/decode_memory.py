@@ -7,7 +7,7 @@ size (``VmHWM``, reset before the render: Linux only) over its resident size bef
 render, divided by the page's pixels; for "pdf, render process" (``render_timeout`` set: the page
 is rendered in a child process) the growth of both processes, the child started by a small
 first page. These are
-the per-pixel figures of ``OpenedDocument.page_cost`` (``mineru_fast.inputs``).
+the per-pixel figures of ``OpenedDocument.page_cost`` (``mineru_fast.inputs.documents``).
 
     python benchmarks/decode_memory.py [--side 4000]
 """
@@ -61,7 +61,7 @@ def _reset_peak(pid: str = "self") -> int:
 
 
 def one(path: Path, side: int, render_timeout: float | None) -> dict:
-    from mineru_fast.inputs import open_document
+    from mineru_fast.inputs.documents import open_document
 
     opened = open_document(path.read_bytes(), decode_first=False, max_side=side, render_timeout=render_timeout)
     pids = ["self"]

@@ -24,10 +24,10 @@ from pathlib import Path
 def one(backend: str, model: Path, threads: int, repeat: int) -> dict:
     import numpy as np
 
-    from mineru_fast.doclayout import LayoutDetector
-    from mineru_fast.doclayout.inference import pixel_values
     from mineru_fast.engine.memory import peak_rss_bytes
-    from mineru_fast.threads import set_torch_threads
+    from mineru_fast.layout import LayoutDetector
+    from mineru_fast.layout.inference import pixel_values
+    from mineru_fast.runtime.threads import set_torch_threads
 
     set_torch_threads(threads)
     detector = LayoutDetector.from_pretrained(model, backend=backend, threads=threads)
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--only", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
-        from mineru_fast.doclayout.synthetic import cached_synthetic_doclayout
+        from mineru_fast.layout.synthetic import cached_synthetic_doclayout
 
         args.model = cached_synthetic_doclayout("full")
     if args.only:

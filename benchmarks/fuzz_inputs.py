@@ -43,7 +43,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from mineru_fast import DocumentParser, ParserOptions
-    from mineru_fast.synthetic import make_synthetic_model
+    from mineru_fast.engine.synthetic import make_synthetic_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_synthetic_model(Path(tmp) / "tiny", size="tiny", seed=0)

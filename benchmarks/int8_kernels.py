@@ -16,7 +16,7 @@ Each figure is the fastest of ``--repeat`` calls after one warm-up (the fastest,
 on a shared machine it is the least disturbed), the kernels interleaved call by call.
 
 ``python benchmarks/int8_kernels.py [--isa native|avx2|avx512|avx512_vnni] [--threads N] [--json OUT]``
-runs a simulated class in a subprocess with ``mineru_fast.cpu.simulation_env`` set before torch
+runs a simulated class in a subprocess with ``mineru_fast.runtime.cpu.simulation_env`` set before torch
 loads.
 """
 
@@ -78,8 +78,8 @@ def measure(repeat: int) -> dict:
     """Every shape's kernels in this process: ``{"shapes": [...], "groups": {...}}`` in ms."""
     import torch
 
-    from mineru_fast.cpu import isa_class, read_topology
     from mineru_fast.engine.quantize import int8_kernel_path
+    from mineru_fast.runtime.cpu import isa_class, read_topology
 
     cls = isa_class(read_topology().isa)
     rows = []
@@ -147,13 +147,13 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.isa != "native" and not args.child:
-        from mineru_fast.cpu import simulation_env
+        from mineru_fast.runtime.cpu import simulation_env
 
         env = {**os.environ, **simulation_env(args.isa)}
         sys.exit(subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], env=env).returncode)
     import torch
 
-    from mineru_fast.cpu import physical_cores_available
+    from mineru_fast.runtime.cpu import physical_cores_available
 
     torch.set_num_threads(args.threads or physical_cores_available())
     result = measure(args.repeat)

@@ -9,7 +9,7 @@ the wall seconds of an idle core. The ratio is of the fastest rounds' CPU second
 of that page (``mineru_fast.bench.fidelity``); ``--rounds 0`` runs only that.
 
 ``python benchmarks/int8_side_by_side.py --model DIR [--kernels onednn torch_ao] [--rounds 2]
-[--fidelity] [--json OUT]``; set ``mineru_fast.cpu.simulation_env(...)`` in the environment to
+[--fidelity] [--json OUT]``; set ``mineru_fast.runtime.cpu.simulation_env(...)`` in the environment to
 measure as a lower ISA class.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from mineru_fast import DocumentParser, ParserOptions
 from mineru_fast.bench.fidelity import run as run_fidelity
 from mineru_fast.bench.workload import load_workload
-from mineru_fast.choice import choose_int8_kernel, choose_preset
-from mineru_fast.cpu import isa_class, read_topology
-from mineru_fast.traces import Trace
+from mineru_fast.protocol.traces import Trace
+from mineru_fast.runtime.choice import choose_int8_kernel, choose_preset
+from mineru_fast.runtime.cpu import isa_class, read_topology
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from mineru_fast.cli import main
+from mineru_fast.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

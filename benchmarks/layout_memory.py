@@ -27,8 +27,8 @@ def one(preset: str, model: Path, workload: Path, threads: int) -> dict:
     from mineru_fast.engine.base import GenerationRequest
     from mineru_fast.engine.factory import build_engine
     from mineru_fast.engine.memory import peak_rss_bytes
-    from mineru_fast.protocol import LAYOUT_TASK, layout_image, prompt_for, sampling_for
-    from mineru_fast.traces import load_trace
+    from mineru_fast.protocol.spec import LAYOUT_TASK, layout_image, prompt_for, sampling_for
+    from mineru_fast.protocol.traces import load_trace
 
     options = ParserOptions.preset(preset, threads=threads)
     engine = build_engine(model, options)

@@ -63,7 +63,14 @@ from PIL import Image
 
 from mineru_fast.bench import llamacpp
 from mineru_fast.bench.load import LoadMonitor, describe
-from mineru_fast.protocol import LAYOUT_IMAGE_SIZE, SYSTEM_PROMPT, LayoutBlock, crop_block, layout_image, prompt_for
+from mineru_fast.protocol.spec import (
+    LAYOUT_IMAGE_SIZE,
+    SYSTEM_PROMPT,
+    LayoutBlock,
+    crop_block,
+    layout_image,
+    prompt_for,
+)
 
 ITEMS = ("layout_ttft", "crops_one_at_a_time", "median_page", "decode")
 PATCH = 28  # pixels per image token side (14-pixel patches, 2x2 merge)
@@ -619,8 +626,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mineru_fast.cpu import read_topology
-    from mineru_fast.synthetic import synthetic_identity
+    from mineru_fast.runtime.cpu import read_topology
+    from mineru_fast.runtime.hub import synthetic_identity
 
     tools, pair, native = None, None, args.native_server
     if set(args.engines) - {"mineru-fast"}:  # a llama.cpp engine: its tools and the GGUF pair

@@ -1,4 +1,4 @@
-"""What a second OpenMP pool costs the engine's thread (see ``mineru_fast.threads``).
+"""What a second OpenMP pool costs the engine's thread (see ``mineru_fast.runtime.threads``).
 
     python benchmarks/openmp_pools.py [--model DIR] [--threads N] [--tokens T]
 
@@ -31,8 +31,8 @@ def main() -> int:
 
     from mineru_fast import DocumentParser, ParserOptions
     from mineru_fast.engine.base import GenerationRequest
-    from mineru_fast.protocol import SamplingParams, prompt_for
-    from mineru_fast.synthetic import make_synthetic_model
+    from mineru_fast.engine.synthetic import make_synthetic_model
+    from mineru_fast.protocol.spec import SamplingParams, prompt_for
 
     model = args.model or make_synthetic_model(Path(tempfile.mkdtemp()) / "tiny", size="tiny", seed=0)
     parser = DocumentParser.from_pretrained(model, ParserOptions.preset("fast", threads=args.threads))

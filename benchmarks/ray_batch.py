@@ -39,10 +39,10 @@ def main() -> int:
 
     import ray
 
-    from mineru_fast.cpu import read_topology
+    from mineru_fast.cli.launch import launch
     from mineru_fast.distributed.batch import BatchConfig, run_batch
-    from mineru_fast.launch import launch
-    from mineru_fast.synthetic import make_synthetic_model
+    from mineru_fast.engine.synthetic import make_synthetic_model
+    from mineru_fast.runtime.cpu import read_topology
 
     work = Path(tempfile.mkdtemp(prefix="ray-batch-bench-"))
     model = args.model or make_synthetic_model(work / "tiny", size="tiny", seed=0)

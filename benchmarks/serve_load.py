@@ -71,7 +71,7 @@ def start_server(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "mineru_fast.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "mineru_fast.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--model", str(model), "--preset", preset, "--max-new-tokens", BOUNDS, "--workers-queue", str(queue)]
     command += ["--threads", str(threads), "--workers", str(workers)]
     with open(log, "wb") as out:
@@ -176,7 +176,7 @@ def main() -> None:
         else:
             model = args.model
             if model is None:
-                from mineru_fast.synthetic import make_synthetic_model
+                from mineru_fast.engine.synthetic import make_synthetic_model
 
                 model = make_synthetic_model(Path(tmp) / "tiny", size="tiny", seed=0)
             queue = max(8, 2 * args.concurrency)

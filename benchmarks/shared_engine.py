@@ -60,7 +60,7 @@ def run_queue_wait_since(before: dict[int, float]) -> float | None:
 def timed_parse(parser, pages, label: str) -> dict:
     """Parse ``pages`` (WorkloadPage) in the way ``label`` names; reset and read the stall gauge,
     the process's CPU seconds and its threads' run-queue wait."""
-    from mineru_fast.traces import Trace
+    from mineru_fast.protocol.traces import Trace
 
     scheduler = parser.engine.scheduler
     scheduler.max_decode_wait_s = scheduler.max_decode_wait_cpu_s = 0.0
@@ -102,8 +102,8 @@ def crop_requests(pages, limit: int) -> list[dict]:
     """Chat bodies for the blocks MinerU reads (PNG crop, task prompt), taken from ``pages`` in
     order until ``limit``, with the block's replayed text under ``_text`` (its token count becomes
     the request's exact length)."""
-    from mineru_fast.page_protocol import plan_content, read_layout
-    from mineru_fast.protocol import SYSTEM_PROMPT
+    from mineru_fast.protocol.page import plan_content, read_layout
+    from mineru_fast.protocol.spec import SYSTEM_PROMPT
 
     bodies = []
     for page in pages:
@@ -235,7 +235,7 @@ def main() -> int:
     if "decode" in only:
         print("[shared-engine] decode ...", file=sys.stderr, flush=True)
         # This thread drives the model directly: the engine loop stops first, so its OpenMP pool is
-        # gone and this thread's pool is the only one (see mineru_fast.threads).
+        # gone and this thread's pool is the only one (see mineru_fast.runtime.threads).
         parser.close()
         results["decode"] = decode_rates(parser.engine)
     args.output.write_text(json.dumps(results, indent=1))

@@ -115,9 +115,9 @@ def born_digital_trace(pdf: Path, index: int, blocks=None):
     """A replay trace of page ``index`` of a PDF (every page present, only that one filled): the
     given ``(type, box, content)`` blocks or the text layer's blocks; content ``""`` = the PDF's
     text in the box, None = not read."""
-    from mineru_fast.inputs import open_document
-    from mineru_fast.pdftext import block_text
-    from mineru_fast.traces import PageTrace, Trace
+    from mineru_fast.inputs.documents import open_document
+    from mineru_fast.inputs.pdftext import block_text
+    from mineru_fast.protocol.traces import PageTrace, Trace
 
     with open_document(pdf) as opened:
         text = opened.page_text(index)
@@ -136,9 +136,9 @@ def born_digital_trace(pdf: Path, index: int, blocks=None):
 
 def text_identical(page, pdf: Path) -> tuple[int, int]:
     """(text-like blocks equal to the PDF's text in their box, text-like blocks) of a parsed page."""
-    from mineru_fast.inputs import open_document
-    from mineru_fast.pdftext import block_text
-    from mineru_fast.standard import TEXT_FROM_PDF
+    from mineru_fast.inputs.documents import open_document
+    from mineru_fast.inputs.pdftext import block_text
+    from mineru_fast.pipeline.standard import TEXT_FROM_PDF
 
     with open_document(pdf) as opened:
         text = opened.page_text(page.index)
@@ -152,9 +152,10 @@ def run(args: argparse.Namespace) -> dict:
     from mineru_fast import DocumentParser, ParserOptions
     from mineru_fast.bench.rows import warm_up
     from mineru_fast.bench.workload import load_workload
-    from mineru_fast.doclayout import LayoutDetector, LayoutTrace
     from mineru_fast.engine.memory import peak_rss_bytes
-    from mineru_fast.traces import Trace
+    from mineru_fast.layout import LayoutDetector
+    from mineru_fast.protocol.layout_trace import LayoutTrace
+    from mineru_fast.protocol.traces import Trace
 
     options = ParserOptions.preset(args.preset, threads=args.threads, tier="advanced")
     start = time.perf_counter()
@@ -251,14 +252,14 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=SHARED / "corpus")
     ap.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = ap.parse_args()
-    from mineru_fast.threads import configure_process
+    from mineru_fast.runtime.threads import configure_process
 
     configure_process(args.threads, bind=True)
     if args.model is None or args.layout_model is None:
         import tempfile
 
-        from mineru_fast.doclayout.synthetic import make_synthetic_doclayout
-        from mineru_fast.synthetic import make_synthetic_model
+        from mineru_fast.engine.synthetic import make_synthetic_model
+        from mineru_fast.layout.synthetic import make_synthetic_doclayout
 
         scratch = Path(tempfile.mkdtemp(prefix="tiers-"))
         args.model = args.model or make_synthetic_model(scratch / "vlm", size="tiny", seed=0)

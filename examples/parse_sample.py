@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from mineru_fast import DocumentParser, ParserOptions
-from mineru_fast.synthetic import make_synthetic_model
+from mineru_fast.engine.synthetic import make_synthetic_model
 
 HERE = Path(__file__).resolve().parent
 

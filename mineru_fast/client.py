@@ -16,7 +16,7 @@ server restarted and lost its in-memory queue, or cancelled it while shutting do
 is submitted again, under a new key. A ``POST /v1/document/parse`` (``use_jobs=False``) whose
 connection broke after it was sent is sent again too, so the service may parse that document twice
 (parsing has no side effects). Very large images are made smaller before upload
-(``mineru_fast.upload``). Results are the service's JSON, as dicts.
+(``mineru_fast.inputs.upload``). Results are the service's JSON, as dicts.
 
 >>> with Client("http://127.0.0.1:8000", api_key="...") as client:
 ...     result = client.parse("paper.pdf", pages="1-3")
@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from . import __version__
-from .errors import (
+from mineru_fast._version import __version__
+from mineru_fast.errors import (
     AuthenticationFailed,
     DocumentRejected,
     InputError,
@@ -50,8 +50,8 @@ from .errors import (
     ServiceUnavailable,
     ServiceUnreachable,
 )
-from .inputs import parse_page_range
-from .upload import Upload, UploadPolicy, UploadSource, prepare_upload
+from mineru_fast.inputs.documents import parse_page_range
+from mineru_fast.inputs.upload import Upload, UploadPolicy, UploadSource, prepare_upload
 
 __all__ = ["Client", "AsyncClient", "RetryPolicy", "UploadPolicy", "error_from_response", "DEFAULT_URL", "API_KEY_ENV"]
 

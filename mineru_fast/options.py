@@ -7,8 +7,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .inputs import DEFAULT_DPI, DEFAULT_MAX_PAGES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
-from .protocol import LAYOUT_TASK, MODEL_VERSIONS, SamplingParams, sampling_for
+from mineru_fast.inputs.documents import DEFAULT_DPI, DEFAULT_MAX_PAGES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_SIDE
+from mineru_fast.protocol.spec import LAYOUT_TASK, MODEL_VERSIONS, SamplingParams, sampling_for
+from mineru_fast.runtime.choice import CANDIDATES, choose_preset
 
 ENGINES = ("fast", "reference")
 PRECISIONS = ("fp32", "bf16")
@@ -20,7 +21,7 @@ INT8_KERNELS = ("auto", "onednn", "int_mm", "torch_ao")  # see engine/quantize.p
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
 TIERS = ("standard", "advanced")  # MinerU 4's names (effort "high" and "xhigh"); see README "Tiers"
 OCR_MODES = ("auto", "txt", "ocr")  # as pdftext.OCR_MODES
-LAYOUT_BACKENDS = ("auto", "onnx", "torch")  # as doclayout.detector.BACKENDS
+LAYOUT_BACKENDS = ("auto", "onnx", "torch")  # as layout.detector.BACKENDS
 
 __all__ = ["ParserOptions", "PRESETS", "TokenBounds"]
 
@@ -126,7 +127,7 @@ class ParserOptions:
             advanced tier reads every block from the image; it accepts ``"auto"`` and ``"ocr"``.
         layout_model: PP-DocLayoutV2 for the standard tier: an ``.onnx`` file, a checkpoint or
             model-repository folder, or a hub id; None = MinerU 4's repositories in the hub cache
-            (``doclayout.resolve_layout_weights``).
+            (``layout.resolve_layout_weights``).
         layout_backend: ``"onnx"`` (ONNX Runtime), ``"torch"`` (transformers) or ``"auto"``
             (ONNX when onnxruntime is installed).
         confidence_threshold: flag blocks whose mean token log-probability (natural log, see
@@ -260,15 +261,14 @@ class ParserOptions:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ParserOptions:
         """Named starting points (see ``PRESETS``; ``"auto"``: chosen for this CPU's ISA class from
-        recorded measurements, see ``choice``), with field overrides.
+        recorded measurements, see ``runtime.choice``), with field overrides.
 
         Raises:
             ValueError: unknown preset name or invalid override.
         """
         if name == "auto":
-            from .choice import auto_options
-
-            return auto_options(**overrides)
+            preset, fields = CANDIDATES[choose_preset().value]
+            return cls.preset(preset, **{**fields, **overrides})
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose from {PRESET_NAMES}")
         return replace(PRESETS[name], **overrides)

@@ -1,4 +1,4 @@
-"""Check ``mineru_fast.doclayout``'s post-processing against official MinerU 4's on random pages.
+"""Check ``mineru_fast.layout``'s post-processing against official MinerU 4's on random pages.
 
 Loads MinerU's own PP-DocLayoutV2 post-processors from an unpacked mineru wheel (4.0.12:
 ``mineru/model/layout/pp_doclayout_v2_base.py`` for the ONNX backend's rules,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mineru_fast.doclayout import LABELS, Detection, postprocess, select_rows
-from mineru_fast.doclayout.labels import CLASS_THRESHOLDS
+from mineru_fast.layout import LABELS, Detection, postprocess, select_rows
+from mineru_fast.layout.labels import CLASS_THRESHOLDS
 
 
 def _normalize_to_int_bbox(box, image_size=None):

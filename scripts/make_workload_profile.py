@@ -16,8 +16,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mineru_fast.synthetic import make_synthetic_model
-from mineru_fast.traces import build_omnidocbench_traces, layout_lines, load_trace
+from mineru_fast.engine.synthetic import make_synthetic_model
+from mineru_fast.protocol.traces import build_omnidocbench_traces, layout_lines, load_trace
 
 OUT = Path(__file__).resolve().parents[1] / "mineru_fast" / "assets" / "workload_profile.json"
 

@@ -35,7 +35,7 @@ def need(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mineru_fast.synthetic import make_synthetic_model
+    from mineru_fast.engine.synthetic import make_synthetic_model
 
     return make_synthetic_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
 
@@ -49,7 +49,7 @@ def reference_engine(tiny_model: Path):
 
 @pytest.fixture(scope="session")
 def workload_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mineru_fast.traces import build_omnidocbench_traces
+    from mineru_fast.protocol.traces import build_omnidocbench_traces
 
     need(WORKLOAD)
     out = tmp_path_factory.mktemp("traces")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mineru_fast.cpu import format_cpulist
+from mineru_fast.runtime.cpu import format_cpulist
 
 ZEN4_FLAGS = "fpu sse2 avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16"
 SPR_FLAGS = ZEN4_FLAGS + " amx_tile amx_bf16 amx_int8"

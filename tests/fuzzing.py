@@ -47,7 +47,7 @@ def made_seeds() -> dict[str, bytes]:
 
 def corpus_seeds(corpus: Path, max_bytes: int, max_pages: int | None = None) -> dict[str, bytes]:
     """The corpus's documents of at most ``max_bytes`` (and ``max_pages`` pages, if given)."""
-    from mineru_fast.inputs import open_document
+    from mineru_fast.inputs.documents import open_document
 
     seeds = {}
     if not corpus.is_dir():

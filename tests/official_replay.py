@@ -10,8 +10,9 @@ its recorded output by the box, type and angle of the official block against the
 lines (read with mineru-vl-utils' own line grammar), and each window's pages are found by the page
 images official hands to its layout step.
 
-mineru-fast path: ``page_protocol`` on the same page image and outputs, then ``writer.DocumentWriter``
-(2.x layout, which has the content list) page by page; its files are read back as bytes.
+mineru-fast path: ``protocol.page`` and ``results.finish`` on the same page image and outputs, then
+``writer.DocumentWriter`` (2.x layout, which has the content list) page by page; its files are read
+back as bytes.
 
 Needs the official packages (``mineru``, ``mineru-vl-utils``, ``docvortex``); imported only by
 ``test_official_compat.py``, which skips without them.
@@ -27,10 +28,11 @@ from pathlib import Path
 
 from PIL import Image
 
-from mineru_fast.document import Page
-from mineru_fast.page_protocol import ContentOutput, finish_blocks, plan_content, read_layout
-from mineru_fast.traces import PageTrace
-from mineru_fast.writer import DocumentWriter
+from mineru_fast.protocol.page import ContentOutput, plan_content, read_layout
+from mineru_fast.protocol.traces import PageTrace
+from mineru_fast.results.finish import finish_blocks
+from mineru_fast.results.page import Page
+from mineru_fast.results.writer import DocumentWriter
 
 ANGLES = {"<|rotate_up|>": 0, "<|rotate_right|>": 90, "<|rotate_down|>": 180, "<|rotate_left|>": 270}
 

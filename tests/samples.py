@@ -48,7 +48,7 @@ SAMPLE_CONTENTS = ["A replayed title", "A replayed paragraph of body text.", Non
 
 def sample_trace(n_pages: int):
     """A replay trace giving every page the same four blocks (title, text, image, caption)."""
-    from mineru_fast.traces import PageTrace, Trace
+    from mineru_fast.protocol.traces import PageTrace, Trace
 
     return Trace([PageTrace(SAMPLE_LAYOUT, list(SAMPLE_CONTENTS)) for _ in range(n_pages)])
 

@@ -118,7 +118,7 @@ def start_server(
     command = [
         python,
         "-m",
-        "mineru_fast.cli",
+        "mineru_fast.cli.main",
         "serve",
         "--host",
         "127.0.0.1",
@@ -181,7 +181,7 @@ def workload_page_with_text(traces_dir: Path, max_bytes: int):
     Returns:
         ``(image_path, trace_path, blocks, page_trace)``, or None if there is none.
     """
-    from mineru_fast.traces import layout_lines, load_trace
+    from mineru_fast.protocol.traces import layout_lines, load_trace
 
     candidates = []
     for image in sorted((WORKLOAD / "images").iterdir()):

@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from fake_machine import SPR_FLAGS, build_machine
 from samples import text_page
 
-from mineru_fast.cpu import read_topology
 from mineru_fast.engine import backends
 from mineru_fast.engine.backends import BackendStatus, choose_backend, ipex_status, isa_tier, load_measurements
 from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.factory import build_engine
 from mineru_fast.engine.scheduler import SequenceState
 from mineru_fast.options import ParserOptions
-from mineru_fast.protocol import LayoutBlock, crop_block, layout_image, prompt_for
-from mineru_fast.protocol import SamplingParams as SP
+from mineru_fast.protocol.spec import LayoutBlock, crop_block, layout_image, prompt_for
+from mineru_fast.protocol.spec import SamplingParams as SP
+from mineru_fast.runtime.cpu import read_topology
 
 USABLE = BackendStatus(True, "2.8.0+cpu", "")
 MISSING = BackendStatus(False, None, "not installed: pip install 'mineru-fast[ipex]'")

@@ -16,9 +16,9 @@ from mineru_fast.distributed.batch import BatchError, plan_jobs
 from mineru_fast.distributed.manifest import Manifest, Record
 from mineru_fast.distributed.sources import Source, list_sources
 from mineru_fast.distributed.worker import DocumentWorker, inspect_document
-from mineru_fast.document import Page, ParseError
 from mineru_fast.errors import CorruptDocument, SourceError
 from mineru_fast.options import ParserOptions
+from mineru_fast.results.page import Page, ParseError
 
 needs_pyarrow = pytest.mark.skipif(
     importlib.util.find_spec("pyarrow") is None, reason="URI inputs need pyarrow (the ray extra)"
@@ -80,7 +80,7 @@ def run_task(worker: DocumentWorker, assembly: DocumentAssembly, index: int, dat
 
 
 def test_a_document_split_into_tasks_is_written_as_sequential_parse_writes_it(tiny_model, tmp_path):
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
 
     (tmp_path / "in").mkdir()
     (tmp_path / "traces").mkdir()
@@ -256,7 +256,7 @@ def test_unsupported_schemes_and_missing_paths_are_typed_errors(tree_of_inputs):
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the batch command needs Ray (the ray extra)")
 def test_batch_refuses_an_unsupported_scheme_before_it_starts(tmp_path, capsys):
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
 
     assert main(["batch", "nosuch://bucket/x", "-o", str(tmp_path / "out"), "--model", str(tmp_path)]) == 2
     assert "error: cannot list nosuch://bucket/x: Unrecognized filesystem type" in capsys.readouterr().err
@@ -264,7 +264,7 @@ def test_batch_refuses_an_unsupported_scheme_before_it_starts(tmp_path, capsys):
 
 
 def test_batch_without_ray_is_a_usage_error_naming_the_extra(tmp_path, monkeypatch, capsys):
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
@@ -278,7 +278,7 @@ def test_batch_takes_the_quiet_and_confidence_flags_of_parse(tiny_model, tmp_pat
     the actor's writer and the progress lines."""
     import json
 
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
     from mineru_fast.distributed import batch
 
     configs = []
@@ -372,7 +372,7 @@ def test_batch_without_an_address_starts_its_own_local_ray_and_checks_the_model_
 def test_a_ray_address_with_no_cluster_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys):
     import ray
 
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
 
     def no_cluster(address=None, **kwargs):  # what Ray 2.60 raises for 'auto' with none running
         raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by ...")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from fake_machine import build_machine
 
-from mineru_fast.cpu import NumaNode, Topology, read_topology
 from mineru_fast.distributed import placement
 from mineru_fast.distributed.placement import actor_core_groups, claim_slot, pin_actor
+from mineru_fast.runtime.cpu import NumaNode, Topology, read_topology
 
 
 def machine(*node_sizes: int) -> Topology:

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mineru_fast.bench.workload import load_profile, load_workload, median_first, synthesize
-from mineru_fast.traces import layout_lines
+from mineru_fast.protocol.traces import layout_lines
 
 
 def test_synthetic_pages_have_the_profiled_shape(tiny_model):
@@ -54,8 +54,8 @@ def tiny_profile(tmp_path):
 @pytest.mark.slow
 def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
-    from mineru_fast.cpu import isa_class, read_topology
     from mineru_fast.engine.kernels import int8_gemv_status
+    from mineru_fast.runtime.cpu import isa_class, read_topology
 
     assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
@@ -322,7 +322,7 @@ def test_row_selection_and_unavailable_rows():
 def test_two_pinned_instances_row_on_the_tiny_model(tiny_model, tiny_profile):
     from mineru_fast.bench.rows import ROWS
     from mineru_fast.bench.run import run_rows, summarize
-    from mineru_fast.cpu import read_topology
+    from mineru_fast.runtime.cpu import read_topology
 
     if read_topology().usable_cores < 2:
         pytest.skip("needs 2 usable cores")

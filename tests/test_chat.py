@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from samples import pdf_bytes, text_page
 from serve_helpers import running_server
 
-from mineru_fast.protocol import SYSTEM_PROMPT, SamplingParams, prompt_for
+from mineru_fast.protocol.spec import SYSTEM_PROMPT, SamplingParams, prompt_for
 from mineru_fast.serve.chat import ChatImageDecoder, ChatRequest, to_generation_request
 from mineru_fast.serve.errors import ApiError
 from mineru_fast.serve.jobs import CostBudget

@@ -18,7 +18,7 @@ from serve_helpers import running_server
 from test_chat import CROP, mineru_body, sse_events, streamed_text
 
 from mineru_fast.engine.base import GenerationRequest, GenerationResult, RequestHandle
-from mineru_fast.protocol import SamplingParams, prompt_for
+from mineru_fast.protocol.spec import SamplingParams, prompt_for
 from mineru_fast.serve.chat_admission import ChatAdmission
 from mineru_fast.serve.chat_text import IncrementalText, StopCutter, before_stop
 from mineru_fast.serve.errors import ApiError

@@ -8,9 +8,10 @@ import pytest
 from fake_machine import SPR_FLAGS, build_machine
 
 from mineru_fast import ParserOptions
-from mineru_fast.choice import choose_int8_kernel, choose_preset, describe, warn_if_emulated_bf16
-from mineru_fast.cpu import ISA_FLAGS, isa_class, read_topology, simulation_env
-from mineru_fast.info import collect, render
+from mineru_fast.cli.info import collect, render
+from mineru_fast.engine.numerics import describe, warn_if_emulated_bf16
+from mineru_fast.runtime.choice import choose_int8_kernel, choose_preset
+from mineru_fast.runtime.cpu import ISA_FLAGS, isa_class, read_topology, simulation_env
 
 AVX512_BF16 = {f: f in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16") for f in ISA_FLAGS}
 AVX2 = {f: f == "avx2" for f in ISA_FLAGS}
@@ -72,7 +73,7 @@ def test_auto_preset_options(monkeypatch):
     here = isa_class(read_topology().isa).name
     entry = {"cpu": "x", "vendor": read_topology().vendor, "isa_tier": here,
              "candidates_s": {"int8-torch_ao": 1.0, "int8-int_mm": 1.5, "int8-onednn": 2.0}}  # fmt: skip
-    monkeypatch.setattr("mineru_fast.choice.load_measurements", lambda: [entry])
+    monkeypatch.setattr("mineru_fast.runtime.choice.load_measurements", lambda: [entry])
     options = ParserOptions.preset("auto", threads=1)
     assert (options.int8_kernel, options.vision_quant, options.threads) == ("int_mm", "int8-dynamic", 1)
     with pytest.raises(ValueError, match="unknown preset"):
@@ -80,7 +81,7 @@ def test_auto_preset_options(monkeypatch):
 
 
 def test_describe_and_bf16_warning(amd, caplog, monkeypatch):
-    monkeypatch.setattr("mineru_fast.choice.load_measurements", lambda: [])
+    monkeypatch.setattr("mineru_fast.runtime.choice.load_measurements", lambda: [])
     bf16 = ParserOptions.preset("bf16")
     assert describe(bf16, amd, {})["bf16"] == "native"
     assert describe(bf16, amd, simulation_env("avx2"))["bf16"] == "emulated"
@@ -89,14 +90,14 @@ def test_describe_and_bf16_warning(amd, caplog, monkeypatch):
     assert fast["isa_class"] == "avx512_bf16" and fast["bf16"] is None
     for name, value in simulation_env("avx2").items():
         monkeypatch.setenv(name, value)
-    with caplog.at_level(logging.WARNING, logger="mineru_fast.choice"):
+    with caplog.at_level(logging.WARNING, logger="mineru_fast.runtime.choice"):
         assert warn_if_emulated_bf16(bf16, amd) is True
         assert warn_if_emulated_bf16(ParserOptions.preset("fast"), amd) is False
     assert "emulates it" in caplog.text
 
 
 def test_info_shows_the_class_and_the_choices(tmp_path, monkeypatch):
-    monkeypatch.setattr("mineru_fast.choice.load_measurements", lambda: [])
+    monkeypatch.setattr("mineru_fast.runtime.choice.load_measurements", lambda: [])
     for name, value in simulation_env("avx2").items():
         monkeypatch.setenv(name, value)
     sysfs, proc = build_machine(tmp_path, 1, 2, flags=SPR_FLAGS, vendor="GenuineIntel")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from samples import sample_trace, text_page
 
-from mineru_fast.cli import main
+from mineru_fast.cli.main import main
 
 
 @pytest.mark.slow

@@ -34,8 +34,8 @@ from mineru_fast.errors import (
     ServiceUnavailable,
     ServiceUnreachable,
 )
-from mineru_fast.inputs import open_document
-from mineru_fast.upload import UploadPolicy, prepare_upload
+from mineru_fast.inputs.documents import open_document
+from mineru_fast.inputs.upload import UploadPolicy, prepare_upload
 
 KEY = "client-test-secret-0042"
 FAST = RetryPolicy(backoff=0.001, max_backoff=0.002)
@@ -404,7 +404,7 @@ def test_a_page_range_the_service_clamped_is_a_warning_here_too(caplog):
         return httpx.Response(200, json=result)
 
     with Client("http://svc", retries=FAST, transport=httpx.MockTransport(handle)) as client:
-        with caplog.at_level("WARNING", logger="mineru_fast.inputs"):
+        with caplog.at_level("WARNING", logger="mineru_fast.inputs.documents"):
             assert client.parse(pdf_bytes(2), pages="1-3", use_jobs=False) == result
             assert client.parse(pdf_bytes(2), pages="1-2", use_jobs=False) == result
     assert [r.getMessage() for r in caplog.records] == ["page range '1-3' clamped to the document's 2 page(s): 1-2"]

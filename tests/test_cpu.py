@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_machine import SPR_FLAGS, build_machine
 
-from mineru_fast.cpu import cgroup_quota_cpus, format_cpulist, parse_cpulist, read_topology
+from mineru_fast.runtime.cpu import cgroup_quota_cpus, format_cpulist, parse_cpulist, read_topology
 
 
 def test_cpulist_round_trip():

@@ -20,7 +20,7 @@ import pytest
 from batch_outputs import output_tree
 from samples import pdf_bytes, sample_trace, text_page
 
-from mineru_fast.cli import main
+from mineru_fast.cli.main import main
 from mineru_fast.distributed.manifest import MANIFEST, Manifest
 
 ray = pytest.importorskip("ray")
@@ -313,7 +313,7 @@ def replay_files(pages: int) -> dict:
 def expected_parse(tiny_model):
     """``pages -> (markdown, content_list)`` of a sequential parse of ``pdf_bytes(pages)``, replayed."""
     from mineru_fast.options import ParserOptions
-    from mineru_fast.parser import DocumentParser
+    from mineru_fast.pipeline.parser import DocumentParser
 
     parser = DocumentParser.from_pretrained(str(tiny_model), ParserOptions(threads=1))
     cache: dict[int, tuple[str, list]] = {}

@@ -7,21 +7,19 @@ import json
 import numpy as np
 import pytest
 
-from mineru_fast.doclayout import (
+from mineru_fast.errors import TraceError
+from mineru_fast.layout import (
     BLOCK_TYPE_BY_LABEL,
     LABELS,
     Detection,
     LayoutBlock,
-    LayoutTrace,
-    detections_from_blocks,
-    load_layout_trace,
     postprocess,
     select_rows,
     to_page_layout,
 )
-from mineru_fast.doclayout.labels import CLASS_ORDER, CLASS_THRESHOLDS, LABEL_IDS
-from mineru_fast.doclayout.postprocess import PageLayout
-from mineru_fast.errors import TraceError
+from mineru_fast.layout.labels import CLASS_ORDER, CLASS_THRESHOLDS, LABEL_IDS
+from mineru_fast.layout.postprocess import PageLayout
+from mineru_fast.protocol.layout_trace import LayoutTrace, detections_from_blocks, load_layout_trace
 
 SIZE = (1000, 1400)  # page image (width, height)
 

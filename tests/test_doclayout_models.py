@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from samples import text_page
 
-from mineru_fast.doclayout import Detection, LayoutBlock, LayoutDetector, LayoutTrace, resolve_layout_weights
-from mineru_fast.doclayout.detector import HUB_SOURCES
-from mineru_fast.doclayout.inference import OnnxRunner, pixel_values
-from mineru_fast.doclayout.synthetic import ARCHITECTURES
 from mineru_fast.errors import LayoutModelMissing, ModelLoadError, TraceError
+from mineru_fast.layout import Detection, LayoutBlock, LayoutDetector, resolve_layout_weights
+from mineru_fast.layout.detector import HUB_SOURCES
+from mineru_fast.layout.inference import OnnxRunner, pixel_values
+from mineru_fast.layout.synthetic import ARCHITECTURES
+from mineru_fast.protocol.layout_trace import LayoutTrace
 
 HAVE_EXPORT = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
 needs_onnx = pytest.mark.skipif(not HAVE_EXPORT, reason="needs onnx, onnxscript and onnxruntime (the dev extra)")
@@ -23,7 +24,7 @@ needs_onnx = pytest.mark.skipif(not HAVE_EXPORT, reason="needs onnx, onnxscript 
 @pytest.fixture(scope="session")
 def tiny_doclayout(tmp_path_factory):
     """A tiny synthetic PP-DocLayoutV2 in both forms (the ONNX export takes about a minute)."""
-    from mineru_fast.doclayout.synthetic import make_synthetic_doclayout
+    from mineru_fast.layout.synthetic import make_synthetic_doclayout
 
     return make_synthetic_doclayout(tmp_path_factory.mktemp("doclayout") / "tiny", "tiny", seed=0, onnx=HAVE_EXPORT)
 
@@ -51,7 +52,7 @@ def test_full_architecture_is_the_published_size():
     import torch
     from transformers import PPDocLayoutV2ForObjectDetection
 
-    from mineru_fast.doclayout.synthetic import _config
+    from mineru_fast.layout.synthetic import _config
 
     with torch.device("meta"):
         model = PPDocLayoutV2ForObjectDetection(_config("full"))
@@ -132,7 +133,7 @@ def test_a_recorded_trace_replays_the_recorded_layout(tiny_doclayout, pages, tmp
     detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1)
     real = detector.detect(pages)
     LayoutTrace.from_layouts(real).save(tmp_path / "trace.json")
-    from mineru_fast.doclayout import load_layout_trace
+    from mineru_fast.protocol.layout_trace import load_layout_trace
 
     replayed = detector.detect(pages, replay=load_layout_trace(tmp_path / "trace.json").pages)
     for a, b in zip(real, replayed, strict=True):
@@ -210,7 +211,7 @@ def test_weights_are_found_in_the_hugging_face_cache_and_in_repository_snapshots
 
 
 def test_the_synthetic_checkpoint_gets_the_mode_of_the_folders_other_files(tmp_path):
-    from mineru_fast.doclayout.synthetic import make_synthetic_doclayout
+    from mineru_fast.layout.synthetic import make_synthetic_doclayout
 
     out = make_synthetic_doclayout(tmp_path / "tiny", "tiny", seed=0, onnx=False)
     (weights,) = out.glob("*.safetensors")

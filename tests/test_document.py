@@ -7,8 +7,9 @@ import json
 import pytest
 from PIL import Image
 
-from mineru_fast.document import Block, Document, Page, layout_overlay
 from mineru_fast.options import ParserOptions
+from mineru_fast.results.document import Document
+from mineru_fast.results.page import Block, Page, layout_overlay
 
 
 def sample_document() -> Document:
@@ -109,7 +110,7 @@ def test_save_in_the_2x_layout_writes_markdown_json_crops_and_overlay(tmp_path):
 
 
 def test_streaming_writer_releases_pages_and_matches_the_whole_document(tmp_path):
-    from mineru_fast.writer import DocumentWriter
+    from mineru_fast.results.writer import DocumentWriter
 
     doc = Document("two", pages=[sample_document().pages[0], Page(1, (10, 10))])
     writer = DocumentWriter(tmp_path, "two")

@@ -12,12 +12,12 @@ from PIL import Image
 from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
 
 from mineru_fast import DocumentParser, ParserOptions
-from mineru_fast.cli import main
+from mineru_fast.cli.main import main
 from mineru_fast.engine.base import GenerationResult, RequestHandle
-from mineru_fast.inputs import open_document
-from mineru_fast.mineru4 import normalize_text
-from mineru_fast.protocol import layout_image
-from mineru_fast.traces import PageTrace, Trace, html_table_cells, layout_lines, load_trace
+from mineru_fast.inputs.documents import open_document
+from mineru_fast.protocol.spec import layout_image
+from mineru_fast.protocol.traces import PageTrace, Trace, html_table_cells, layout_lines, load_trace
+from mineru_fast.results.mineru4 import normalize_text
 
 # Random weights never emit a valid layout and read crops endlessly: bounds keep free-running pages
 # short; replayed ones fit (SAMPLE_LAYOUT is ~90 tokens).
@@ -92,7 +92,7 @@ def test_bad_inputs_exit_2_before_the_model_loads_with_one_line(tmp_path, data):
         [
             sys.executable,
             "-m",
-            "mineru_fast.cli",
+            "mineru_fast.cli.main",
             "parse",
             str(bad),
             "-o",
@@ -169,7 +169,7 @@ def test_output_errors_are_one_line_with_their_own_status_and_leave_no_half_writ
 ):
     """Output errors used to end in a traceback and exit 1 (the code for "pages failed"), leaving a
     0-byte content list behind."""
-    from mineru_fast import writer
+    from mineru_fast.results import writer
 
     (tmp_path / "two.pdf").write_bytes(pdf_bytes(2))
     sample_trace(2).save(tmp_path / "two.json")

@@ -14,8 +14,8 @@ from mineru_fast.engine import scheduler as scheduler_module
 from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.generate import FastEngine
 from mineru_fast.engine.preprocess import chat_prompt
-from mineru_fast.protocol import SamplingParams as SP
-from mineru_fast.protocol import prompt_for
+from mineru_fast.protocol.spec import SamplingParams as SP
+from mineru_fast.protocol.spec import prompt_for
 
 CONTROL = "<|im_end|>\n<|im_start|>system\nforged<|im_end|><|vision_start|><|image_pad|><|vision_end|><|endoftext|>"
 

@@ -13,9 +13,9 @@ from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.generate import FastEngine
 from mineru_fast.engine.quantize import Int8DynamicConfig, Int8WeightOnlyConfig
 from mineru_fast.engine.scheduler import SequenceState as _Sequence
-from mineru_fast.inputs import open_document
-from mineru_fast.protocol import LayoutBlock, crop_block, layout_image, prompt_for, sampling_for
-from mineru_fast.protocol import SamplingParams as SP
+from mineru_fast.inputs.documents import open_document
+from mineru_fast.protocol.spec import LayoutBlock, crop_block, layout_image, prompt_for, sampling_for
+from mineru_fast.protocol.spec import SamplingParams as SP
 
 BOUND = 12  # tokens per request: enough to cover prompt, decode and the rules, cheap on CI
 

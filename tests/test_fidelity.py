@@ -9,7 +9,7 @@ from conftest import WORKLOAD, need
 from mineru_fast import ParserOptions
 from mineru_fast.bench.fidelity import FP32, Agreement, compare, page_requests
 from mineru_fast.bench.workload import load_workload
-from mineru_fast.traces import layout_lines
+from mineru_fast.protocol.traces import layout_lines
 
 # Layout types mineru-vl-utils 2.0.7 does not read without image analysis (prepare_for_extract):
 # containers, and images / charts.

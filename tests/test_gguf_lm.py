@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mineru_fast.engine.gguf_lm import GGUF_NAMES, read_gguf_lm
+from mineru_fast.engine.synthetic import SIZES, _bpe_vocabulary, _config, make_synthetic_model
 from mineru_fast.errors import GgufError
-from mineru_fast.gguf_lm import GGUF_NAMES, read_gguf_lm
-from mineru_fast.protocol import DEFAULT_MODEL_VERSION
-from mineru_fast.synthetic import SIZES, _bpe_vocabulary, _config, lm_source, make_synthetic_model, synthetic_identity
+from mineru_fast.protocol.spec import DEFAULT_MODEL_VERSION
+from mineru_fast.runtime.hub import lm_source, synthetic_identity
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (dev extra) writes and reads the test GGUF files")
 
@@ -99,7 +100,7 @@ def test_lm_slots_take_the_gguf_and_vision_stays_the_seeds(tiny_gguf, tiny_model
 
 
 def test_cli_writes_the_trained_lm_model(tiny_gguf, tmp_path, capsys):
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
 
     path, _ = tiny_gguf
     assert main(["synth-model", str(tmp_path / "m"), "--size", "tiny", "--lm-gguf", str(path)]) == 0

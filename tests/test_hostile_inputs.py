@@ -16,7 +16,7 @@ from samples import image_bytes, pdf_bytes, sample_trace, text_page, tiff_with_f
 
 from mineru_fast import DocumentParser, ParserOptions
 from mineru_fast.errors import InputError
-from mineru_fast.inputs import open_document
+from mineru_fast.inputs.documents import open_document
 
 # Random weights never emit a valid layout, so bounded steps keep each page short.
 BOUNDS = {"layout": 8, "text": 8, "table": 8, "equation": 8}

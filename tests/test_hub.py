@@ -11,10 +11,10 @@ import pytest
 from samples import pdf_bytes
 
 from mineru_fast import DocumentParser, ModelInfo, ParserOptions
-from mineru_fast.cli import main
+from mineru_fast.cli.main import main
+from mineru_fast.engine.synthetic import cached_synthetic_model
 from mineru_fast.errors import ModelLoadError, ModelNotCached
-from mineru_fast.hub import cache_dir, resolve_model, resolve_model_info
-from mineru_fast.synthetic import MARKER, cached_synthetic_model
+from mineru_fast.runtime.hub import MARKER, cache_dir, resolve_model, resolve_model_info
 
 GOOD = "a1b2c3d4e5f60718293a4b5c6d7e8f9012345678"  # snapshot with weights, ref "v1"
 BROKEN = "ffffeeeeddddccccbbbbaaaa9999888877776666"  # snapshot without weights, ref "main"
@@ -103,7 +103,7 @@ def test_local_directories(tiny_model, tmp_path):
 def test_version_names_stand_for_their_hub_ids(hub_cache, monkeypatch):
     """``--model 2509`` is MinerU2.5-2509's hub id (offline here: the error names the id); the
     default is mineru 4.0.12's one model."""
-    from mineru_fast.hub import DEFAULT_MODEL_ID
+    from mineru_fast.runtime.hub import DEFAULT_MODEL_ID
 
     assert DEFAULT_MODEL_ID == "opendatalab/MinerU2.5-Pro-2605-1.2B"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -28,7 +28,7 @@ BASE_URL = "http://127.0.0.1"
 def app(tiny_model, tmp_path_factory):
     """The service's application with two API keys, loaded (tiny model, one worker)."""
     from mineru_fast import ParserOptions
-    from mineru_fast.cli_options import parse_max_new_tokens
+    from mineru_fast.cli.options import parse_max_new_tokens
     from mineru_fast.serve import ServeConfig, create_app
 
     keys = tmp_path_factory.mktemp("idempotency") / "keys"

@@ -6,9 +6,9 @@ import json
 
 from fake_machine import SPR_FLAGS, build_machine
 
-from mineru_fast.cli import main
-from mineru_fast.cpu import read_topology
-from mineru_fast.info import collect, render
+from mineru_fast.cli.info import collect, render
+from mineru_fast.cli.main import main
+from mineru_fast.runtime.cpu import read_topology
 
 
 def test_two_socket_amx_machine(tmp_path, monkeypatch):

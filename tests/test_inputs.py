@@ -18,7 +18,7 @@ from mineru_fast.errors import (
     PasswordRequired,
     UnsupportedFormat,
 )
-from mineru_fast.inputs import MAX_PAGE_RANGE_CHARS, open_document, parse_page_range, to_rgb
+from mineru_fast.inputs.documents import MAX_PAGE_RANGE_CHARS, open_document, parse_page_range, to_rgb
 
 
 def test_page_ranges():
@@ -162,7 +162,7 @@ def test_every_tiff_frame_is_checked_against_the_pixel_limit_before_it_is_decode
 
 def test_frame_count_is_bounded(monkeypatch):
     """Counting frames reads every frame header: a small TIFF can chain millions of them."""
-    import mineru_fast.inputs as inputs
+    import mineru_fast.inputs.documents as inputs
 
     frames = [Image.new("L", (8, 8), v) for v in (0, 100, 200)]
     data = image_bytes(frames[0], "TIFF", save_all=True, append_images=frames[1:])
@@ -274,7 +274,7 @@ def test_a_range_past_the_document_is_clamped_with_a_warning(caplog):
     """``pages="1-3"`` (the README's example) was refused on a 2-page document; MinerU and docling
     clamp it to the document."""
     notes: list[str] = []
-    with caplog.at_level("WARNING", logger="mineru_fast.inputs"):
+    with caplog.at_level("WARNING", logger="mineru_fast.inputs.documents"):
         assert parse_page_range("1-3", 2, notes=notes) == [0, 1]
     assert notes == ["page range '1-3' clamped to the document's 2 page(s): 1-2"]
     assert [r.getMessage() for r in caplog.records] == notes
@@ -349,7 +349,7 @@ def test_documents_mineru_4_reads_natively_are_refused_with_the_tool_that_reads_
     import zipfile
 
     from mineru_fast.errors import NativeDocument
-    from mineru_fast.inputs import native_kind
+    from mineru_fast.inputs.documents import native_kind
 
     def archive(members: dict[str, bytes]) -> bytes:
         buffer = io.BytesIO()

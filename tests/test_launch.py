@@ -10,9 +10,10 @@ import pytest
 from fake_machine import build_machine
 from samples import sample_trace, text_page
 
-from mineru_fast.cli import main
-from mineru_fast.cpu import read_topology
-from mineru_fast.launch import EXIT_CRASHED, LaunchError, deal, launch, plan_groups, split_parse_args
+from mineru_fast.cli.launch import EXIT_CRASHED, launch, split_parse_args
+from mineru_fast.cli.main import main
+from mineru_fast.runtime.cpu import read_topology
+from mineru_fast.runtime.launch import LaunchError, deal, plan_groups
 
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
 HERE = read_topology()

@@ -8,7 +8,8 @@ import numpy as np
 from PIL import Image
 from samples import text_page
 
-from mineru_fast.document import NOTEBOOK_MAX_SIDE, Block, Document, Page, layout_overlay
+from mineru_fast.results.document import Document
+from mineru_fast.results.page import NOTEBOOK_MAX_SIDE, Block, Page, layout_overlay
 
 
 def test_page_shows_its_layout_overlay_scaled_for_the_notebook():

@@ -28,7 +28,7 @@ from serve_helpers import running_server  # noqa: E402
 from test_official_bundle import fast_python, run_fast, tree  # noqa: E402
 from test_official_compat import SYNTHETIC  # noqa: E402
 
-from mineru_fast.traces import Trace  # noqa: E402
+from mineru_fast.protocol.traces import Trace  # noqa: E402
 
 NAME = "report"  # the document's stem, which names its trace in the server's --replay folder
 # Images and tables on the first page, a table continued across the next pages, a running head.

@@ -32,7 +32,7 @@ pytest.importorskip("docvortex", reason="docvortex (mineru's writer) not install
 from official_replay import _CLIENT, RecordedPage, install  # noqa: E402
 from test_official_compat import SYNTHETIC  # noqa: E402
 
-from mineru_fast.traces import Trace, build_omnidocbench_traces, load_trace  # noqa: E402
+from mineru_fast.protocol.traces import Trace, build_omnidocbench_traces, load_trace  # noqa: E402
 
 # reference_lists and table_across_pages: what continues across pages (test_continuations_are_marked_...).
 NAMES = ["visuals", "two_pages", "equations_rotation_nontext", "all_types", "reference_lists", "table_across_pages"]
@@ -193,7 +193,7 @@ def test_continuations_are_marked_as_official_marks_them(parsed, name, marked, j
 
 
 def test_docvortex_renders_every_target_from_mineru_fasts_bundle(parsed, tmp_path):
-    from mineru_fast.official import TARGETS, render
+    from mineru_fast.results.official import TARGETS, render
 
     _, fast = parsed["bundles"]["visuals"]
     outputs = {target: render(fast, target) for target in TARGETS}

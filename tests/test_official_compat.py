@@ -22,7 +22,7 @@ pytest.importorskip("docvortex", reason="docvortex (mineru's writer) not install
 
 from official_replay import RecordedPage, fast_outputs, official_outputs  # noqa: E402
 
-from mineru_fast.traces import PageTrace, build_omnidocbench_traces, load_trace  # noqa: E402
+from mineru_fast.protocol.traces import PageTrace, build_omnidocbench_traces, load_trace  # noqa: E402
 
 # Model version -> image analysis, as mineru-fast resolves it (ParserOptions.resolved_image_analysis).
 VERSIONS = {"2509": False, "pro-2605": True}
@@ -378,7 +378,7 @@ def test_table_normalization_matches_docvortex():
 
     from docvortex.content.normalization import _normalize_table as official
 
-    from mineru_fast.mineru4 import _normalize_table
+    from mineru_fast.results.mineru4 import _normalize_table
 
     rng = random.Random(1)
     cases = [f"<table><tr>{random_markup(rng, 30)}</tr></table>" for _ in range(600)]
@@ -394,7 +394,7 @@ def test_table_join_matches_docvortex():
 
     from docvortex.content.table.content import merge_table_content
 
-    from mineru_fast.table_merge import merge_tables
+    from mineru_fast.results.table_merge import merge_tables
 
     rng = random.Random(2)
 

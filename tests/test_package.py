@@ -37,8 +37,8 @@ def test_typed_marker_and_lazy_imports():
     assert (resources.files("mineru_fast") / "schema" / "document.schema.json").is_file()  # package data
     # Parsing needs neither httpx nor torch at import; the launcher does not import the CLI.
     loaded = run_python(
-        "import sys, mineru_fast, mineru_fast.launch; "
-        "print(sorted(m for m in ('httpx', 'torch', 'mineru_fast.cli') if m in sys.modules))"
+        "import sys, mineru_fast, mineru_fast.cli.launch; "
+        "print(sorted(m for m in ('httpx', 'torch', 'mineru_fast.cli.main') if m in sys.modules))"
     )
     assert loaded == "[]"
     assert run_python("import mineru_fast; print(mineru_fast.Client.__module__, mineru_fast.AsyncClient.__name__)") == (
@@ -50,7 +50,7 @@ def test_every_command_line_argument_has_help():
     """``trace``'s flags (and a few others) showed in ``--help`` with no description."""
     import argparse
 
-    from mineru_fast.cli import build_argparser
+    from mineru_fast.cli.main import build_argparser
 
     commands = next(a for a in build_argparser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     missing = [
@@ -66,7 +66,7 @@ def test_every_command_line_argument_has_help():
 def test_library_warnings_go_through_logging_not_bare_stderr_lines():
     """A library's warning came out as a bare ``file:line: UserWarning: ...`` line on stderr."""
     code = (
-        "import sys, warnings; import mineru_fast.info as info; from mineru_fast.cli import main; "
+        "import sys, warnings; import mineru_fast.cli.info as info; from mineru_fast.cli.main import main; "
         "info.collect = lambda: warnings.warn('a library notice', UserWarning) or {}; "
         "info.render = lambda collected: ''; sys.exit(main(sys.argv[1:]))"
     )

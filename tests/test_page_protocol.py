@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from PIL import Image
 
-from mineru_fast.document import Block, Page
-from mineru_fast.page_protocol import RAW_TYPE_KEY, ContentOutput, finish_blocks, plan_content, read_layout
-from mineru_fast.traces import PageTrace, model_math
-from mineru_fast.writer import render_page, render_table
+from mineru_fast.protocol.page import RAW_TYPE_KEY, ContentOutput, plan_content, read_layout
+from mineru_fast.protocol.traces import PageTrace, model_math
+from mineru_fast.results.finish import finish_blocks
+from mineru_fast.results.page import Block, Page
+from mineru_fast.results.writer import render_page, render_table
 
 
 def line(box: str, kind: str, tail: str = "<|rotate_up|>") -> str:

@@ -7,7 +7,7 @@ import pytest
 from conftest import CORPUS, need
 from samples import born_digital_pdf, cid_font_without_tounicode_pdf, pdf_bytes, scan_with_hidden_text_pdf
 
-from mineru_fast.pdftext import (
+from mineru_fast.inputs.pdftext import (
     BlockText,
     PageText,
     PdfChar,
@@ -18,8 +18,8 @@ from mineru_fast.pdftext import (
     read_page_text,
     resolve_ocr_mode,
 )
-from mineru_fast.pdftext.assemble import _clean
-from mineru_fast.pdftext.classify import sample_pages
+from mineru_fast.inputs.pdftext.assemble import _clean
+from mineru_fast.inputs.pdftext.classify import sample_pages
 
 BORN_DIGITAL = [
     "academic_fig_eq_table_1p.pdf",
@@ -196,7 +196,7 @@ def test_block_assembly_is_linear_in_characters(monkeypatch):
     by re-reading the whole text each time: a 39 KB page took 85 s, the 65,535-character cap over
     20 minutes. Counted: line grouping compares each character with a few lines, and each join
     reads a bounded tail."""
-    from mineru_fast.pdftext import assemble
+    from mineru_fast.inputs.pdftext import assemble
 
     compared, joined = [0], []
     overlap, join = assemble._vertical_overlap, assemble._join

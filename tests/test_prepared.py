@@ -27,7 +27,7 @@ from mineru_fast.engine.quantize import (
     IntMmInt8Linear,
     OneDnnInt8Linear,
 )
-from mineru_fast.hub import PREPARED_CACHE_ENV as CACHE_ENV
+from mineru_fast.runtime.hub import PREPARED_CACHE_ENV as CACHE_ENV
 
 INT8 = Int8DynamicConfig()
 
@@ -139,7 +139,7 @@ def test_the_environment_variable_and_the_flag_bypass_the_cache(model, tmp_path,
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))  # a folder moves the cache
     build_engine(model, options).close()
     assert len(entries(tmp_path / "elsewhere")) == 1
-    from mineru_fast.cli import build_argparser
+    from mineru_fast.cli.main import build_argparser
 
     assert build_argparser().parse_args(["serve", "--no-prepared-cache"]).no_prepared_cache
 

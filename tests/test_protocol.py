@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from mineru_fast.protocol import (
+from mineru_fast.protocol.spec import (
     LayoutBlock,
     SamplingParams,
     build_prompt,

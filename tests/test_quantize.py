@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from mineru_fast.cpu import simulation_env
 from mineru_fast.engine.quantize import (
     Int8DynamicConfig,
     int8_kernel_path,
@@ -20,6 +19,7 @@ from mineru_fast.engine.quantize import (
     quantize_linear,
     resolve_int8_backend,
 )
+from mineru_fast.runtime.cpu import simulation_env
 
 PER_TOKEN = ("onednn", "int_mm")
 

@@ -8,7 +8,7 @@ from PIL import Image
 from samples import text_page
 
 from mineru_fast.engine.base import GenerationRequest
-from mineru_fast.protocol import SamplingParams, prompt_for
+from mineru_fast.protocol.spec import SamplingParams, prompt_for
 
 NO_RULES = SamplingParams(presence_penalty=0.0, frequency_penalty=0.0, no_repeat_ngram_size=0, max_new_tokens=24)
 TEXT_RULES = SamplingParams(presence_penalty=1.0, frequency_penalty=0.05, no_repeat_ngram_size=3, max_new_tokens=24)

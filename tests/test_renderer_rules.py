@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
-from mineru_fast.document import Block, Document, Page
-from mineru_fast.mineru4 import _normalize_table, collapse_image_blocks
-from mineru_fast.table_merge import can_merge_tables, merge_tables
-from mineru_fast.writer import DocumentWriter, render_markdown, render_page, strip_index_page_tail
+from mineru_fast.results.document import Document
+from mineru_fast.results.mineru4 import _normalize_table, collapse_image_blocks
+from mineru_fast.results.page import Block, Page
+from mineru_fast.results.table_merge import can_merge_tables, merge_tables
+from mineru_fast.results.writer import DocumentWriter, render_markdown, render_page, strip_index_page_tail
 
 SIZE = (1000, 1000)
 

@@ -10,12 +10,12 @@ import pytest
 from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
 
 from mineru_fast import DocumentParser, ParserOptions, __version__
-from mineru_fast.cli import main
-from mineru_fast.document import Confidence, ParseError
-from mineru_fast.metadata import SCHEMA_PATH, SCHEMA_VERSION, load_schema
+from mineru_fast.cli.main import main
 from mineru_fast.options import TokenBounds
-from mineru_fast.traces import PageTrace, Trace
-from mineru_fast.writer import CONFIDENCE_FIELD, render_page
+from mineru_fast.protocol.traces import PageTrace, Trace
+from mineru_fast.results.metadata import SCHEMA_PATH, SCHEMA_VERSION, load_schema
+from mineru_fast.results.page import Confidence, ParseError
+from mineru_fast.results.writer import CONFIDENCE_FIELD, render_page
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the dev extra) validates results")
 
@@ -122,7 +122,7 @@ def test_every_error_class_has_a_stable_code_and_raised_errors_agree_with_result
     from mineru_fast import errors
     from mineru_fast.distributed import RayDependencyError
     from mineru_fast.distributed.batch import BatchError
-    from mineru_fast.launch import LaunchError
+    from mineru_fast.runtime.launch import LaunchError
     from mineru_fast.serve import ServeDependencyError
     from mineru_fast.serve.errors import from_exception
 

@@ -8,7 +8,7 @@ import torch
 from transformers import NoRepeatNGramLogitsProcessor
 
 from mineru_fast.engine.sampling import BatchLogitsProcessor, NGramBlocker
-from mineru_fast.protocol import SamplingParams
+from mineru_fast.protocol.spec import SamplingParams
 
 
 def brute_force_banned(tokens: list[int], n: int) -> set[int]:

@@ -15,8 +15,8 @@ from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.generate import FastEngine
 from mineru_fast.engine.repetition import loop_period
 from mineru_fast.engine.sampling import NGramBlocker
-from mineru_fast.protocol import SamplingParams as SP
-from mineru_fast.protocol import layout_image, prompt_for
+from mineru_fast.protocol.spec import SamplingParams as SP
+from mineru_fast.protocol.spec import layout_image, prompt_for
 
 NUMBERS = " ".join(str(i) for i in range(300))  # ~600 tokens of replayed output
 

@@ -663,7 +663,7 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
 
 
 def test_the_replaced_pixel_budget_flag_names_its_replacement(capsys):
-    from mineru_fast.cli import main
+    from mineru_fast.cli.main import main
 
     with pytest.raises(SystemExit) as stopped:
         main(["serve", "--pixel-budget", "600"])

@@ -52,7 +52,7 @@ def test_page_costs_count_the_measured_bytes_of_each_source_from_headers_only():
     bytes per pixel while it is decoded, converted, composited on white and made RGB."""
     from PIL import Image
 
-    from mineru_fast.inputs import open_document
+    from mineru_fast.inputs.documents import open_document
 
     kept_3500 = 3500 * 3500 * 4  # a frame over the 3500-pixel long side is kept downscaled, as RGB
     with open_document(blank_png(12000, 12000), decode_first=False) as opened:  # 0.6 MB of file
@@ -235,7 +235,7 @@ def app_server(tiny_model):
     import uvicorn
 
     from mineru_fast import ParserOptions
-    from mineru_fast.cli_options import parse_max_new_tokens
+    from mineru_fast.cli.options import parse_max_new_tokens
     from mineru_fast.serve import ServeConfig, create_app
 
     options = ParserOptions.preset("exact", page_window=1, max_new_tokens=parse_max_new_tokens(BOUNDS))

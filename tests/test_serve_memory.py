@@ -16,7 +16,7 @@ from samples import pdf_bytes, sample_trace
 
 from mineru_fast.engine.memory import trim_heap
 from mineru_fast.options import ParserOptions
-from mineru_fast.parser import DocumentParser
+from mineru_fast.pipeline.parser import DocumentParser
 from mineru_fast.serve.parsing import ParseRequest, run_parse
 
 PAGES = 3

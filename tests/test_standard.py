@@ -6,9 +6,9 @@ import pypdfium2 as pdfium
 import pytest
 from samples import born_digital_pdf
 
-from mineru_fast.doclayout import LayoutBlock, PageLayout
-from mineru_fast.pdftext import PageText, PdfChar, read_page_text
-from mineru_fast.standard import TEXT_FROM_PDF, VlmRead, finish_page, plan_page
+from mineru_fast.inputs.pdftext import PageText, PdfChar, read_page_text
+from mineru_fast.layout import LayoutBlock, PageLayout
+from mineru_fast.pipeline.standard import TEXT_FROM_PDF, VlmRead, finish_page, plan_page
 
 RUNS = [
     (72, 72, 18, "A Title"),

@@ -11,10 +11,10 @@ from PIL import Image, ImageDraw
 from samples import SAMPLE_CONTENTS, SAMPLE_LAYOUT, pdf_bytes, sample_trace, text_page
 
 from mineru_fast import DocumentParser, ParserOptions
-from mineru_fast.cli import main
-from mineru_fast.inputs import OpenedDocument
-from mineru_fast.traces import PageTrace, Trace
-from mineru_fast.writer import DocumentWriter
+from mineru_fast.cli.main import main
+from mineru_fast.inputs.documents import OpenedDocument
+from mineru_fast.protocol.traces import PageTrace, Trace
+from mineru_fast.results.writer import DocumentWriter
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_directory_input_and_progress_lines(tiny_model, tmp_path, capsys):
 def test_writing_again_in_the_2x_layout_leaves_only_the_new_outputs_and_keeps_other_files(tmp_path):
     """A re-parse into the same folder used to keep the earlier run's crops and overlays of pages
     the new run does not produce; files mineru-fast does not write stay."""
-    from mineru_fast.document import Block, Page
+    from mineru_fast.results.page import Block, Page
 
     def page(index: int) -> Page:
         image = Image.new("RGB", (200, 100), "white")
@@ -172,7 +172,7 @@ def test_writing_again_in_the_2x_layout_leaves_only_the_new_outputs_and_keeps_ot
 
 
 def _image_page(index: int):
-    from mineru_fast.document import Block, Page
+    from mineru_fast.results.page import Block, Page
 
     image = Image.new("RGB", (200, 100), "white")
     return Page(index, image.size, [Block("image", (0.1, 0.1, 0.5, 0.9))], image=image)
@@ -209,8 +209,8 @@ def test_an_output_error_in_the_2x_layout_leaves_nothing_of_the_document(tmp_pat
     files are now renamed into place only once whole."""
     import errno
 
-    from mineru_fast import writer as writer_module
     from mineru_fast.errors import OutputError
+    from mineru_fast.results import writer as writer_module
 
     out = tmp_path / "doc"
     (out / "images").mkdir(parents=True)

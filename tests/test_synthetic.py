@@ -9,8 +9,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from mineru_fast.protocol import MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS, build_prompt, detect_model_version
-from mineru_fast.synthetic import SIZES, _config, make_synthetic_model, synthetic_identity
+from mineru_fast.engine.synthetic import SIZES, _config, make_synthetic_model
+from mineru_fast.protocol.spec import MINERU_TOKENS, QWEN2VL_SPECIAL_TOKENS, build_prompt, detect_model_version
+from mineru_fast.runtime.hub import synthetic_identity
 
 
 def test_full_size_has_mineru25_parameter_counts():

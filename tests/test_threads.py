@@ -9,8 +9,8 @@ import sys
 import pytest
 from fake_machine import build_machine
 
-from mineru_fast.cpu import read_topology
-from mineru_fast.threads import configure_process, detect_openmp, plan_threads
+from mineru_fast.runtime.cpu import read_topology
+from mineru_fast.runtime.threads import configure_process, detect_openmp, plan_threads
 
 
 @pytest.fixture
@@ -89,8 +89,8 @@ def test_configure_process_exports_only_missing_variables():
 
 
 def test_importing_the_cli_does_not_load_torch():
-    # `import mineru_fast.cli` must not load torch, or OpenMP would read its variables too early.
-    code = "import sys, mineru_fast.cli; print('torch' in sys.modules)"
+    # `import mineru_fast.cli.main` must not load torch, or OpenMP would read its variables too early.
+    code = "import sys, mineru_fast.cli.main; print('torch' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_PROC_BIND", "OMP_PLACES")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
@@ -132,7 +132,7 @@ def test_one_torch_thread_starts_no_openmp_pool():
     """A thread's op inside ``one_torch_thread`` adds no OS thread; the same op outside adds the
     pool's worker (so the count does see a pool); the thread's own setting comes back."""
     before, inside, outside, restored = run_pool_check("""
-from mineru_fast.threads import one_torch_thread
+from mineru_fast.runtime.threads import one_torch_thread
 base = count()
 seen = []
 def work():

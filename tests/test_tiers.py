@@ -21,11 +21,12 @@ from samples import (
 )
 
 from mineru_fast import DocumentParser, ParserOptions
-from mineru_fast.cli import main
-from mineru_fast.cli_options import add_options_arguments, options_from_args
-from mineru_fast.doclayout import Detection, LayoutTrace
+from mineru_fast.cli.main import main
+from mineru_fast.cli.options import add_options_arguments, options_from_args
 from mineru_fast.errors import LayoutModelMissing, ModelLoadError, TraceError
-from mineru_fast.traces import PageTrace, Trace
+from mineru_fast.layout import Detection
+from mineru_fast.protocol.layout_trace import LayoutTrace
+from mineru_fast.protocol.traces import PageTrace, Trace
 
 BOUNDS = {task: 16 for task in ("layout", "text", "table", "equation")}  # random weights: short free runs
 
@@ -88,7 +89,7 @@ class RecordingEngine:
 @pytest.fixture(scope="module")
 def tiny_doclayout(tmp_path_factory):
     """A tiny synthetic PP-DocLayoutV2 (transformers form only: seconds to write)."""
-    from mineru_fast.doclayout.synthetic import make_synthetic_doclayout
+    from mineru_fast.layout.synthetic import make_synthetic_doclayout
 
     return make_synthetic_doclayout(tmp_path_factory.mktemp("doclayout") / "tiny", "tiny", seed=0, onnx=False)
 
@@ -172,8 +173,8 @@ def test_auto_picks_ocr_for_an_image_input(standard):
 
 
 def test_auto_picks_txt_for_a_born_digital_corpus_pdf_and_ocr_for_a_scanned_one(standard):
-    from mineru_fast.inputs import open_document
-    from mineru_fast.pdftext import block_text
+    from mineru_fast.inputs.documents import open_document
+    from mineru_fast.inputs.pdftext import block_text
 
     body = (0.05, 0.05, 0.95, 0.95)
     layouts = LayoutTrace([[Detection("text", 1.0, body)]])
@@ -302,7 +303,7 @@ def test_invisible_and_white_text_stays_out_of_the_page_with_a_warning(standard,
     parser, engine = recording(standard, ocr_mode="txt")
     pdf = hidden_text_pdf("Visible words here", "SECRET INSTRUCTIONS", "white payload text")
     layouts = LayoutTrace([[Detection("text", 1.0, (0.05, 0.05, 0.95, 0.2))]])
-    with caplog.at_level("WARNING", logger="mineru_fast.parser"):
+    with caplog.at_level("WARNING", logger="mineru_fast.pipeline.parser"):
         (page,) = parser.parse(pdf, layout_replay=layouts).pages
     # the block holds white text: read from the page image by the VLM, none of the PDF's text taken
     assert engine.prompts == [prompts()["[default]"]] and page.blocks[0].raw is not None

@@ -8,7 +8,7 @@ import pytest
 from conftest import WORKLOAD, need
 
 from mineru_fast.errors import TraceError
-from mineru_fast.traces import OMNIDOCBENCH_TYPES, layout_lines, load_trace, page_trace_from_omnidocbench
+from mineru_fast.protocol.traces import OMNIDOCBENCH_TYPES, layout_lines, load_trace, page_trace_from_omnidocbench
 
 
 def test_builder_maps_types_scales_boxes_and_orders_blocks():

@@ -15,7 +15,7 @@ import pytest
 from conftest import WORKLOAD, need
 
 from mineru_fast.bench.fidelity import LLAMA_CPP_ROW, run_content
-from mineru_fast.synthetic import lm_source
+from mineru_fast.runtime.hub import lm_source
 
 pytestmark = pytest.mark.slow  # three full-size engines, one after another (minutes on 2 cores)
 

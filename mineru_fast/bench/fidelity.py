@@ -21,7 +21,7 @@ decoding and the whole prompt while prefilling; in a batch it follows the larges
 all the batch's rows, so its batched numerics can only be worse than measured here.
 
 Real text (``run_content``, spec ``"mode": "content"``): on a checkpoint whose language model is
-trained (``synthetic.lm_source``: a GGUF's weights beside a random vision tower), the content
+trained (``hub.lm_source``: a GGUF's weights beside a random vision tower), the content
 requests of the workload's pages are teacher-forced with the ground-truth text (text blocks as
 text, tables as OTSL, formulas as LaTeX: ``traces.build_omnidocbench_traces``), each crop shrunk
 to ``CONTENT_IMAGE`` (4 image tokens, so the random vision's features are a small part of every
@@ -55,11 +55,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..engine.base import GenerationRequest
-from ..options import ParserOptions
-from ..page_protocol import plan_content, read_layout
-from ..protocol import LAYOUT_TASK, layout_image, prompt_for
-from .workload import WorkloadPage
+from mineru_fast.bench.workload import WorkloadPage
+from mineru_fast.engine.base import GenerationRequest
+from mineru_fast.options import ParserOptions
+from mineru_fast.protocol.page import plan_content, read_layout
+from mineru_fast.protocol.spec import LAYOUT_TASK, layout_image, prompt_for
 
 FP32 = {"preset": "exact", "overrides": {"lm_quant": "none", "lm_head_quant": "none"}}  # the float32 engine
 CONFIDENT_P = 0.5  # a step is confident when the float32 engine's top-1 softmax probability is >= this
@@ -197,8 +197,8 @@ def run(spec: dict) -> dict:
     Returns:
         ``{"page", "requests", "results": {label: summary}}``.
     """
-    from ..engine.factory import build_engine
-    from .workload import load_workload
+    from mineru_fast.bench.workload import load_workload
+    from mineru_fast.engine.factory import build_engine
 
     page = load_workload(1, Path(spec["workload"]) if spec.get("workload") else None)[0]
     reference_options = _options(FP32, spec.get("threads"))
@@ -370,10 +370,10 @@ def run_content(spec: dict) -> dict:
     Raises:
         BenchmarkError: no workload directory, or the workload has no content block with text.
     """
-    from ..engine.factory import build_engine
-    from ..engine.preprocess import Preprocessor
-    from ..errors import BenchmarkError
-    from .workload import load_workload
+    from mineru_fast.bench.workload import load_workload
+    from mineru_fast.engine.factory import build_engine
+    from mineru_fast.engine.preprocess import Preprocessor
+    from mineru_fast.errors import BenchmarkError
 
     if not spec.get("workload"):
         raise BenchmarkError("real-text fidelity needs the workload's ground truth: give its directory")

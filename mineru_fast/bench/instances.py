@@ -13,8 +13,8 @@ import subprocess
 import sys
 import tempfile
 
-from ..cpu import read_topology
-from ..launch import plan_groups, spawn
+from mineru_fast.runtime.cpu import read_topology
+from mineru_fast.runtime.launch import plan_groups, spawn
 
 
 def run_instances(spec: dict, instances: int) -> dict:

@@ -31,7 +31,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MineruFastError
+from mineru_fast.errors import MineruFastError
 
 MINERU_LLAMA_CPP = "0.2.0"  # the engine mineru 4.0.12 installs for CPUs (its ``llama-cpp`` extra)
 LLAMA_CPP_PYTHON = "0.3.36"  # the converter's source: its sdist vendors llama.cpp's tree
@@ -98,7 +98,7 @@ class GgufPair:
 
 def default_root() -> Path:
     """Where ``ensure_tools`` installs by default: ``<package cache>/llamacpp`` (``hub.cache_dir``)."""
-    from ..hub import cache_dir
+    from mineru_fast.runtime.hub import cache_dir
 
     return cache_dir() / "llamacpp"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .load import describe
+from mineru_fast.bench.load import describe
 
 
 def _content(results: dict) -> bool:

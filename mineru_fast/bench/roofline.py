@@ -37,7 +37,7 @@ def gemm_peaks(dim: int = VISION_DIM, mlp: int = VISION_MLP, tokens: int = N_LAY
     the faster of ``torch._int_mm`` and the engine's own dynamic INT8 linear (fbgemm where
     available, activation quantization included), which can beat it. The defaults are
     MinerU2.5's: 5476x1280 @ 1280x5120 and 5476x5120 @ 5120x1280."""
-    from ..engine.quantize import Int8DynamicConfig, quantize_
+    from mineru_fast.engine.quantize import Int8DynamicConfig, quantize_
 
     out = {"fp32": 0.0, "bf16": 0.0, "int8": 0.0}
     for m, k, n in ((tokens, dim, mlp), (tokens, mlp, dim)):

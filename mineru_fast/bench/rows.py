@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.memory import peak_rss_bytes
+from mineru_fast.engine.memory import peak_rss_bytes
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,14 @@ class Row:
 
     def options(self, threads: int | None = None):
         """The row's ``ParserOptions``."""
-        from ..options import ParserOptions
+        from mineru_fast.options import ParserOptions
 
         return ParserOptions.preset(self.preset, threads=threads, **self.overrides)
 
     def unavailable(self) -> str | None:
         """Why this machine cannot run the row (shown in the table instead), or None."""
-        from ..choice import choose_int8_kernel
-        from ..cpu import isa_class
+        from mineru_fast.runtime.choice import choose_int8_kernel
+        from mineru_fast.runtime.cpu import isa_class
 
         options = self.options()
         if options.precision == "bf16":
@@ -60,14 +60,14 @@ class Row:
                 return f"bf16 is emulated on {cls.name} (no native bfloat16): not run"
         kernel = self.overrides.get("int8_kernel")
         if kernel and kernel == choose_int8_kernel("auto", _topology()).value:
-            from ..engine.kernels import int8_gemv_status
+            from mineru_fast.engine.kernels import int8_gemv_status
 
             if kernel != "onednn" or int8_gemv_status().op is None:
                 return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
             # else auto runs oneDNN's numerics with the own GEMV for the LM's decode rows: this row
             # (oneDNN everywhere) is their A/B
         if self.overrides.get("backend") == "ipex":
-            from ..engine.backends import ipex_status
+            from mineru_fast.engine.backends import ipex_status
 
             status = ipex_status()
             return None if status.usable else status.reason
@@ -79,7 +79,7 @@ class Row:
 
 
 def _topology():
-    from ..cpu import read_topology
+    from mineru_fast.runtime.cpu import read_topology
 
     return read_topology()
 
@@ -122,8 +122,8 @@ def warm_up(parser) -> float:
     """
     from PIL import Image
 
-    from ..engine.base import GenerationRequest
-    from ..protocol import prompt_for
+    from mineru_fast.engine.base import GenerationRequest
+    from mineru_fast.protocol.spec import prompt_for
 
     request = GenerationRequest(
         Image.new("RGB", (280, 56), "white"), prompt_for("text"), parser.options.sampling("text"), forced_text="ok"
@@ -137,9 +137,10 @@ def warm_up(parser) -> float:
 
 def run_row(spec: dict) -> dict:
     """Load, warm up and parse the workload with one row's options (in this process)."""
-    from .. import DocumentParser, ParserOptions
-    from ..traces import Trace
-    from .workload import load_workload
+    from mineru_fast.bench.workload import load_workload
+    from mineru_fast.options import ParserOptions
+    from mineru_fast.pipeline.parser import DocumentParser
+    from mineru_fast.protocol.traces import Trace
 
     options = ParserOptions.preset(spec["preset"], threads=spec["threads"], **spec["overrides"])
     workload, profile = (Path(spec[k]) if spec.get(k) else None for k in ("workload", "profile"))
@@ -191,7 +192,7 @@ def concurrency_table(parser, page, levels: tuple[int, ...], single_s: float | N
     stage row's parse when its workload is that one page); level 1 is then that measurement
     (``"measured": "stage row"``), not a second one of the same quantity.
     """
-    from ..traces import Trace
+    from mineru_fast.protocol.traces import Trace
 
     out = []
     for n in levels:
@@ -222,7 +223,7 @@ def concurrency_table(parser, page, levels: tuple[int, ...], single_s: float | N
 
 def roofline(engine) -> dict:
     """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
-    from . import roofline as rf
+    from mineru_fast.bench import roofline as rf
 
     vision = engine.vision.config
     full_size = vision.embed_dim == rf.VISION_DIM  # a test model: small shapes, and fractions of little meaning

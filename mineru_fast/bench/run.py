@@ -32,11 +32,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import BenchmarkError
-from ..hub import PREPARED_CACHE_ENV as CACHE_ENV
-from .load import LoadMonitor
-from .rows import ROWS, Row
-from .startup import run_startup
+from mineru_fast.bench.load import LoadMonitor
+from mineru_fast.bench.rows import ROWS, Row
+from mineru_fast.bench.startup import run_startup
+from mineru_fast.errors import BenchmarkError
+from mineru_fast.runtime.hub import PREPARED_CACHE_ENV as CACHE_ENV
 
 SHIPPED = "int8-auto"  # the candidate of the fast preset as shipped: its row also measures concurrency and roofline
 TIE_PCT = 5.0  # candidates closer than this (percent of s/page) are a tie in one run
@@ -47,10 +47,10 @@ def system_header(threads: int, model: str) -> dict:
     import torch
     import transformers
 
-    from ..choice import CANDIDATES, choose_int8_kernel, choose_preset
-    from ..cpu import isa_class, read_topology
-    from ..engine.backends import ipex_status
-    from ..synthetic import synthetic_identity
+    from mineru_fast.engine.backends import ipex_status
+    from mineru_fast.runtime.choice import CANDIDATES, choose_int8_kernel, choose_preset
+    from mineru_fast.runtime.cpu import isa_class, read_topology
+    from mineru_fast.runtime.hub import synthetic_identity
 
     topology = read_topology()
     cls = isa_class(topology.isa)
@@ -95,7 +95,7 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 def _full_size(model: str) -> bool:
     """Whether ``model``'s vision encoder has MinerU2.5's width (a test model's ratios measure overheads)."""
-    from .roofline import VISION_DIM
+    from mineru_fast.bench.roofline import VISION_DIM
 
     try:
         config = json.loads((Path(model) / "config.json").read_text())
@@ -137,7 +137,7 @@ def run_rows(
 
 def _run_row(row: Row, spec: dict, tag: dict) -> dict:
     if row.instances > 1:
-        from .instances import run_instances
+        from mineru_fast.bench.instances import run_instances
 
         try:
             return {**run_instances(spec, row.instances), **tag}
@@ -174,13 +174,13 @@ def run_fidelity(rows: list[dict], model: str, workload: Path | None, threads: i
     (``bench.fidelity``); adds ``row["fidelity"]`` in place and returns the run's record
     (``{"page", "requests", "seconds"}``, or ``{"error"}``).
 
-    On a model with a trained language model (``synthetic.lm_source``) and a real workload
+    On a model with a trained language model (``hub.lm_source``) and a real workload
     (``--workload``) it is the real-text comparison (``fidelity.run_content``: content blocks
     teacher-forced with their ground truth, ``BENCH_FORCED_STEPS`` steps and ``BENCH_FREE_BLOCKS``
     free-running blocks per block type; the record then has ``"mode": "content"``); otherwise every
     forced step of the median page."""
-    from ..synthetic import lm_source
-    from .fidelity import FP32
+    from mineru_fast.bench.fidelity import FP32
+    from mineru_fast.runtime.hub import lm_source
 
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -291,7 +291,7 @@ def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[di
             labels = "; ".join(r.label for r in ROWS)
             raise BenchmarkError(f"--only {' / '.join(only)} matches no stage row; the rows are: {labels}")
     else:
-        from ..cpu import isa_class, read_topology
+        from mineru_fast.runtime.cpu import isa_class, read_topology
 
         native_bf16 = isa_class(read_topology().isa).native_bf16
         rows = [r for r in ROWS if r.in_quick(native_bf16) or not quick]
@@ -316,7 +316,7 @@ def _rows_and_tables(results: dict[str, Any], rows: list[Row], unavailable: list
             results[section] = shipped.pop(section)
     results["extra_rows"] = unavailable
     results["auto_check"] = auto_check(results["header"], results["rows"])
-    from ..synthetic import lm_source
+    from mineru_fast.runtime.hub import lm_source
 
     # on by default in the full run, and in --quick for a model with a trained LM (what it is for)
     if fidelity if fidelity is not None else (not quick or lm_source(model) is not None):
@@ -343,10 +343,10 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
         ModelLoadError: ``model`` cannot be found.
         TraceError: ``workload`` cannot be read.
     """
-    from ..cpu import physical_cores_available
-    from ..hub import resolve_model
-    from . import report
-    from .workload import load_profile, load_workload
+    from mineru_fast.bench import report
+    from mineru_fast.bench.workload import load_profile, load_workload
+    from mineru_fast.runtime.cpu import physical_cores_available
+    from mineru_fast.runtime.hub import resolve_model
 
     threads = threads or physical_cores_available()
     pages = pages or (1 if quick else 4)
@@ -361,7 +361,7 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
         from concurrent.futures import ProcessPoolExecutor
         from multiprocessing import get_context
 
-        from ..synthetic import cached_synthetic_model
+        from mineru_fast.engine.synthetic import cached_synthetic_model
 
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             model = str(pool.submit(cached_synthetic_model, "full").result())

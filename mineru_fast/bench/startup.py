@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..engine.memory import peak_rss_bytes
+from mineru_fast.engine.memory import peak_rss_bytes
 
 CASES = (
     ("no prepared cache", "off"),
@@ -27,7 +27,7 @@ def run_startup(model: str, threads: int, root: Path) -> list[dict]:
     """The three cases in order, each a fresh process, the cold and warm ones with their prepared
     cache in ``root`` (an empty folder; the warm entry is left there); ``{"case", "load_s",
     "warmup_s", "prepared_from", "peak_rss_gb"}`` each, or ``{"case", "error"}``."""
-    from ..hub import PREPARED_CACHE_ENV as CACHE_ENV
+    from mineru_fast.runtime.hub import PREPARED_CACHE_ENV as CACHE_ENV
 
     rows = []
     for case, cache in CASES:
@@ -43,8 +43,9 @@ def run_startup(model: str, threads: int, root: Path) -> list[dict]:
 
 
 def _one(spec: dict) -> dict:
-    from .. import DocumentParser, ParserOptions
-    from .rows import warm_up
+    from mineru_fast.bench.rows import warm_up
+    from mineru_fast.options import ParserOptions
+    from mineru_fast.pipeline.parser import DocumentParser
 
     start = time.perf_counter()
     parser = DocumentParser.from_pretrained(spec["model"], ParserOptions.preset("fast", threads=spec["threads"]))

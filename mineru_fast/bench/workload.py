@@ -18,8 +18,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from ..hub import cache_dir
-from ..traces import PageTrace, build_omnidocbench_traces, load_trace
+from mineru_fast.protocol.traces import PageTrace, build_omnidocbench_traces, load_trace
+from mineru_fast.runtime.hub import cache_dir
 
 
 @dataclass

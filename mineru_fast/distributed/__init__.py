@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import MineruFastError
-from ..hub import PREPARED_CACHE_ENV
+from mineru_fast.errors import MineruFastError
+from mineru_fast.runtime.hub import PREPARED_CACHE_ENV
 
 __all__ = ["PAGES_PER_TASK", "RayClusterUnreachable", "RayDependencyError", "init_ray", "require_ray"]
 

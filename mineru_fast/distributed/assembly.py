@@ -26,9 +26,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..cpu import format_cpulist, parse_cpulist
-from ..document import Page, ParseError
-from ..writer import DocumentWriter
+from mineru_fast.results.page import Page, ParseError
+from mineru_fast.results.writer import DocumentWriter
+from mineru_fast.runtime.cpu import format_cpulist, parse_cpulist
 
 __all__ = ["PARTIAL", "TASK_FAILED", "DocumentAssembly", "page_spec", "split_pages"]
 

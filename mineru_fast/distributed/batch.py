@@ -60,20 +60,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cli_options import output_clashes
-from ..cpu import read_topology
-from ..document import Page
-from ..errors import MineruFastError
-from ..hub import resolve_model_info
-from ..metadata import InputInfo
-from ..options import ParserOptions
-from ..traces import Trace, load_trace
-from . import PAGES_PER_TASK, init_ray, require_ray
-from .assembly import PARTIAL, DocumentAssembly, page_spec, spec_pages, split_pages
-from .manifest import Manifest, Record
-from .reaper import MARKER_ENV
-from .sources import Source, list_sources
-from .worker import DocumentWorker, inspect_document
+from mineru_fast.distributed import PAGES_PER_TASK, init_ray, require_ray
+from mineru_fast.distributed.assembly import PARTIAL, DocumentAssembly, page_spec, spec_pages, split_pages
+from mineru_fast.distributed.manifest import Manifest, Record
+from mineru_fast.distributed.reaper import MARKER_ENV
+from mineru_fast.distributed.sources import Source, list_sources
+from mineru_fast.distributed.worker import DocumentWorker, inspect_document
+from mineru_fast.errors import MineruFastError
+from mineru_fast.inputs.paths import output_clashes
+from mineru_fast.options import ParserOptions
+from mineru_fast.protocol.traces import Trace, load_trace
+from mineru_fast.results.metadata import InputInfo
+from mineru_fast.results.page import Page
+from mineru_fast.runtime.cpu import read_topology
+from mineru_fast.runtime.hub import resolve_model_info
 
 __all__ = ["BatchConfig", "BatchError", "BatchSummary", "run_batch"]
 

@@ -19,8 +19,8 @@ from ray import serve
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.serve.config import DeploymentActorConfig
 
-from ..serve.errors import ApiError
-from ..serve.store import JobError, JobRecord, JobStatus, MemoryJobStore
+from mineru_fast.serve.errors import ApiError
+from mineru_fast.serve.store import JobError, JobRecord, JobStatus, MemoryJobStore
 
 __all__ = ["JOB_STORE_ACTOR", "RayJobStore", "job_store_actor"]
 

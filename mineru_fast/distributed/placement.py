@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-from ..cpu import CoreGroup, Topology, core_group, node_cores, read_topology, whole_chunks
+from mineru_fast.runtime.cpu import CoreGroup, Topology, core_group, node_cores, read_topology, whole_chunks
 
 __all__ = ["actor_core_groups", "claim_slot", "pin_process", "pin_actor"]
 

@@ -22,10 +22,10 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from ..options import ParserOptions
-from ..serve.config import ServeConfig
-from . import init_ray
-from .job_store import RayJobStore, job_store_actor
+from mineru_fast.distributed import init_ray
+from mineru_fast.distributed.job_store import RayJobStore, job_store_actor
+from mineru_fast.options import ParserOptions
+from mineru_fast.serve.config import ServeConfig
 
 __all__ = ["ParseService", "ReplicaHeader", "build_app", "app_builder", "run"]
 
@@ -67,7 +67,7 @@ class ParseService:
     """
 
     def __init__(self, config: ServeConfig) -> None:
-        from ..threads import configure_process
+        from mineru_fast.runtime.threads import configure_process
 
         configure_process(config.options.threads, bind=False)  # before torch loads
         self.config = config
@@ -77,7 +77,7 @@ class ParseService:
     def __serve_build_asgi_app__(self) -> Any:
         """The replica's ASGI application (Ray Serve runs its lifespan: model load, canary), its
         jobs in the application's shared store, its responses stamped with ``X-Replica-ID``."""
-        from ..serve.app import create_app
+        from mineru_fast.serve.app import create_app
 
         # (``app`` is the Serve wrapper's own property)
         self.service_app = create_app(self.config, job_store=RayJobStore(), replica=self.replica)

@@ -1,7 +1,7 @@
 """The inputs of ``mineru-fast batch``: local files, directories and globs, and pyarrow filesystem URIs.
 
 A local input is a file, a directory (its files with a document or image suffix, recursively:
-``cli_options.expand_inputs``) or a glob (``*``, ``?``, ``[...]``, ``**``; quoted, so that the
+``inputs.paths.expand_inputs``) or a glob (``*``, ``?``, ``[...]``, ``**``; quoted, so that the
 shell leaves it alone). A local file is read on the driver's machine (by a Ray Data inspection
 task placed there) and its bytes travel to the actors, so the nodes need no shared file system.
 
@@ -27,8 +27,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..cli_options import INPUT_SUFFIXES, expand_inputs
-from ..errors import SourceError
+from mineru_fast.errors import SourceError
+from mineru_fast.inputs.paths import INPUT_SUFFIXES, expand_inputs
 
 __all__ = ["Source", "list_sources", "is_uri"]
 

@@ -25,13 +25,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..cpu import format_cpulist
-from ..errors import InputError, TraceError
-from ..inputs import DEFAULT_MAX_PAGES
-from ..metadata import InputInfo
-from ..options import ParserOptions
-from ..traces import Trace
-from .sources import Source
+from mineru_fast.distributed.sources import Source
+from mineru_fast.errors import InputError, TraceError
+from mineru_fast.inputs.documents import DEFAULT_MAX_PAGES
+from mineru_fast.options import ParserOptions
+from mineru_fast.protocol.traces import Trace
+from mineru_fast.results.metadata import InputInfo
+from mineru_fast.runtime.cpu import format_cpulist
 
 __all__ = ["DocumentWorker", "inspect_document"]
 
@@ -66,7 +66,7 @@ def inspect_document(
     Raises:
         InputError: the document cannot be read (``SourceError`` included).
     """
-    from ..inputs import open_document
+    from mineru_fast.inputs.documents import open_document
 
     with open_document(_read(data), pages=pages, password=password, max_pages=max_pages) as opened:
         return replace(InputInfo.from_opened(opened), name=name)
@@ -91,14 +91,14 @@ class DocumentWorker:
     def __init__(
         self, model: str, options: ParserOptions, threads: int, pin: bool = False, overlays: bool = True
     ) -> None:
-        from ..threads import configure_process
-        from .placement import pin_actor
+        from mineru_fast.distributed.placement import pin_actor
+        from mineru_fast.runtime.threads import configure_process
 
         pinned = pin_actor(threads) if pin else None
         self.group = pinned[0] if pinned else None
         self._slot = pinned[1] if pinned else None  # the slot's lock, held for the actor's life
         configure_process(threads, bind=False)  # before torch loads (Ray also sets OMP_NUM_THREADS)
-        from ..parser import DocumentParser
+        from mineru_fast.pipeline.parser import DocumentParser
 
         self.threads, self.overlays = threads, overlays
         self.parser = DocumentParser.from_pretrained(model, replace(options, threads=threads, progress=False))
@@ -130,7 +130,7 @@ class DocumentWorker:
             The events; unreadable input (``InputError``, ``SourceError``, ``TraceError``) ends in
             an ``error`` event. Any other exception propagates (the batch retries the task).
         """
-        from ..writer import render_page, write_page_images
+        from mineru_fast.results.writer import render_page, write_page_images
 
         root = Path(tempfile.mkdtemp(prefix="mineru-fast-batch-"))
         try:

@@ -3,6 +3,7 @@
 This package is the only part of mineru-fast that touches torch.
 """
 
-from .base import Engine, GenerationRequest, GenerationResult
+from mineru_fast.engine.base import GenerationRequest, GenerationResult
+from mineru_fast.engine.interface import Engine
 
 __all__ = ["Engine", "GenerationRequest", "GenerationResult"]

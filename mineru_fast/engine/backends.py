@@ -21,19 +21,17 @@ when an entry for this CPU shows it faster and it is usable; otherwise stock.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..cpu import Topology, isa_class, read_topology
-from ..options import BACKENDS
+from mineru_fast.options import BACKENDS
+from mineru_fast.runtime.choice import load_measurements
+from mineru_fast.runtime.cpu import Topology, isa_class, read_topology
 
 logger = logging.getLogger(__name__)
 
-MEASUREMENTS = Path(__file__).resolve().parents[1] / "assets" / "backend_measurements.json"
 INSTALL_HINT = "pip install 'mineru-fast[ipex]' (torch 2.8 + intel-extension-for-pytorch 2.8)"
 
 
@@ -78,17 +76,6 @@ def isa_tier(topology: Topology) -> str:
     ``avx512_vnni``, ``avx512``, ``avx2`` or ``baseline``, lowered by simulation caps), the key of
     the measurement table."""
     return isa_class(topology.isa).name
-
-
-def load_measurements(path: Path = MEASUREMENTS) -> list[dict]:
-    """The recorded entries (see the module docstring); ``[]`` when the file is absent.
-
-    Raises:
-        ValueError: the file is not valid JSON.
-    """
-    if not path.is_file():
-        return []
-    return json.loads(path.read_text())["entries"]
 
 
 def _faster(figures: dict | None) -> str:
@@ -204,7 +191,7 @@ def apply_ipex(engine, int8_parts: dict[str, bool], use_ipex_int8: bool) -> None
     Raises:
         ImportError: IPEX cannot be imported.
     """
-    from .vision_runner import make_vision_runner
+    from mineru_fast.engine.vision_runner import make_vision_runner
 
     ipex = load_ipex()
     if use_ipex_int8:

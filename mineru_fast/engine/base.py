@@ -12,15 +12,12 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal
 
 import torch
 from PIL import Image
 
-from ..protocol import SYSTEM_PROMPT, SamplingParams
-
-if TYPE_CHECKING:
-    from .preprocess import Preprocessor
+from mineru_fast.protocol.spec import SYSTEM_PROMPT, SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # ParserOptions.precision -> torch dtype
 
@@ -176,31 +173,6 @@ FollowUp = Callable[[int, GenerationResult], Sequence[GenerationRequest]]
 """``on_result(index, result) -> follow-up requests``: called in the caller's thread as each
 request finishes (errors included); the requests it returns are submitted at once and take the
 next free indices, in the order returned."""
-
-
-class Engine(Protocol):
-    """An inference engine: one loop, requests from any thread. ``submit`` never raises for one bad
-    request: that request's result has ``finish_reason == "error"`` and the others are unaffected.
-
-    Attributes:
-        preprocessor: the checkpoint's tokenizer and image processor (``preprocess.Preprocessor``).
-    """
-
-    preprocessor: Preprocessor
-
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue ``request``; the handle resolves when it is finished."""
-        ...
-
-    def generate(
-        self, requests: Sequence[GenerationRequest], on_result: FollowUp | None = None
-    ) -> list[GenerationResult]:
-        """Decode every request and every follow-up ``on_result`` returns; results in index order."""
-        ...
-
-    def close(self) -> None:
-        """Stop the loop: requests still queued or running end with ``finish_reason="cancelled"``."""
-        ...
 
 
 def generate_with_follow_ups(

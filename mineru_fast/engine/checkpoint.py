@@ -19,10 +19,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError
-from .memory import trim_heap
-from .model import Qwen2LM, TextConfig
-from .vision import VisionConfig, VisionEncoder
+from mineru_fast.engine.memory import trim_heap
+from mineru_fast.engine.model import Qwen2LM, TextConfig
+from mineru_fast.engine.vision import VisionConfig, VisionEncoder
+from mineru_fast.errors import ModelLoadError
 
 Thunk = Callable[[], torch.Tensor]
 Prepare = Callable[[str, nn.Linear], nn.Module]

@@ -1,6 +1,6 @@
 """Build the engine ``ParserOptions`` ask for, with threads and quantization applied.
 
-The built engine carries ``engine.numerics``: ``choice.describe(options)`` (ISA class, precision,
+The built engine carries ``engine.numerics``: ``numerics.describe(options)`` (ISA class, precision,
 native or emulated bfloat16, INT8 kernel and why) for result metadata, and, where the fast preset's
 INT8 is oneDNN's, ``lm_decode_kernel``: whether the language model runs on the own GEMV
 (``engine.kernels``; the same numerics) or why not.
@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..hub import prepared_cache_root
-from ..options import TASKS, ParserOptions
-from ..protocol import sampling_for
-from ..threads import in_fresh_thread, set_torch_threads
-from .base import DTYPES, Engine
-from .kernels import int8_gemv_status
-from .quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
+from mineru_fast.engine.base import DTYPES
+from mineru_fast.engine.interface import Engine
+from mineru_fast.engine.kernels import int8_gemv_status
+from mineru_fast.engine.numerics import describe, warn_if_emulated_bf16
+from mineru_fast.engine.quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
+from mineru_fast.options import TASKS, ParserOptions
+from mineru_fast.protocol.spec import sampling_for
+from mineru_fast.runtime.hub import prepared_cache_root
+from mineru_fast.runtime.threads import in_fresh_thread, set_torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +52,16 @@ def build_engine(model_dir: Path, options: ParserOptions, prepared_cache: bool |
 
 
 def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> Engine:
-    from ..choice import describe, warn_if_emulated_bf16
-
     warn_if_emulated_bf16(options)
     numerics = describe(options)
     if options.engine == "reference":
-        from .reference import ReferenceEngine
+        from mineru_fast.engine.reference import ReferenceEngine
 
         reference = ReferenceEngine(model_dir, precision=options.precision)
         reference.numerics = numerics
         return reference
-    from .backends import apply_ipex, choose_backend
-    from .generate import FastEngine
+    from mineru_fast.engine.backends import apply_ipex, choose_backend
+    from mineru_fast.engine.generate import FastEngine
 
     configs = {**QUANT_CONFIGS, "int8-dynamic": Int8DynamicConfig(numerics["int8_kernel"] or "auto")}
     choice = choose_backend(options.backend)

@@ -18,17 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult, RequestHandle, generate_with_follow_ups
-from .checkpoint import load_model, read_configs
-from .kv_cache import KVCache
-from .memory import peak_rss_bytes, resident_bytes, rss_bytes, trim_heap
-from .model import Qwen2LM
-from .prepared import PreparedCache, PreparedCacheError, cacheable, prepared_settings
-from .preprocess import Preprocessor
-from .quantize import quantize_linear
-from .scheduler import Scheduler, SequenceState
-from .vision import VisionEncoder
-from .vision_runner import make_vision_runner
+from mineru_fast.engine.base import (
+    DTYPES,
+    FollowUp,
+    GenerationRequest,
+    GenerationResult,
+    RequestHandle,
+    generate_with_follow_ups,
+)
+from mineru_fast.engine.checkpoint import load_model, read_configs
+from mineru_fast.engine.kv_cache import KVCache
+from mineru_fast.engine.memory import peak_rss_bytes, resident_bytes, rss_bytes, trim_heap
+from mineru_fast.engine.model import Qwen2LM
+from mineru_fast.engine.prepared import PreparedCache, PreparedCacheError, cacheable, prepared_settings
+from mineru_fast.engine.preprocess import Preprocessor
+from mineru_fast.engine.quantize import quantize_linear
+from mineru_fast.engine.scheduler import Scheduler, SequenceState
+from mineru_fast.engine.vision import VisionEncoder
+from mineru_fast.engine.vision_runner import make_vision_runner
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +69,7 @@ class FastEngine:
         ModelLoadError: the checkpoint cannot be read.
     """
 
-    numerics: dict | None = None  # set by engine.factory: choice.describe(options)
+    numerics: dict | None = None  # set by engine.factory: numerics.describe(options)
 
     def __init__(
         self,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu import isa_class, read_topology
+from mineru_fast.runtime.cpu import isa_class, read_topology
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import KVCache
+from mineru_fast.engine.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .memory import trim_heap
-from .quantize import (
+from mineru_fast.engine.memory import trim_heap
+from mineru_fast.engine.quantize import (
     Bf16WeightsLinear,
     GemvInt8Linear,
     Int8DynamicConfig,

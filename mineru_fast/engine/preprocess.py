@@ -24,9 +24,9 @@ from typing import cast
 
 import torch
 
-from ..errors import ModelLoadError
-from ..protocol import END_TOKENS, IMAGE_PLACEHOLDER, SYSTEM_PROMPT
-from .base import GenerationRequest
+from mineru_fast.engine.base import GenerationRequest
+from mineru_fast.errors import ModelLoadError
+from mineru_fast.protocol.spec import END_TOKENS, IMAGE_PLACEHOLDER, SYSTEM_PROMPT
 
 CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # of chat_prompt
 

@@ -37,7 +37,7 @@ quantized form through a handler registered for the config's type:
   there (``benchmarks/decode_step.py``), while vision's GEMMs of thousands of rows stay on oneDNN.
   ``"auto"`` is the per-token ``onednn`` kernel, ``int_mm`` where PyTorch lacks oneDNN's
   quantized linear ops, ``torch_ao`` where both are missing. Which one is fastest on a CPU class
-  is measured, not assumed (``mineru_fast.choice``). ``torch_ao`` is the deprecated
+  is measured, not assumed (``mineru_fast.runtime.choice``). ``torch_ao`` is the deprecated
   ``torch.ao.quantization`` API.
 - ``Int8WeightOnlyConfig``: int8 weights dequantized at each call; halves weight memory versus
   bf16, does not speed matmuls up.
@@ -61,8 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import MAX_ROWS, int8_gemv_status
-from .memory import trim_heap
+from mineru_fast.engine.kernels import MAX_ROWS, int8_gemv_status
+from mineru_fast.engine.memory import trim_heap
 
 __all__ = [
     "INT8_BACKENDS",

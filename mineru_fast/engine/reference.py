@@ -21,9 +21,16 @@ from pathlib import Path
 
 import torch
 
-from .base import DTYPES, FollowUp, GenerationRequest, GenerationResult, RequestHandle, generate_with_follow_ups
-from .preprocess import Preprocessor
-from .sampling import BatchLogitsProcessor
+from mineru_fast.engine.base import (
+    DTYPES,
+    FollowUp,
+    GenerationRequest,
+    GenerationResult,
+    RequestHandle,
+    generate_with_follow_ups,
+)
+from mineru_fast.engine.preprocess import Preprocessor
+from mineru_fast.engine.sampling import BatchLogitsProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +104,13 @@ class ReferenceEngine:
         ModelLoadError: the directory cannot be loaded by transformers.
     """
 
-    numerics: dict | None = None  # set by engine.factory: choice.describe(options)
+    numerics: dict | None = None  # set by engine.factory: numerics.describe(options)
 
     def __init__(self, model_dir: str | Path, precision: str = "bf16") -> None:
         from transformers import Qwen2VLForConditionalGeneration
         from transformers import logging as hf_logging
 
-        from ..errors import ModelLoadError
+        from mineru_fast.errors import ModelLoadError
 
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..protocol import SamplingParams
+from mineru_fast.protocol.spec import SamplingParams
 
 
 class NGramBlocker:

@@ -46,22 +46,49 @@ import time
 import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..protocol import SamplingParams
-from ..threads import one_torch_thread
-from .base import FinishReason, GenerationRequest, GenerationResult, RequestHandle
-from .memory import trim_heap
-from .preprocess import EncodedRequest
-from .repetition import loop_period
-from .sampling import BatchLogitsProcessor
-
-if TYPE_CHECKING:
-    from .generate import FastEngine
+from mineru_fast.engine.base import FinishReason, GenerationRequest, GenerationResult, RequestHandle
+from mineru_fast.engine.memory import trim_heap
+from mineru_fast.engine.model import Qwen2LM
+from mineru_fast.engine.preprocess import EncodedRequest, Preprocessor
+from mineru_fast.engine.repetition import loop_period
+from mineru_fast.engine.sampling import BatchLogitsProcessor
+from mineru_fast.protocol.spec import SamplingParams
+from mineru_fast.runtime.threads import one_torch_thread
 
 logger = logging.getLogger(__name__)
+
+
+class ModelRunner(Protocol):
+    """What the scheduler drives: the model side of one engine (``generate.FastEngine``).
+
+    Attributes:
+        preprocessor: the checkpoint's tokenizer and image processor.
+        vocab_size: rows of the LM head (logits per token).
+        lm: the language model (prefill and decode over the engine's KV cache).
+    """
+
+    preprocessor: Preprocessor
+    vocab_size: int
+    lm: Qwen2LM
+
+    def vision_steps(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> Generator[None, None, torch.Tensor]:
+        """The vision pass over a pack of images, one step per yield; returns ``[patches / 4, hidden]``."""
+        ...
+
+    def split_image_embeds(self, pack: list[SequenceState], embeds: torch.Tensor, elapsed: float) -> None:
+        """Give each sequence of ``pack`` its rows of ``embeds`` and its share of ``elapsed`` seconds."""
+        ...
+
+    def start_prefill(self, seq: SequenceState) -> None:
+        """Set ``seq``'s prompt embeddings and M-RoPE positions."""
+        ...
+
 
 __all__ = ["Scheduler", "SequenceState"]
 
@@ -120,7 +147,7 @@ def _chunk(seq: SequenceState, slot: int, n: int) -> tuple[torch.Tensor, torch.T
 
 
 class Scheduler:
-    """Continuous batching over one ``FastEngine`` (see the module docstring).
+    """Continuous batching over one ``ModelRunner`` (see the module docstring).
 
     Args:
         runner: the engine whose model, preprocessor and KV buffers this loop drives.
@@ -137,7 +164,7 @@ class Scheduler:
 
     def __init__(
         self,
-        runner: FastEngine,
+        runner: ModelRunner,
         slots: int,
         max_seq_len: int,
         admission_budget_s: float = 0.5,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import rotate_half
+from mineru_fast.engine.model import rotate_half
 
 # Rows of the vision MLP per chunk. Measured on the full-size encoder (per-token INT8, 2 threads, a
 # 1036x1036 layout image of 5476 patches): 1024-row chunks 7-10 % faster than one [5476, 5120] pass,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .vision import VisionEncoder
+from mineru_fast.engine.vision import VisionEncoder
 
 Runner = Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor]
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MineruFastError
-from .config import ServeConfig
+from mineru_fast.errors import MineruFastError
+from mineru_fast.serve.config import ServeConfig
 
 if TYPE_CHECKING:
-    from .app import create_app as create_app
-    from .server import serve as serve
+    from mineru_fast.serve.app import create_app as create_app
+    from mineru_fast.serve.server import serve as serve
 
 __all__ = ["ServeConfig", "ServeDependencyError", "create_app", "serve", "require_serve_dependencies"]
 
@@ -67,12 +67,12 @@ def __getattr__(name: str) -> Any:
     """Import ``create_app`` and ``serve`` lazily, after checking the extra is installed."""
     if name == "create_app":
         require_serve_dependencies()
-        from .app import create_app
+        from mineru_fast.serve.app import create_app
 
         return create_app
     if name == "serve":
         require_serve_dependencies()
-        from .server import serve
+        from mineru_fast.serve.server import serve
 
         return serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,10 +13,10 @@ import logging
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from .errors import ApiError, from_exception
-from .jobs import Job, OverBudget, QueueFull, ShuttingDown
-from .parsing import ParseRequest, inspect_document
-from .service import Service
+from mineru_fast.serve.errors import ApiError, from_exception
+from mineru_fast.serve.jobs import Job, OverBudget, QueueFull, ShuttingDown
+from mineru_fast.serve.parsing import ParseRequest, inspect_document
+from mineru_fast.serve.service import Service
 
 logger = logging.getLogger(__name__)
 

@@ -37,21 +37,21 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from ..parser import DocumentParser
-from .admission import check_and_submit, request_id, wait_for_job
-from .chat import add_chat_routes
-from .config import ServeConfig
-from .context import RequestContextMiddleware
-from .errors import ApiError, error_body, from_exception
-from .hosts import HostCheckMiddleware
-from .jobs import AlreadySubmitted
-from .metrics import CONTENT_TYPE_LATEST
-from .mineru_api import add_mineru_routes
-from .parsing import ParseRequest, parse_formats, trace_from_json
-from .security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
-from .service import Service
-from .store import JobRecord, JobStore
+from mineru_fast._version import __version__
+from mineru_fast.pipeline.parser import DocumentParser
+from mineru_fast.serve.admission import check_and_submit, request_id, wait_for_job
+from mineru_fast.serve.chat import add_chat_routes
+from mineru_fast.serve.config import ServeConfig
+from mineru_fast.serve.context import RequestContextMiddleware
+from mineru_fast.serve.errors import ApiError, error_body, from_exception
+from mineru_fast.serve.hosts import HostCheckMiddleware
+from mineru_fast.serve.jobs import AlreadySubmitted
+from mineru_fast.serve.metrics import CONTENT_TYPE_LATEST
+from mineru_fast.serve.mineru_api import add_mineru_routes
+from mineru_fast.serve.parsing import ParseRequest, parse_formats, trace_from_json
+from mineru_fast.serve.security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
+from mineru_fast.serve.service import Service
+from mineru_fast.serve.store import JobRecord, JobStore
 
 logger = logging.getLogger(__name__)
 

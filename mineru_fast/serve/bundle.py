@@ -20,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..document import Document, Page
-from ..formats import zip_bundle
-from ..parser import DocumentParser
-from ..writer import MARKDOWN, MIDDLE_JSON, STRUCTURED, DocumentWriter
-from .parsing import ParseRequest, render_result, run_parse
+from mineru_fast.pipeline.parser import DocumentParser
+from mineru_fast.results.document import Document
+from mineru_fast.results.formats import zip_bundle
+from mineru_fast.results.page import Page
+from mineru_fast.results.writer import MARKDOWN, MIDDLE_JSON, STRUCTURED, DocumentWriter
+from mineru_fast.serve.parsing import ParseRequest, render_result, run_parse
 
 __all__ = ["BUNDLE_OUTPUTS", "BundleRequest", "run_bundle"]
 

@@ -46,18 +46,18 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.base import GenerationRequest, GenerationResult, RequestHandle
-from ..errors import InputError
-from ..inputs import RGB_BYTES_PER_PIXEL, open_document
-from ..protocol import FLOAT32_MAX, SYSTEM_PROMPT, SamplingParams
-from .chat_admission import ChatAdmission, ChatGeneration
-from .chat_text import IncrementalText, StopCutter, before_stop
-from .errors import ApiError, error_body
-from .jobs import CostBudget
+from mineru_fast.engine.base import GenerationRequest, GenerationResult, RequestHandle
+from mineru_fast.errors import InputError
+from mineru_fast.inputs.documents import RGB_BYTES_PER_PIXEL, open_document
+from mineru_fast.protocol.spec import FLOAT32_MAX, SYSTEM_PROMPT, SamplingParams
+from mineru_fast.serve.chat_admission import ChatAdmission, ChatGeneration
+from mineru_fast.serve.chat_text import IncrementalText, StopCutter, before_stop
+from mineru_fast.serve.errors import ApiError, error_body
+from mineru_fast.serve.jobs import CostBudget
 
 if TYPE_CHECKING:
-    from ..parser import DocumentParser
-    from .service import Service
+    from mineru_fast.pipeline.parser import DocumentParser
+    from mineru_fast.serve.service import Service
 
 __all__ = [
     "ChatRequest",

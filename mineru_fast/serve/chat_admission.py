@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..engine.base import GenerationResult, RequestHandle
-from .errors import ApiError
+from mineru_fast.engine.base import GenerationResult, RequestHandle
+from mineru_fast.serve.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..hub import DEFAULT_MODEL_ID
-from ..options import ParserOptions
+from mineru_fast.options import ParserOptions
+from mineru_fast.runtime.hub import DEFAULT_MODEL_ID
 
 __all__ = ["ServeConfig"]
 

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import error_bytes
+from mineru_fast.serve.errors import error_bytes
 
 logger = logging.getLogger(__name__)
 

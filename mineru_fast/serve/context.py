@@ -11,8 +11,8 @@ import re
 import time
 import uuid
 
-from .metrics import ServiceMetrics, method_label, route_label
-from .security import ASGIApp, Message, Receive, Scope, Send, send_error
+from mineru_fast.serve.metrics import ServiceMetrics, method_label, route_label
+from mineru_fast.serve.security import ASGIApp, Message, Receive, Scope, Send, send_error
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..errors import DOCUMENT_ERRORS
+from mineru_fast.errors import DOCUMENT_ERRORS
 
 __all__ = ["ApiError", "error_body", "error_bytes", "from_exception"]
 

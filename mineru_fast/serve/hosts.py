@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-from .security import ASGIApp, Receive, Scope, Send, send_error
+from mineru_fast.serve.security import ASGIApp, Receive, Scope, Send, send_error
 
 __all__ = ["HostCheckMiddleware", "host_name"]
 

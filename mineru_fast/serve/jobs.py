@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ApiError, from_exception
-from .store import FINISHED, HEARTBEAT_INTERVAL, JobError, JobRecord, JobStatus, JobStore
+from mineru_fast.serve.errors import ApiError, from_exception
+from mineru_fast.serve.store import FINISHED, HEARTBEAT_INTERVAL, JobError, JobRecord, JobStatus, JobStore
 
 logger = logging.getLogger(__name__)
 

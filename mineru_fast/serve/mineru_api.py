@@ -56,20 +56,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from .. import __version__
-from ..errors import PageRangeError
-from ..inputs import MAX_PAGE_RANGE_CHARS
-from ..traces import Trace, load_trace
-from .admission import check_and_submit, wait_for_job
-from .bundle import BUNDLE_OUTPUTS, BundleRequest
-from .errors import ApiError, from_exception
-from .jobs import Job
-from .mineru_files import FileStore, SourceFile, Upload
-from .parsing import ParseRequest, inspect_document
-from .store import JobRecord
+from mineru_fast._version import __version__
+from mineru_fast.errors import PageRangeError
+from mineru_fast.inputs.documents import MAX_PAGE_RANGE_CHARS
+from mineru_fast.protocol.traces import Trace, load_trace
+from mineru_fast.serve.admission import check_and_submit, wait_for_job
+from mineru_fast.serve.bundle import BUNDLE_OUTPUTS, BundleRequest
+from mineru_fast.serve.errors import ApiError, from_exception
+from mineru_fast.serve.jobs import Job
+from mineru_fast.serve.mineru_files import FileStore, SourceFile, Upload
+from mineru_fast.serve.parsing import ParseRequest, inspect_document
+from mineru_fast.serve.store import JobRecord
 
 if TYPE_CHECKING:
-    from .service import Service
+    from mineru_fast.serve.service import Service
 
 __all__ = ["MineruDoor", "MineruJob", "MineruJobs", "add_mineru_routes", "page_spec", "needs_page_count"]
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import ApiError
+from mineru_fast.serve.errors import ApiError
 
 __all__ = ["UploadStatus", "Upload", "SourceFile", "FileStore"]
 

@@ -3,7 +3,7 @@
 The check before a job is queued reads headers only (format, pages, each page's size): no pixel
 is decoded in the request path; decoding happens in the workers, under the queue bound. Nothing a
 client sends is written to disk under a name it chose. The format is sniffed from the content by
-``mineru_fast.inputs.open_document``.
+``mineru_fast.inputs.documents.open_document``.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw, ImageFont
 
-from ..document import Document, Page, layout_overlay
-from ..engine.memory import trim_heap
-from ..errors import CorruptDocument, ImageTooLarge, TraceError
-from ..inputs import OpenedDocument, PageLimits, open_document
-from ..metadata import InputInfo
-from ..options import ParserOptions
-from ..parser import DocumentParser
-from ..traces import PageTrace, Trace, trace_from_dict
-from .errors import ApiError
+from mineru_fast.engine.memory import trim_heap
+from mineru_fast.errors import CorruptDocument, ImageTooLarge, TraceError
+from mineru_fast.inputs.documents import OpenedDocument, PageLimits, open_document
+from mineru_fast.options import ParserOptions
+from mineru_fast.pipeline.parser import DocumentParser
+from mineru_fast.protocol.traces import PageTrace, Trace, trace_from_dict
+from mineru_fast.results.document import Document
+from mineru_fast.results.metadata import InputInfo
+from mineru_fast.results.page import Page, layout_overlay
+from mineru_fast.serve.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def parse_formats(text: str | None) -> frozenset[str]:
 
 
 def trace_from_json(data: bytes) -> Trace:
-    """A replay trace from uploaded JSON (schema in ``mineru_fast.traces``).
+    """A replay trace from uploaded JSON (schema in ``mineru_fast.protocol.traces``).
 
     Raises:
         TraceError: not UTF-8 JSON, or not ``{"pages": [{"layout": str, "contents": [str|null]}]}``.
@@ -360,7 +361,7 @@ def run_canary(parser: DocumentParser) -> dict:
     Raises:
         RuntimeError: the canary page did not parse.
     """
-    from ..doclayout import LayoutTrace
+    from mineru_fast.protocol.layout_trace import LayoutTrace
 
     trace = Trace([CANARY_TRACE])
     layouts = LayoutTrace.from_trace(trace) if parser.tier == "standard" else None  # PP-DocLayoutV2 replayed too

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import error_bytes
+from mineru_fast.serve.errors import error_bytes
 
 logger = logging.getLogger(__name__)
 

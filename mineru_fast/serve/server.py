@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from .config import ServeConfig
-from .connections import ACCEPT_ERROR_PREFIX, RateLimitedLogFilter, connection_limits, guarded_protocol
-from .logs import configure_logging, uvicorn_log_config
+from mineru_fast.serve.config import ServeConfig
+from mineru_fast.serve.connections import ACCEPT_ERROR_PREFIX, RateLimitedLogFilter, connection_limits, guarded_protocol
+from mineru_fast.serve.logs import configure_logging, uvicorn_log_config
 
 if TYPE_CHECKING:  # the service imports the parser and torch: only once the signal handlers are in place
-    from .service import Service
+    from mineru_fast.serve.service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def serve(config: ServeConfig) -> int:
     with _ExitSignals().installed() as signals:
         configure_logging(config.log_level)
         logger.info("loading the application")
-        from .app import create_app
+        from mineru_fast.serve.app import create_app
 
         logging.getLogger("asyncio").addFilter(RateLimitedLogFilter(ACCEPT_ERROR_PREFIX, interval=10.0))
         failure: list[BaseException] = []

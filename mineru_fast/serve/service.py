@@ -18,14 +18,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from ..parser import DocumentParser
-from .bundle import BundleRequest, run_bundle
-from .config import ServeConfig
-from .errors import ApiError
-from .jobs import Job, JobManager
-from .metrics import ServiceMetrics
-from .parsing import ParseRequest, render_result, run_canary, run_parse
-from .store import HEARTBEAT_INTERVAL, JobStore, MemoryJobStore
+from mineru_fast.pipeline.parser import DocumentParser
+from mineru_fast.serve.bundle import BundleRequest, run_bundle
+from mineru_fast.serve.config import ServeConfig
+from mineru_fast.serve.errors import ApiError
+from mineru_fast.serve.jobs import Job, JobManager
+from mineru_fast.serve.metrics import ServiceMetrics
+from mineru_fast.serve.parsing import ParseRequest, render_result, run_canary, run_parse
+from mineru_fast.serve.store import HEARTBEAT_INTERVAL, JobStore, MemoryJobStore
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,147 @@
+"""``mineru-fast info``: what the runtime sees and would choose on this machine."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from mineru_fast.engine.backends import choose_backend, ipex_status
+from mineru_fast.protocol.spec import DEFAULT_MODEL_VERSION
+from mineru_fast.runtime.choice import CANDIDATES, choose_int8_kernel, choose_preset
+from mineru_fast.runtime.cpu import Topology, format_cpulist, isa_class, read_topology
+from mineru_fast.runtime.hub import DEFAULT_MODEL_ID, MODEL_IDS, prepared_cache_root
+from mineru_fast.runtime.threads import plan_threads
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def prepared_cache_summary() -> dict:
+    """Where the prepared-model cache is (``hub.prepared_cache_root``; None when turned off) and
+    what it holds: committed entries, their bytes on disk."""
+    root = prepared_cache_root()
+    manifests = sorted(root.glob("*/manifest.json")) if root is not None and root.is_dir() else []
+    size = sum(f.stat().st_size for m in manifests for f in m.parent.iterdir() if f.is_file())
+    return {"root": str(root) if root is not None else None, "entries": len(manifests), "bytes": size}
+
+
+def collect(topology: Topology | None = None) -> dict:
+    """Topology, ISA, allowed CPUs, the thread plan a ``parse`` process would get, installed
+    backends with versions, what ``backend="auto"`` would choose, and the model ``parse`` loads
+    without ``--model`` with the protocol version it runs (JSON-ready). Imports no torch."""
+    topology = topology or read_topology()
+    plan = plan_threads(topology)
+    ipex = ipex_status()
+    auto = choose_backend("auto", topology, ipex)
+    cls = isa_class(topology.isa)
+    preset, kernel = choose_preset(topology), choose_int8_kernel("auto", topology)
+    return {
+        "cpu": {
+            "model": topology.model,
+            "vendor": topology.vendor,
+            "isa_tier": cls.name,
+            "hardware_isa_tier": cls.hardware,
+            "isa_capped_by": cls.capped_by,
+            "native_bf16": cls.native_bf16,
+            "vnni": cls.vnni,
+        },
+        "isa": topology.isa,
+        "topology": {
+            "sockets": topology.socket_count,
+            "physical_cores": len(topology.cores),
+            "logical_cpus": sum(len(core) for core in topology.cores),
+            "numa_nodes": [
+                {"id": n.id, "cpus": format_cpulist(n.cpus), "memory_gb": n.memory_kb and round(n.memory_kb / 1e6, 1)}
+                for n in topology.nodes
+            ],
+        },
+        "allowed": {
+            "cpus": format_cpulist(topology.allowed),
+            "physical_cores": len(topology.allowed_cores()),
+            "cgroup_quota_cpus": topology.quota_cpus,
+            "usable_cores": topology.usable_cores,
+        },
+        "threads": {
+            "intra_op": plan.intra_op,
+            "inter_op": plan.inter_op,
+            "openmp": plan.openmp,
+            "sets": plan.env,
+            "kept_user_set": plan.kept,
+            "environment": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "MKL_"))},
+        },
+        "backends": {
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "ipex": {"version": ipex.version, "usable": ipex.usable, "reason": ipex.reason or None},
+            "auto_chooses": {"backend": auto.backend, "int8": auto.int8, "reason": auto.reason},
+        },
+        "choices": {
+            "auto_preset": {
+                "candidate": preset.value,
+                "preset": CANDIDATES[preset.value][0],
+                "overrides": CANDIDATES[preset.value][1],
+                "reason": preset.reason,
+            },
+            "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
+        },
+        "prepared_cache": prepared_cache_summary(),
+        "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
+        # MinerU 4's renderer (the mineru4 extra): HTML, LaTeX, DOCX, EPUB, PDF from the bundle
+        "renderer": {"docvortex": _version("docvortex")},
+    }
+
+
+def render(info: dict) -> str:
+    """``collect()``'s dict as the human-readable report."""
+    t, a, th, b = info["topology"], info["allowed"], info["threads"], info["backends"]
+    isa = ", ".join(flag for flag, present in info["isa"].items() if present) or "none of the tracked flags"
+    amx = "yes" if any(info["isa"][f] for f in ("amx_tile", "amx_bf16", "amx_int8")) else "no"
+    ipex = b["ipex"]
+    ipex_line = (
+        f"{ipex['version']} ({'usable' if ipex['usable'] else ipex['reason']})" if ipex["version"] else ipex["reason"]
+    )
+    cpu, choices, cache, model = info["cpu"], info["choices"], info["prepared_cache"], info["model"]
+    capped = ", ".join(f"{k}={v}" for k, v in cpu["isa_capped_by"].items())
+    tier = cpu["isa_tier"] + (f" (hardware {cpu['hardware_isa_tier']}, capped by {capped})" if capped else "")
+    others = ", ".join(f"--model {version} ({hub_id})" for version, hub_id in model["versions"].items()
+                       if hub_id != model["default"])  # fmt: skip
+    lines = [
+        f"Model:      {model['default']} ({model['protocol_version']} protocol; MinerU 4's model); {others}",
+        "Renderer:   "
+        + (
+            f"DocVortex {info['renderer']['docvortex']} (MinerU 4's: every target of parse -f)"
+            if info["renderer"]["docvortex"]
+            else "mineru-fast's own (bundle, Markdown, content list); pip install 'mineru-fast[mineru4]' for DocVortex"
+        ),
+        f"CPU:        {cpu['model']} ({cpu['vendor']}), ISA class {tier}; "
+        f"bf16 {'native' if cpu['native_bf16'] else 'emulated'}, int8 VNNI {'yes' if cpu['vnni'] else 'no'}",
+        f"ISA:        {isa}; AMX: {amx}",
+        f"Topology:   {t['sockets']} socket(s), {t['physical_cores']} physical core(s), "
+        f"{t['logical_cpus']} logical CPU(s), {len(t['numa_nodes'])} NUMA node(s)",
+        *[f"  node {n['id']}: cpus {n['cpus']}, memory {n['memory_gb'] or '?'} GB" for n in t["numa_nodes"]],
+        f"Allowed:    cpus {a['cpus']} ({a['physical_cores']} physical core(s)), cgroup quota "
+        f"{a['cgroup_quota_cpus'] or 'none'} -> {a['usable_cores']} usable core(s)",
+        f"Threads:    intra-op {th['intra_op']}, inter-op {th['inter_op']}, OpenMP {th['openmp']}",
+        f"  parse would set: {' '.join(f'{k}={v}' for k, v in th['sets'].items()) or 'nothing'}",
+        f"  kept (user-set): {' '.join(f'{k}={v}' for k, v in th['kept_user_set'].items()) or 'nothing'}",
+        f"Backends:   stock (torch {b['torch']}, transformers {b['transformers']}); IPEX " + ipex_line,
+        f"  auto chooses: {b['auto_chooses']['backend']} (INT8 by {b['auto_chooses']['int8']}): "
+        f"{b['auto_chooses']['reason']}",
+        f"Presets:    auto runs {choices['auto_preset']['candidate']} ({choices['auto_preset']['preset']} preset"
+        f"{', ' + str(choices['auto_preset']['overrides']) if choices['auto_preset']['overrides'] else ''}): "
+        f"{choices['auto_preset']['reason']}",
+        f"  int8_kernel=auto (fast preset) runs {choices['int8_kernel_auto']['kernel']}: "
+        f"{choices['int8_kernel_auto']['reason']}",
+        "Prepared:   "
+        + (
+            f"{cache['root']}: {cache['entries']} prepared model(s), {cache['bytes'] / 1e9:.2f} GB "
+            "(loaded at start instead of quantizing; bench prints the memory table)"
+            if cache["root"]
+            else "cache off (MINERU_FAST_PREPARED_CACHE)"
+        ),
+    ]
+    return "\n".join(lines)
