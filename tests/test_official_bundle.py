@@ -1,5 +1,6 @@
 """Official lane: ``mineru-fast parse X -o OUT`` writes the tree mineru 4.0.12's ``ParseResult.save``
-writes for the same replayed outputs, and official code reads mineru-fast's bundle back.
+writes for the same replayed outputs, for both model versions, and official code reads
+mineru-fast's bundle back.
 
 The official side is official code only: ``MinerUParser(tier="advanced").parse`` with the replay
 client of ``official_replay`` (its VLM answers come from the same trace), then ``ParseResult.save``.
@@ -30,12 +31,14 @@ pytest.importorskip("mineru.parser.mineru_parser", reason="official mineru 4.0.1
 pytest.importorskip("docvortex", reason="docvortex (mineru's writer) not installed (official CI lane)")
 
 from official_replay import _CLIENT, RecordedPage, install  # noqa: E402
-from test_official_compat import SYNTHETIC  # noqa: E402
+from test_official_compat import BY_DESIGN, SYNTHETIC, VERSIONS  # noqa: E402
 
 from mineru_fast.protocol.traces import Trace, build_omnidocbench_traces, load_trace  # noqa: E402
 
-# reference_lists and table_across_pages: what continues across pages (test_continuations_are_marked_...).
-NAMES = ["visuals", "two_pages", "equations_rotation_nontext", "all_types", "reference_lists", "table_across_pages"]
+# Every synthetic document of the differential lane but the ones that differ by design (README,
+# "Output format"); reference_lists and table_across_pages continue across pages
+# (test_continuations_are_marked_...), long_document runs past official's 64-page window.
+NAMES = sorted(name for name in SYNTHETIC if f"synthetic/{name}" not in BY_DESIGN)
 WORKLOAD_PAGES = 14  # every page of the demo set, as the differential lane of test_official_compat
 
 
@@ -56,25 +59,26 @@ def run_fast(*args: str) -> subprocess.CompletedProcess:
                           timeout=1800)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def parsed(tmp_path_factory):
+def parse_all(root: Path, version: str) -> dict:
     """Inputs (the synthetic pages as PDFs, the workload page images), their traces, the official
-    bundle of each and mineru-fast's ``OUT`` from one CLI run over all of them."""
-    root = tmp_path_factory.mktemp("bundle")
+    bundle of each and mineru-fast's ``OUT`` from one CLI run over all of them, for one model
+    version (a tiny synthetic model of that version; official with image analysis on Pro-2605
+    only, as mineru-fast resolves it)."""
     inputs, traces = root / "in", root / "traces"
     inputs.mkdir()
     traces.mkdir()
     for name in NAMES:
         pages = SYNTHETIC[name]
-        images = [Image.new("RGB", (1240, 1754), "white") for _ in pages]
-        images[0].save(inputs / f"{name}.pdf", save_all=True, append_images=images[1:], resolution=150)
+        size = (620, 877) if len(pages) > 8 else (1240, 1754)  # small pages keep the long document quick
+        images = [Image.new("RGB", size, "white") for _ in pages]
+        images[0].save(inputs / f"{name}.pdf", save_all=True, append_images=images[1:], resolution=size[0] / 8.27)
         Trace(pages).save(traces / f"{name}.json")
     if WORKLOAD.exists():
         build_omnidocbench_traces(WORKLOAD / "annotations.json", WORKLOAD / "images", traces)
         for image in sorted((WORKLOAD / "images").glob("*.jpg"))[:WORKLOAD_PAGES]:
             (inputs / image.name).symlink_to(image)
     model = root / "tiny"
-    assert run_fast("synth-model", "--size", "tiny", str(model)).returncode == 0
+    assert run_fast("synth-model", "--size", "tiny", "--model-version", version, str(model)).returncode == 0
     out = root / "out"
     sources = sorted(inputs.iterdir())
     done = run_fast("parse", *map(str, sources), "-o", str(out), "--model", str(model), "--replay", str(traces),
@@ -82,19 +86,38 @@ def parsed(tmp_path_factory):
     assert done.returncode == 0, done.stderr
     official = root / "official"
     for source in sources:
-        official_bundle(source, load_trace(traces / f"{source.stem}.json"), official / source.stem)
+        trace = load_trace(traces / f"{source.stem}.json")
+        official_bundle(source, trace, official / source.stem, image_analysis=VERSIONS[version])
     bundles = {source.stem: (official / source.stem, out / source.stem) for source in sources}
     return {"bundles": bundles, "model": model, "inputs": inputs, "traces": traces}
 
 
-def official_bundle(document: Path, trace: Trace, dest: Path) -> None:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(version)``: ``parse_all`` for that version, made once per module."""
+    made: dict[str, dict] = {}
+
+    def run(version: str) -> dict:
+        if version not in made:
+            made[version] = parse_all(tmp_path_factory.mktemp(f"bundle-{version}"), version)
+        return made[version]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def parsed(runs):
+    return runs("pro-2605")
+
+
+def official_bundle(document: Path, trace: Trace, dest: Path, *, image_analysis: bool) -> None:
     """Official mineru 4.0.12 parses ``document`` with the trace's answers and saves its bundle."""
     from mineru.parser.mineru_parser import MinerUParser
     from mineru.parser.writer import FileBasedDataWriter
 
     install()
     _CLIENT.reset([RecordedPage(page.layout, list(page.contents)) for page in trace.pages])
-    MinerUParser(tier="advanced").parse(document).save(FileBasedDataWriter(str(dest)))
+    MinerUParser(tier="advanced", image_analysis=image_analysis).parse(document).save(FileBasedDataWriter(str(dest)))
 
 
 def tree(folder: Path) -> list[str]:
@@ -118,9 +141,10 @@ def documents() -> list[str]:
     return NAMES + workload[:WORKLOAD_PAGES]
 
 
+@pytest.mark.parametrize("version", sorted(VERSIONS))
 @pytest.mark.parametrize("name", documents())
-def test_cli_writes_the_tree_mineru_4_writes(parsed, name):
-    official, fast = parsed["bundles"][name]
+def test_cli_writes_the_tree_mineru_4_writes(runs, name, version):
+    official, fast = runs(version)["bundles"][name]
     assert tree(fast) == tree(official)  # markdown.md, middle_json.json, ..., images/<same names>
     fast_md, official_md = (fast / "markdown.md").read_bytes(), (official / "markdown.md").read_bytes()
     assert without_code_language(fast_md.decode()) == without_code_language(official_md.decode())
@@ -135,16 +159,17 @@ def test_cli_writes_the_tree_mineru_4_writes(parsed, name):
     assert middle["extensions"]["mineru_fast"]["status"] == "success"
 
 
+@pytest.mark.parametrize("version", sorted(VERSIONS))
 @pytest.mark.parametrize("name", documents())
-def test_official_code_reads_mineru_fasts_bundle(parsed, name):
+def test_official_code_reads_mineru_fasts_bundle(runs, name, version):
     """``ParseResult.from_json(middle_json.json).markdown()`` is mineru-fast's ``markdown.md``; the
     middle JSON and ``model_output.json`` validate against DocVortex's schema."""
     from docvortex.schema import MiddleJson, ModelJson
     from mineru.parser.base import ParseResult
 
-    _, fast = parsed["bundles"][name]
+    _, fast = runs(version)["bundles"][name]
     text = (fast / "middle_json.json").read_text(encoding="utf-8")
-    assert ParseResult.from_json(text).markdown() == (fast / "markdown.md").read_text(encoding="utf-8")
+    assert ParseResult.from_json(text).markdown() == (fast / "markdown.md").read_bytes().decode("utf-8")
     MiddleJson.from_dict(json.loads(text))
     model = ModelJson.from_dict(json.loads((fast / "model_output.json").read_text(encoding="utf-8")))
     assert len(model.pages) == len(json.loads(text)["pages"])
@@ -187,7 +212,7 @@ def test_continuations_are_marked_as_official_marks_them(parsed, name, marked, j
     mine, theirs = json.loads(text), json.loads((official / "middle_json.json").read_text(encoding="utf-8"))
     assert continuations(mine) == continuations(theirs)
     assert [(page, position) for page, position, _ in continuations(mine)] == marked
-    markdown = (fast / "markdown.md").read_text(encoding="utf-8")
+    markdown = (fast / "markdown.md").read_bytes().decode("utf-8")
     assert all(part in markdown for part in joined)
     assert ParseResult.from_json(text).markdown() == markdown
 
@@ -197,7 +222,7 @@ def test_docvortex_renders_every_target_from_mineru_fasts_bundle(parsed, tmp_pat
 
     _, fast = parsed["bundles"]["visuals"]
     outputs = {target: render(fast, target) for target in TARGETS}
-    assert outputs["markdown"] == (fast / "markdown.md").read_text(encoding="utf-8")
+    assert outputs["markdown"] == (fast / "markdown.md").read_bytes().decode("utf-8")
     assert outputs["structured_content"] == json.loads((fast / "structured_content.json").read_text(encoding="utf-8"))
     assert "<table" in outputs["html"] and "Fig. 1a" in outputs["html"]
     assert "\\begin{document}" in outputs["latex"]
