@@ -131,10 +131,10 @@ def chat_runs(parser, model: str, pages, count: int) -> list[dict]:
 
     from mineru_fast.serve import ServeConfig, create_app
 
-    tokenizer = parser.engine.preprocessor.tokenizer
+    preprocessor = parser.engine.preprocessor
     bodies = crop_requests(pages, count)
     for body in bodies:
-        n = len(tokenizer.encode(body.pop("_text"), add_special_tokens=False)) + 1
+        n = len(preprocessor.text_ids(body.pop("_text"))) + 1
         body["max_tokens"] = body["min_tokens"] = n
     config = ServeConfig(model=model, port=0)
     app = create_app(config, parser_factory=lambda: parser)

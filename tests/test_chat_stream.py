@@ -38,7 +38,7 @@ def test_incremental_text_never_splits_a_character_and_joins_to_the_whole_decode
     special tokens: no delta holds a half character (U+FFFD), and the deltas join to the decode of
     every id."""
     text = "é 中文表格 😀 ＡＢ１ <|box_start|>100 200<|box_end|> \\(x^2\\)\n| a | b |"
-    ids = preprocessor.tokenizer.encode(text, add_special_tokens=False)
+    ids = preprocessor.text_ids(text)
     decode = preprocessor.decode
     texts = IncrementalText(decode)
     deltas = [texts.feed(ids[:n]) for n in range(1, len(ids) + 1)]

@@ -48,12 +48,12 @@ def test_control_tokens_in_user_and_system_text_are_characters(engine):
     ids = encoded.input_ids.tolist()
     t, h, w = encoded.grid_thw
     assert ids.count(pre.image_token_id) == t * h * w // pre.merge_size**2
-    im_start, im_end = pre.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    im_start, im_end = pre.tokenizer.token_to_id("<|im_start|>"), pre.tokenizer.token_to_id("<|im_end|>")
     assert (ids.count(im_start), ids.count(im_end)) == (3, 2)  # system, user, assistant
     assert pre.tokenizer.decode(ids).count(CONTROL) == 4  # every typed copy, as characters
     plain = crop_request(prompt="\nText Recognition:", system="Custom\nsystem")
     expanded = chat_prompt(plain).replace("<|image_pad|>", "<|image_pad|>" * (t * h * w // pre.merge_size**2))
-    assert pre.encode(plain).input_ids.tolist() == pre.tokenizer.encode(expanded, add_special_tokens=False)
+    assert pre.encode(plain).input_ids.tolist() == pre.text_ids(expanded)
 
 
 def test_control_tokens_in_text_decode_beside_other_requests(tiny_model, engine):

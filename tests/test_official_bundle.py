@@ -53,10 +53,21 @@ def fast_python() -> str:
     pytest.skip("no interpreter with mineru-fast's dependencies ($MINERU_FAST_PYTHON, .venv-ci or .venv)")
 
 
-def run_fast(*args: str) -> subprocess.CompletedProcess:
+def start_fast(*args: str, log: Path | None = None) -> subprocess.Popen:
+    """mineru-fast's CLI in its own interpreter (1 thread), running while the caller goes on; its
+    output goes to the file ``log`` (a full pipe would stall it), else to pipes."""
+    command = [fast_python(), "-m", "mineru_fast", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([fast_python(), "-m", "mineru_fast", *args], capture_output=True, text=True, env=env,
-                          timeout=1800)  # fmt: skip
+    if log is None:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with log.open("w") as sink:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def run_fast(*args: str) -> subprocess.CompletedProcess:
+    process = start_fast(*args)
+    stdout, stderr = process.communicate(timeout=1800)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def parse_all(root: Path, version: str) -> dict:
@@ -81,13 +92,19 @@ def parse_all(root: Path, version: str) -> dict:
     assert run_fast("synth-model", "--size", "tiny", "--model-version", version, str(model)).returncode == 0
     out = root / "out"
     sources = sorted(inputs.iterdir())
-    done = run_fast("parse", *map(str, sources), "-o", str(out), "--model", str(model), "--replay", str(traces),
-                    "--preset", "exact", "--progress", "none")  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    # mineru-fast's parse runs in its process while official parses here: two CPU-bound sides at once.
+    log = root / "parse.log"
+    fast = start_fast("parse", *map(str, sources), "-o", str(out), "--model", str(model), "--replay", str(traces),
+                      "--preset", "exact", "--progress", "none", log=log)  # fmt: skip
     official = root / "official"
-    for source in sources:
-        trace = load_trace(traces / f"{source.stem}.json")
-        official_bundle(source, trace, official / source.stem, image_analysis=VERSIONS[version])
+    try:
+        for source in sources:
+            trace = load_trace(traces / f"{source.stem}.json")
+            official_bundle(source, trace, official / source.stem, image_analysis=VERSIONS[version])
+        fast.wait(timeout=1800)
+    finally:
+        fast.kill()  # no-op once it has ended
+    assert fast.returncode == 0, log.read_text()[-4000:]
     bundles = {source.stem: (official / source.stem, out / source.stem) for source in sources}
     return {"bundles": bundles, "model": model, "inputs": inputs, "traces": traces}
 

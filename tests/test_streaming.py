@@ -84,32 +84,39 @@ def table_crop_page() -> Image.Image:
     return page
 
 
+def table_trace(rows: int) -> Trace:
+    """A one-table page whose table has ``rows`` rows of 9 cells (~47 output tokens a row)."""
+    otsl = "".join(
+        f"<fcel>Row {r} item name<fcel>{r * 7.25:.2f}<fcel>{r * 13 % 97}<fcel>{r}%<fcel>{r * 3.5:.1f} kg"
+        f"<fcel>{2000 + r}<fcel>{r * r}<fcel>{r * 0.125:.3f}<fcel>ok<nl>"
+        for r in range(rows)
+    )
+    layout = "<|box_start|>010 010 990 990<|box_end|><|ref_start|>table<|ref_end|><|rotate_up|>"
+    return Trace([PageTrace(layout, [otsl])])
+
+
 @pytest.mark.slow
 def test_a_long_table_comes_out_whole_even_under_a_token_bound(tiny_model, parser, capsys, tmp_path):
     """A 100-row table (~4,700 output tokens after a ~2,000-token image prompt) used to be cut at
     the 6,144-position KV buffer; output bounds now count generated tokens only, and bound free
     decoding, not a replayed output (as ``serve`` replays)."""
-    rows = "".join(
-        f"<fcel>Row {r} item name<fcel>{r * 7.25:.2f}<fcel>{r * 13 % 97}<fcel>{r}%<fcel>{r * 3.5:.1f} kg"
-        f"<fcel>{2000 + r}<fcel>{r * r}<fcel>{r * 0.125:.3f}<fcel>ok<nl>"
-        for r in range(100)
-    )
-    layout = "<|box_start|>010 010 990 990<|box_end|><|ref_start|>table<|ref_end|><|rotate_up|>"
-    trace = Trace([PageTrace(layout, [rows])])
-    (page,) = parser.parse(table_crop_page(), replay=trace).pages
+    (page,) = parser.parse(table_crop_page(), replay=table_trace(100)).pages
     (block,) = page.blocks
     assert block.finish_reason == "stop" and page.status == "success"
     assert block.content.count("<tr>") == 100 and len(block.logprobs) > 4500
 
+    # Through the CLI, a 15-row table (~700 tokens) replayed under a 500-token table bound.
     image = tmp_path / "table.png"
     table_crop_page().save(image)
     trace_path = tmp_path / "table.json"
-    trace.save(trace_path)
+    table_trace(15).save(trace_path)
     args = ["parse", str(image), "-o", str(tmp_path / "out"), "--model", str(tiny_model), "--replay", str(trace_path)]
     assert main([*args, "--preset", "exact", "--max-new-tokens", "table=500", "--quiet", "-f", "2.x"]) == 0
     assert "was cut" not in capsys.readouterr().err
     saved = json.loads((tmp_path / "out" / "table" / "table.json").read_text())
-    assert saved["status"] == "success" and saved["pages"][0]["blocks"][0]["finish_reason"] == "stop"
+    (saved_block,) = saved["pages"][0]["blocks"]
+    assert saved["status"] == "success" and saved_block["finish_reason"] == "stop"
+    assert saved_block["content"].count("<tr>") == 15
 
 
 @pytest.mark.slow

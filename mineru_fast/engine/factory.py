@@ -14,6 +14,7 @@ from pathlib import Path
 from mineru_fast.engine.base import DTYPES
 from mineru_fast.engine.interface import Engine
 from mineru_fast.engine.kernels import int8_gemv_status
+from mineru_fast.engine.memory import pin_mmap_threshold
 from mineru_fast.engine.numerics import describe, warn_if_emulated_bf16
 from mineru_fast.engine.quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 from mineru_fast.options import TASKS, ParserOptions
@@ -35,6 +36,7 @@ def build_engine(model_dir: Path, options: ParserOptions, prepared_cache: bool |
 
     Loading, quantization and kernel checks run in a thread of their own that ends before this
     returns, so the calling thread never starts an OpenMP pool (``threads.in_fresh_thread``).
+    Page-sized buffers are kept out of the heap from here on (``memory.pin_mmap_threshold``).
 
     Args:
         model_dir: checkpoint directory.
@@ -47,6 +49,7 @@ def build_engine(model_dir: Path, options: ParserOptions, prepared_cache: bool |
         ModelLoadError: the checkpoint cannot be loaded.
     """
     set_torch_threads(options.threads)
+    pin_mmap_threshold()
     root = prepared_cache_root(prepared_cache)
     return in_fresh_thread(lambda: _build(model_dir, options, root))
 

@@ -1,12 +1,13 @@
 """Requests -> model inputs, and generated ids -> text: shared by every engine.
 
-Images go through the checkpoint's own image processor (``AutoImageProcessor``: smart resize to
-multiples of 28 px, CLIP normalization, 14 px patches in 2x2 merge-window order, each image
-repeated to 2 frames) and prompts through its tokenizer, so all engines see identical inputs.
-``AutoProcessor`` is not used: in transformers 5 the Qwen2-VL processor also builds a video
-processor, which needs torchvision, and no torchvision release installs beside the CPU build of
-torch 2.13. The single ``<|image_pad|>`` of the prompt is expanded to
-``t * h * w / merge_size**2`` copies, as the processor does.
+Images go through Qwen2-VL's preprocessing with the checkpoint's settings
+(``engine.image_processor``: smart resize to multiples of 28 px, CLIP normalization, 14 px patches
+in 2x2 merge-window order, each image repeated to 2 frames) and prompts through the checkpoint's
+tokenizer (``tokenizer.json`` read by the ``tokenizers`` library), so all engines see identical
+inputs. transformers is not imported here: its tokenizer and image-processor modules cost about
+3 s and 150 MB at every start-up, and give the same ids and pixels (``tests/test_preprocess.py``).
+The single ``<|image_pad|>`` of the prompt is expanded to ``t * h * w / merge_size**2`` copies, as
+Qwen2-VL's processor does.
 
 Text is text: the template's control tokens are inserted as ids, and the text between them (the
 system prompt, the user's text) is tokenized with special tokens treated as plain text (vLLM's and
@@ -18,15 +19,20 @@ template (``chat_prompt``).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from mineru_fast.engine.base import GenerationRequest
+from mineru_fast.engine.image_processor import ImageProcessor
 from mineru_fast.errors import ModelLoadError
 from mineru_fast.protocol.spec import END_TOKENS, IMAGE_PLACEHOLDER, SYSTEM_PROMPT
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # of chat_prompt
 
@@ -63,40 +69,54 @@ class EncodedRequest:
     forced: list[int] | None
 
 
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The checkpoint's tokenizer (``tokenizer.json``, as MinerU2.5's hub repositories ship it) as a
+    ``tokenizers.Tokenizer``.
+
+    Raises:
+        ModelLoadError: the file is missing or malformed; the message says how to write it from
+            ``vocab.json`` / ``merges.txt`` with transformers.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{model_dir} has no tokenizer.json; write it once with transformers: "
+            f"AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ModelLoadError(f"cannot load the tokenizer {path}: {exc}") from exc
+
+
 class Preprocessor:
     """Tokenizer and image processor of a checkpoint directory.
 
     Raises:
-        ModelLoadError: the directory lacks tokenizer or image processor files.
+        ModelLoadError: the directory lacks tokenizer or image processor files, or they are not
+            Qwen2-VL's.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoImageProcessor, AutoTokenizer
-        from transformers import logging as hf_logging
-
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the missing-torchvision fallback notice is expected
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"cannot load tokenizer/image processor from {model_dir}: {exc}") from exc
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        self.tokenizer = load_tokenizer(model_dir)
+        self._encode_lock = threading.Lock()
+        self.image_processor = ImageProcessor.from_pretrained(model_dir)
         self.end_ids: list[int] = [self._token_id(t, model_dir) for t in END_TOKENS]
         self.image_token_id = self._token_id("<|image_pad|>", model_dir)
         self._control_ids = {t: self._token_id(t, model_dir) for t in CONTROL_TOKENS}
         self.merge_size = self.image_processor.merge_size
-        # The image processor resizes every image to at most size["longest_edge"] pixels (Qwen2-VL's
-        # max_pixels; 2048 * 28 * 28 for MinerU2.5), i.e. this many LM tokens after the 2x2 merge.
-        max_pixels = self.image_processor.size["longest_edge"]
-        self.max_image_tokens = max_pixels // (self.image_processor.patch_size * self.merge_size) ** 2
+        # The image processor resizes every image to at most max_pixels pixels (2048 * 28 * 28 for
+        # MinerU2.5), i.e. this many LM tokens after the 2x2 merge.
+        window = self.image_processor.patch_size * self.merge_size
+        self.max_image_tokens = self.image_processor.max_pixels // window**2
 
     def _token_id(self, token: str, model_dir: str | Path) -> int:
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if not isinstance(token_id, int) or token_id == self.tokenizer.unk_token_id:
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
             raise ModelLoadError(f"the tokenizer of {model_dir} has no {token} token")
-        return token_id
+        return int(token_id)
 
     def encode(self, request: GenerationRequest, max_prompt_tokens: int | None = None) -> EncodedRequest:
         """Prompt ids and pixels of a request.
@@ -111,17 +131,16 @@ class Preprocessor:
         """
         pieces = self._template_pieces(request)
         texts = [p for p in pieces if isinstance(p, str)]
-        tokenized = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        tokenized = iter(self.plain_text_ids(texts))
         text_ids = [p if not isinstance(p, str) else next(tokenized) for p in pieces]
         text_tokens = sum(len(p) for p in text_ids if p is not None)
         if max_prompt_tokens is not None and text_tokens > max_prompt_tokens:
             raise ValueError(f"the prompt's text has {text_tokens} tokens, more than the {max_prompt_tokens} allowed")
-        image = self.image_processor(images=[request.image], return_tensors="pt")
-        grid = tuple(int(v) for v in image["image_grid_thw"][0])
+        pixel_values, grid = self.image_processor(request.image)
         n_image_tokens = grid[0] * grid[1] * grid[2] // self.merge_size**2
         ids = [t for p in text_ids for t in (p if p is not None else [self.image_token_id] * n_image_tokens)]
         forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
-        return EncodedRequest(torch.tensor(ids, dtype=torch.long), image["pixel_values"], grid, forced)  # type: ignore[arg-type]
+        return EncodedRequest(torch.tensor(ids, dtype=torch.long), pixel_values, grid, forced)
 
     def _template_pieces(self, request: GenerationRequest) -> list[str | list[int] | None]:
         """``chat_prompt(request)`` as control-token ids (lists), the place of the image pads
@@ -144,15 +163,31 @@ class Preprocessor:
             "assistant\n",
         ]
 
+    def plain_text_ids(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text with special tokens as plain characters (transformers'
+        ``split_special_tokens=True``); added tokens that are not special (OTSL's) still match.
+        The switch is the tokenizer's own state, so it is flipped under ``_encode_lock``."""
+        with self._encode_lock:
+            self.tokenizer.encode_special_tokens = True
+            try:
+                return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+            finally:
+                self.tokenizer.encode_special_tokens = False
+
+    def text_ids(self, text: str) -> list[int]:
+        """Ids of a model output ``text``, its special tokens (boxes, refs, OTSL) matched as tokens."""
+        with self._encode_lock:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+
     def forced_ids(self, text: str) -> list[int]:
         """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""
-        return self.tokenizer.encode(text, add_special_tokens=False) + [self.end_ids[0]]
+        return self.text_ids(text) + [self.end_ids[0]]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """Output text of generated ids, end tokens dropped; special tokens kept unless
         ``skip_special_tokens`` (MinerU's outputs need them: boxes, refs, OTSL)."""
         ids = [t for t in token_ids if t not in self.end_ids]
-        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))  # one sequence in
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def mrope_positions(self, encoded: EncodedRequest) -> torch.Tensor:
         """M-RoPE positions ``[3, L]`` (temporal, height, width) of a prompt with one image.

@@ -577,7 +577,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
         if generation is not None:
             return generation
         pre = parser.engine.preprocessor
-        model_pixels = pre.max_image_tokens * (pre.image_processor.patch_size * pre.merge_size) ** 2
+        model_pixels = pre.image_processor.max_pixels
         decoder = ChatImageDecoder(service.require_ready().budget, options.max_image_pixels, model_pixels)
         await run_in_threadpool(decoder.reserve, plan.image_data)
         generation = admission.join(key)  # a twin may have started while the header was read
