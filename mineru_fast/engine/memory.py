@@ -41,7 +41,7 @@ def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     glibc raises its threshold to the size of each large block freed (up to 32 MiB), so after the
     first page image (11 MB) is freed, later page images, layout inputs and crop batches come from
     the heap, where they fragment it: over a 300-page CLI run on the tiny model the peak resident
-    size rose from 1.04 to 1.06 GB, against a flat 0.92 GB with the threshold pinned
+    size rose from 1.04 to 1.06 GB, against a flat 0.92 GB with the threshold pinned (at 1 MiB)
     (``benchmarks/README.md``, "Long documents"). Pinning it also fixes glibc's trim threshold, so
     ``trim_heap`` still returns freed heap tops.
 
