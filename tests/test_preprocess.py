@@ -102,6 +102,8 @@ def test_smart_resize_bounds():
         ({"do_normalize": False}, "do_normalize turned off"),
         ({"size": {}}, "no pixel bounds"),
         ({"image_mean": None}, "bad image processor settings"),
+        ({"image_std": [0.5]}, "one value per RGB channel"),
+        ({"size": 3136}, "not a mapping"),
     ],
 )
 def test_other_image_processors_are_refused(tiny_model, tmp_path, change, message):

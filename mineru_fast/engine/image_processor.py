@@ -101,6 +101,8 @@ class ImageProcessor:
         if off:
             raise ModelLoadError(f"{path}: {', '.join(off)} turned off; MinerU2.5's preprocessing does every step")
         size = config.get("size") or {}
+        if not isinstance(size, dict):
+            raise ModelLoadError(f"{path}: bad image processor settings: size is {size!r}, not a mapping")
         # transformers reads the bounds from size (shortest/longest edge, or min/max pixels there)
         # and lets top-level min_pixels / max_pixels override them.
         min_pixels = config.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
@@ -108,6 +110,8 @@ class ImageProcessor:
         if min_pixels is None or max_pixels is None:
             raise ModelLoadError(f"{path}: no pixel bounds (size.shortest_edge / longest_edge or min/max_pixels)")
         try:
+            if len(config["image_mean"]) != 3 or len(config["image_std"]) != 3:
+                raise ValueError("image_mean and image_std need one value per RGB channel")
             return cls(
                 min_pixels=int(min_pixels),
                 max_pixels=int(max_pixels),
