@@ -75,11 +75,13 @@ class ParserOptions:
             not depend on what it is batched with (a row's output is bitwise the same alone or
             beside others); per tensor, one scale follows the largest value of the whole call. On a
             trained Qwen2 LM of MinerU2.5's shape with real document text (benchmarks/README.md,
-            "Numerics on a trained language model") per-token INT8 agreed with fp32 on all 505
-            confident forced steps (fp32 top-1 probability >= 0.5; bf16 too) and on 94.6 % of all
-            943 (bf16 98.4 %), its free-running outputs as often identical as bf16's (4 of 6);
-            per tensor on 76.2 % and 56.6 %, for a per-page speed gain of 11 % (118.8 against
-            132.9 s per page, ``mineru-fast bench --quick`` rows, AMD EPYC, 2026-12-01, 2 threads).
+            "Numerics on a trained language model") per-token INT8 agreed with fp32 on 99.6 % of
+            493 confident forced steps (fp32 top-1 probability >= 0.5; bf16 99.8 %, llama.cpp's
+            Q8_0 100 %) and on 94.6 % of all 943 (bf16 98.1 %, Q8_0 98.5 %: its 32-value block
+            scales are finer than per channel / per token), its free-running outputs as often
+            identical as theirs (12 of 12); per tensor on 75.1 % and 55.6 % (1 of 12), for a
+            per-page speed gain of 11 % (118.8 against 132.9 s per page, ``mineru-fast bench
+            --quick`` rows, AMD EPYC, 2026-12-01, 2 threads).
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import WORKLOAD, need
@@ -132,3 +134,108 @@ def test_content_requests_are_small_images_with_ground_truth():
         assert sum(lengths[:-1]) < 50
     assert all(r.forced_text is None and r.sampling.max_new_tokens == FREE_TOKENS for _, r in free)
     assert len({task for task, _ in free}) == len(free)  # one per block type
+
+
+def test_greedy_from_top_applies_the_rules_to_the_tokens_given():
+    """Penalties move the choice among the given tokens; a winner that could lie outside them,
+    a prefix that cannot be asked, and the end token each end the decode as they should."""
+    from mineru_fast.bench.fidelity import greedy_from_top
+    from mineru_fast.protocol.spec import SamplingParams
+
+    presence = SamplingParams(presence_penalty=1.0, max_new_tokens=3)
+    three = [(5, -0.1), (6, -0.2), (7, -3.0)]
+    # 5 first; then 5 costs 1.0 more (-1.1) and 6 (-0.2) wins; then 5 (-1.1) beats 6 (-1.2)
+    assert greedy_from_top(lambda prefix: three, presence, 16, [9]) == ([5, 6, 5], "ok")
+    two = [(5, -0.1), (6, -0.2)]  # at the third step both are penalized below -0.2: a token not given may win
+    assert greedy_from_top(lambda prefix: two, presence, 16, [9]) == ([5, 6], "undetermined")
+    assert greedy_from_top(lambda prefix: None if prefix else two, presence, 16, [9]) == ([5], "untokenizable")
+    ending = [(9, -0.01), (5, -5.0)]
+    assert greedy_from_top(lambda prefix: ending, presence, 16, [9]) == ([9], "ok")
+    with pytest.raises(ValueError, match="repetition penalty"):
+        greedy_from_top(lambda prefix: ending, SamplingParams(repetition_penalty=1.05), 16, [9])
+
+
+def test_greedy_from_top_reproduces_the_engines_own_free_run(engines):
+    """Fed the engine's own logits (its 20 best tokens at each step, from prefill + decode steps as
+    the engine's loop computes them), the oracle decode gives the engine's free-running tokens:
+    the protocol's rules (penalties, bans, the end token) are applied as the engine applies them."""
+    from dataclasses import replace
+
+    from mineru_fast.bench.fidelity import _prompt_embeds, greedy_from_top
+
+    engine = engines["fp32"]
+    _, request = page_requests(load_workload(1)[0], ParserOptions())[1]
+    request = replace(request, forced_text=None, sampling=replace(request.sampling, max_new_tokens=40))
+
+    @torch.inference_mode()
+    def top(prefix: list[int]) -> list[tuple[int, float]]:
+        encoded, embeds, positions = _prompt_embeds(engine, request)
+        logits = engine.lm.prefill(embeds[None], positions[:, None], 0)[0]
+        rope, cache = int(positions.max()) + 1, len(encoded.input_ids)
+        for step, token in enumerate(prefix):
+            logits = engine.lm.decode(torch.tensor([token]), torch.tensor([rope + step]), torch.tensor([cache + step]))[
+                0
+            ]
+        values, ids = logits.topk(20)
+        return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+    expected = engine.generate([request])[0].token_ids
+    tokens, status = greedy_from_top(top, request.sampling, engine.vocab_size, engine.preprocessor.end_ids)
+    assert status == "ok" and tokens == expected and len(expected) > 5
+
+
+class _FakeLlamaServer:
+    """llama-server's three endpoints LlamaCppSteps uses, answered with this package's tokenizer
+    (llama.cpp's tokenizes Qwen2 text the same way) and an image of ``image_tokens`` tokens."""
+
+    marker = "<__media_test__>"
+
+    def __init__(self, preprocessor, image_tokens: int) -> None:
+        self.pre, self.image_tokens, self.bodies = preprocessor, image_tokens, []
+
+    def call(self, path: str, body: dict | None = None) -> dict:
+        if path == "/props":
+            return {"media_marker": self.marker}
+        if path == "/tokenize":
+            return {"tokens": self.pre.text_ids(body["content"])}
+        self.bodies.append(body)
+        before, rest = body["prompt"]["prompt_string"].split(self.marker)
+        evaluated = len(self.pre.text_ids(before + "<|vision_start|>")) + self.image_tokens
+        evaluated += len(self.pre.text_ids("<|vision_end|>" + rest))
+        return {
+            "tokens_evaluated": evaluated,
+            "completion_probabilities": [{"top_logprobs": [{"id": 7, "logprob": -0.5}]}],
+        }
+
+
+def test_llama_cpp_steps_send_the_engines_prompt_and_refuse_what_does_not_round_trip(engines):
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mineru_fast.bench.fidelity import CONTENT_IMAGE, CONTENT_IMAGE_TOKENS, LLAMA_CPP_TOP, LlamaCppSteps
+    from mineru_fast.errors import BenchmarkError
+
+    pre = engines["fp32"].preprocessor
+    _, request = page_requests(load_workload(1)[0], ParserOptions())[1]
+    request = replace(request, image=request.image.resize(CONTENT_IMAGE))
+    encoded = pre.encode(request)
+    image_tokens = int((encoded.input_ids == pre.image_token_id).sum())
+    server = _FakeLlamaServer(pre, image_tokens)
+    steps = LlamaCppSteps(server, pre)
+    prompt = steps.prompt(request)
+    assert prompt.tokens == len(encoded.input_ids) and image_tokens == CONTENT_IMAGE_TOKENS == 8
+    assert Image.open(io.BytesIO(base64.b64decode(prompt.png_b64))).tobytes() == request.image.tobytes()
+    prefix = pre.text_ids("Hello")
+    assert steps.top(prompt, prefix) == [(7, -0.5)]
+    body = server.bodies[-1]
+    assert body["n_predict"] == 1 and body["n_probs"] == LLAMA_CPP_TOP and body["cache_prompt"] is True
+    assert body["logit_bias"] == [[pre.tokenizer.token_to_id("a"), 1e4]]
+    text = body["prompt"]["prompt_string"]
+    assert text.count(server.marker) == 1 and text.endswith("assistant\nHello")
+    split = pre.text_ids("龘")  # a character the vocabulary holds as byte-level tokens (3 bytes, 2 tokens)
+    assert len(split) > 1 and steps.top(prompt, split[:1]) is None
+    server.image_tokens = 4  # llama.cpp giving the image another number of tokens is an error, not a row
+    with pytest.raises(BenchmarkError, match="evaluated"):
+        steps.top(prompt, prefix)

@@ -24,7 +24,7 @@ Real text (``run_content``, spec ``"mode": "content"``): on a checkpoint whose l
 trained (``hub.lm_source``: a GGUF's weights beside a random vision tower), the content
 requests of the workload's pages are teacher-forced with the ground-truth text (text blocks as
 text, tables as OTSL, formulas as LaTeX: ``traces.build_omnidocbench_traces``), each crop shrunk
-to ``CONTENT_IMAGE`` (4 image tokens, so the random vision's features are a small part of every
+to ``CONTENT_IMAGE`` (8 image tokens, so the random vision's features are a small part of every
 prompt). A sequence's forced steps come from one prefill (``forced_logits_prefill``). Reported per
 block type and per token class (plain text, or ``SPECIAL_FROM`` and up: Qwen2-VL's special tokens,
 the end token, MinerU's own OTSL / layout tokens), over all steps and over the steps where the
@@ -32,7 +32,9 @@ float32 engine is confident (its top-1 softmax probability >= ``CONFIDENT_P``): 
 under any perturbation and says nothing about a format. Then a few blocks of each type decode
 freely (greedy with the protocol's decoding rules, at most ``FREE_TOKENS`` new tokens, batch 1)
 through the engine's own loop: the share of outputs identical to the float32 engine's, and the
-median number of tokens before the first difference.
+median number of tokens before the first difference. llama.cpp's Q8_0 of the same checkpoint,
+as MinerU 4 runs it on a CPU, can be measured on the same requests (``_llama_cpp_row``: forced
+top-1 and free running, through its server's next-token log-probabilities; no cosine).
 
 Configurations run one after another (the float32 engine first; its logits are kept in float16
 for the cosine, its top-1 token and probability from the float32 values), so one full-size model
@@ -44,7 +46,10 @@ Run one comparison (the benchmark does this in a subprocess):
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -64,10 +69,15 @@ from mineru_fast.protocol.spec import LAYOUT_TASK, layout_image, prompt_for
 FP32 = {"preset": "exact", "overrides": {"lm_quant": "none", "lm_head_quant": "none"}}  # the float32 engine
 CONFIDENT_P = 0.5  # a step is confident when the float32 engine's top-1 softmax probability is >= this
 SPECIAL_FROM = 151643  # token ids from here are special: Qwen2-VL's (protocol.QWEN2VL_SPECIAL_TOKENS), then MinerU's
-CONTENT_IMAGE = (56, 56)  # crops shrunk to this: 4x4 patches, 4 image tokens (the processor's minimum, 56 * 56 pixels)
+# Crops shrunk to this (width, height): 8x4 patches, 8 image tokens, the fewest llama.cpp's Qwen2-VL
+# preprocessing keeps unresized (its minimum of 8 tokens, tools/mtmd/clip.cpp), so both engines
+# see the same pixels.
+CONTENT_IMAGE = (112, 56)
+CONTENT_IMAGE_TOKENS = (CONTENT_IMAGE[0] // 28) * (CONTENT_IMAGE[1] // 28)  # a token: 2x2 patches of 14 pixels
 FREE_TOKENS = 64  # most new tokens of a free-running block
 CONTENT_TASKS = ("text", "table", "equation")
-LLAMA_CPP_ROW = "llama.cpp Q8_0 (same weights)"  # MinerU 4's CPU runtime; filled by the side-by-side tooling
+LLAMA_CPP_ROW = "llama.cpp Q8_0 (same weights)"  # MinerU 4's CPU runtime (bench.llamacpp's tools)
+LLAMA_CPP_TOP = 20  # log-probabilities llama-server returns per step (its n_probs)
 
 # The precisions and kernels the project offers, against the float32 engine (``run_content``'s default).
 CONTENT_CONFIGS: dict[str, dict] = {
@@ -223,14 +233,19 @@ class StepGroups:
     Attributes:
         counts: group -> ``[steps, top-1 equal, sum of logits cosines]``.
         cosine_min: the lowest step cosine.
+        cosine_measured: no ``add`` came without cosines.
     """
 
     counts: dict[str, list] = field(default_factory=dict)
     cosine_min: float = 1.0
+    cosine_measured: bool = True
 
-    def add(self, task: str, targets: torch.Tensor, same: torch.Tensor, cosine: torch.Tensor, confident: torch.Tensor):
+    def add(
+        self, task: str, targets: torch.Tensor, same: torch.Tensor, cosine: torch.Tensor | None, confident: torch.Tensor
+    ) -> None:
         """Count a sequence's steps: ``targets`` ``[T]`` int64 forced tokens, ``same`` ``[T]`` bool
-        (top-1 equal), ``cosine`` ``[T]`` float64, ``confident`` ``[T]`` bool."""
+        (top-1 equal), ``cosine`` ``[T]`` float64 (None: no logits to compare, as from llama.cpp,
+        whose server returns only the top log-probabilities), ``confident`` ``[T]`` bool."""
         special = targets >= SPECIAL_FROM
         masks = {"all": torch.ones_like(same), task: torch.ones_like(same), "plain text": ~special, "special": special}
         for name, mask in list(masks.items()):
@@ -239,17 +254,22 @@ class StepGroups:
             counts = self.counts.setdefault(name, [0, 0, 0.0])
             counts[0] += int(mask.sum())
             counts[1] += int((same & mask).sum())
-            counts[2] += float(cosine[mask].sum())
-        self.cosine_min = min(self.cosine_min, float(cosine.min()))
+            counts[2] += float(cosine[mask].sum()) if cosine is not None else 0.0
+        if cosine is None:
+            self.cosine_measured = False
+        elif len(cosine):
+            self.cosine_min = min(self.cosine_min, float(cosine.min()))
 
     def summary(self) -> dict:
-        """``{group: {"steps", "top1_pct", "mean_cosine"}}`` (groups with steps) and ``min_cosine``."""
+        """``{group: {"steps", "top1_pct", "mean_cosine"}}`` (groups with steps; ``mean_cosine`` None
+        where no cosine was given) and ``min_cosine`` (None likewise)."""
+        measured = self.cosine_measured
         groups = {
-            name: {"steps": n, "top1_pct": 100 * same / n, "mean_cosine": total / n}
+            name: {"steps": n, "top1_pct": 100 * same / n, "mean_cosine": total / n if measured else None}
             for name, (n, same, total) in self.counts.items()
             if n
         }
-        return {"groups": groups, "min_cosine": self.cosine_min}
+        return {"groups": groups, "min_cosine": self.cosine_min if measured else None}
 
 
 @dataclass
@@ -350,6 +370,205 @@ def _free_summary(outputs: list[list[int]], reference: list[list[int]], tasks: l
     }
 
 
+@dataclass(frozen=True)
+class LlamaCppPrompt:
+    """One request's prompt as llama-server takes it: ``before`` (the text up to the image, as a
+    string), the image (``png_b64``), the token ids after it (``after``: the prompt's rest), and
+    ``tokens``, its length in this engine's ids (image tokens included)."""
+
+    before: str
+    png_b64: str
+    after: list[int]
+    tokens: int
+
+
+class LlamaCppSteps:
+    """llama.cpp's next-token log-probabilities after a prompt and a prefix of output tokens.
+
+    Each ``top`` call is one ``/completion`` request: the prompt as text around llama-server's
+    media marker (the same image as a PNG, so the same pixels), ``n_predict`` 1 and ``n_probs``
+    ``LLAMA_CPP_TOP``, which llama-server reports from the raw logits (before any sampling rule;
+    a logit bias makes it sample a plain ASCII token, as it reports nothing after a token that
+    ends inside a UTF-8 character).
+    Successive calls on one sequence reuse slot 0's KV cache (``cache_prompt``), so each costs
+    about one decode step. llama-server takes a multimodal prompt only as text, so the ids are
+    decoded and llama.cpp tokenizes them again: a step whose text tokenizes back to other ids
+    (a prefix ending inside a UTF-8 character, or a word piece the tokenizer would merge
+    differently) cannot be asked and ``top`` returns None. Every asked prompt is checked: its
+    text tokenizes back to exactly this engine's ids (``/tokenize``) and llama.cpp evaluated as
+    many tokens (so its image took as many tokens as this engine's).
+
+    Args:
+        server: a running ``bench.llamacpp.LlamaServer`` of the same checkpoint's Q8_0 GGUF pair.
+        preprocessor: this engine's ``Preprocessor`` (its tokenizer and chat template).
+
+    Raises (``top``):
+        BenchmarkError: llama.cpp evaluated another number of tokens than the prompt has.
+        LlamaCppUnavailable: the server failed.
+    """
+
+    def __init__(self, server, preprocessor) -> None:
+        self.server, self.pre = server, preprocessor
+        self.marker = server.call("/props")["media_marker"]
+        vocab = preprocessor.tokenizer
+        self.vision_start, self.vision_end = vocab.token_to_id("<|vision_start|>"), vocab.token_to_id("<|vision_end|>")
+        # The token every request samples (its probabilities are the raw logits', before any bias):
+        # llama-server reports none for a sampled token that ends inside a UTF-8 character.
+        self.plain_id = vocab.token_to_id("a")
+
+    def _text(self, ids: list[int]) -> str:
+        return self.pre.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _round_trips(self, text: str, ids: list[int]) -> bool:
+        return self.server.call("/tokenize", {"content": text, "parse_special": True})["tokens"] == ids
+
+    def prompt(self, request: GenerationRequest) -> LlamaCppPrompt:
+        """``request``'s prompt split at its image (one image, as every content request has).
+
+        Raises:
+            BenchmarkError: the prompt's text before the image does not tokenize back to its ids.
+        """
+        from mineru_fast.errors import BenchmarkError
+
+        ids = self.pre.encode(request).input_ids.tolist()
+        first = ids.index(self.pre.image_token_id)
+        last = len(ids) - 1 - ids[::-1].index(self.pre.image_token_id)
+        if ids[first - 1] != self.vision_start or ids[last + 1] != self.vision_end:
+            raise BenchmarkError("the prompt's image is not between <|vision_start|> and <|vision_end|>")
+        before = self._text(ids[: first - 1])  # llama.cpp's Qwen2-VL adds <|vision_start|> / <|vision_end|> itself
+        if not self._round_trips(before + "<|vision_start|>", ids[:first]):
+            raise BenchmarkError("llama.cpp tokenizes the prompt's text before the image otherwise")
+        buffer = io.BytesIO()
+        request.image.save(buffer, format="PNG")
+        png_b64 = base64.b64encode(buffer.getvalue()).decode()
+        return LlamaCppPrompt(before, png_b64, ids[last + 2 :], len(ids))
+
+    def top(self, prompt: LlamaCppPrompt, prefix: list[int]) -> list[tuple[int, float]] | None:
+        """The ``LLAMA_CPP_TOP`` most probable next tokens after ``prompt`` and ``prefix``, as
+        ``(token id, log-probability)`` best first; None when the text of ``prefix`` does not
+        tokenize back to its ids."""
+        from mineru_fast.errors import BenchmarkError
+
+        rest = self._text(prompt.after + prefix)
+        if not self._round_trips("<|vision_end|>" + rest, [self.vision_end, *prompt.after, *prefix]):
+            return None
+        body = {
+            "prompt": {"prompt_string": prompt.before + self.marker + rest, "multimodal_data": [prompt.png_b64]},
+            "n_predict": 1, "n_probs": LLAMA_CPP_TOP, "temperature": 0.0, "cache_prompt": True, "id_slot": 0,
+            "logit_bias": [[self.plain_id, 1e4]],
+        }  # fmt: skip
+        answer = self.server.call("/completion", body)
+        if answer.get("tokens_evaluated") != prompt.tokens + len(prefix):
+            raise BenchmarkError(
+                f"llama.cpp evaluated {answer.get('tokens_evaluated')} tokens, the prompt has "
+                f"{prompt.tokens + len(prefix)}: its image took another number of tokens"
+            )
+        return [(p["id"], p["logprob"]) for p in answer["completion_probabilities"][0]["top_logprobs"]]
+
+
+def greedy_from_top(
+    top: Callable[[list[int]], list[tuple[int, float]] | None], sampling, vocab_size: int, end_ids: list[int]
+) -> tuple[list[int], str]:
+    """Greedy decoding with the protocol's rules (``engine.sampling.BatchLogitsProcessor``) from a
+    next-token oracle that gives only the most probable tokens.
+
+    ``top(prefix)`` returns ``(id, log-probability)`` pairs, best first (or None: cannot be asked).
+    Log-probabilities differ from logits by one constant per step, which the additive rules do
+    not interact with (presence and frequency penalties subtract per token, bans set -inf), so the
+    rules applied to them choose what they would choose from the logits, provided the winner is
+    among the tokens given: a token not given scores at most the lowest given log-probability, so a
+    winner below that is unknown. A multiplicative repetition penalty would not commute with the
+    constant, hence it is refused (MinerU's requests leave it at 1.0).
+
+    Returns:
+        ``(tokens, status)``: the generated ids (the end token included when generated, as
+        ``GenerationResult.token_ids``) and ``"ok"``, ``"untokenizable"`` (``top`` returned None)
+        or ``"undetermined"`` (the winner could lie outside the tokens given); the tokens up to the
+        step that could not be decided.
+
+    Raises:
+        ValueError: ``sampling.repetition_penalty`` is not 1.0.
+    """
+    from mineru_fast.engine.sampling import BatchLogitsProcessor
+
+    if sampling.repetition_penalty != 1.0:
+        raise ValueError("a repetition penalty cannot be applied to log-probabilities (it scales logits)")
+    rules = BatchLogitsProcessor([sampling], [None], vocab_size, end_ids)
+    tokens: list[int] = []
+    while len(tokens) < sampling.max_new_tokens:
+        given = top(tokens)
+        if given is None:
+            return tokens, "untokenizable"
+        scores = torch.full((1, vocab_size), -torch.inf)
+        values = torch.tensor([lp for _, lp in given], dtype=torch.float32)
+        scores[0, torch.tensor([i for i, _ in given])] = values
+        rules(scores)
+        token = int(scores.argmax())
+        if scores[0, token] < values.min():
+            return tokens, "undetermined"
+        rules.observe([token])
+        tokens.append(token)
+        if token in end_ids:
+            break
+    return tokens, "ok"
+
+
+def _llama_cpp_row(
+    spec: dict, model: Path, forced: list[tuple[str, GenerationRequest]], steps: list[ReferenceSteps],
+    targets: list[torch.Tensor], free: list[tuple[str, GenerationRequest]], reference_free: list[list[int]],
+    preprocessor, vocab_size: int,
+) -> dict:  # fmt: skip
+    """The ``LLAMA_CPP_ROW`` result: the checkpoint converted to MinerU 4's Q8_0 GGUF pair with
+    llama.cpp's own converter, served by the ``llama-server`` MinerU 4 installs, with its flags
+    (``bench.llamacpp``), asked through ``LlamaCppSteps``: forced steps (top-1 against the float32
+    engine; no cosine: the server gives no logits) and free-running blocks (``greedy_from_top``).
+    Steps and blocks that could not be asked are counted, not compared."""
+    from mineru_fast.bench import llamacpp
+
+    options = spec["llama_cpp"] if isinstance(spec["llama_cpp"], dict) else {}
+    tools = llamacpp.ensure_tools(Path(options["tools"]) if options.get("tools") else None, log=_log)
+    pair = llamacpp.convert_checkpoint(model, tools.root / "gguf" / model.name, tools, log=_log)
+    port = llamacpp.free_port()
+    args = llamacpp.server_args(pair, spec.get("threads") or os.cpu_count() or 1, port)
+    groups, skipped = StepGroups(), 0
+    with llamacpp.LlamaServer(tools.server, args, port) as server:
+        oracle = LlamaCppSteps(server, preprocessor)
+        for (task, request), ref, target in zip(forced, steps, targets, strict=True):
+            prompt = oracle.prompt(request)
+            asked, same = [], []
+            for j in range(len(target)):
+                given = oracle.top(prompt, target[:j].tolist())
+                if given is None:
+                    skipped += 1
+                    continue
+                asked.append(j)
+                same.append(given[0][0] == int(ref.top1[j]))
+            index = torch.tensor(asked, dtype=torch.long)
+            groups.add(task, target[index], torch.tensor(same, dtype=torch.bool), None, ref.confident[index])
+        outputs, statuses = [], []
+        for _, request in free:
+            prompt = oracle.prompt(request)
+            tokens, status = greedy_from_top(
+                lambda prefix, p=prompt: oracle.top(p, prefix), request.sampling, vocab_size, preprocessor.end_ids
+            )
+            outputs.append(tokens)
+            statuses.append(status)
+    decided = [i for i, status in enumerate(statuses) if status == "ok"]
+    free_result = {}
+    if decided:
+        tasks = [free[i][0] for i in decided]
+        free_result = _free_summary([outputs[i] for i in decided], [reference_free[i] for i in decided], tasks)
+    return {
+        "config": {"engine": "llama.cpp", "files": [pair.model.name, pair.mmproj.name], **tools.versions},
+        "forced": {**groups.summary(), "steps_not_asked": skipped},
+        "free": {**free_result, "not_decided": [status for status in statuses if status != "ok"]},
+    }
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def run_content(spec: dict) -> dict:
     """Real-text fidelity (see the module docstring) of every configuration of ``spec`` against
     the float32 engine, one engine loaded at a time.
@@ -357,11 +576,12 @@ def run_content(spec: dict) -> dict:
     ``spec``: ``{"model", "threads", "workload" (OmniDocBench-format dir; required), "configs"
     ({label: {"preset", "overrides"}}; default ``CONTENT_CONFIGS``), "forced_steps" (per block type,
     default 1000), "free_blocks" (per block type, default 3), "pages" (default all),
-    "llama_cpp_q8_0" (a Q8_0 GGUF of the same language model, for the ``LLAMA_CPP_ROW`` row)}``.
+    "llama_cpp" (true, or ``{"tools": DIR}``: also measure the ``LLAMA_CPP_ROW`` row)}``.
 
-    The ``LLAMA_CPP_ROW`` row (llama.cpp's Q8_0 on the same weights) is reserved: it says why it
-    was not measured (no Q8_0 GGUF given, or no llama.cpp runner in this build: the side-by-side
-    tooling provides one) instead of being left out.
+    The ``LLAMA_CPP_ROW`` row is llama.cpp's Q8_0 on the same weights, as MinerU 4 runs it on a
+    CPU (``_llama_cpp_row``; its tools are installed under ``DIR``, default
+    ``bench.llamacpp.default_root()``). Not asked for, or when llama.cpp's tools cannot be
+    installed or run here, the row says why instead of being left out.
 
     Returns:
         ``{"mode": "content", "pages", "forced": {"requests", "steps"}, "free": {"blocks"},
@@ -400,6 +620,7 @@ def run_content(spec: dict) -> dict:
     steps = [ReferenceSteps.of(forced_logits_prefill(reference, request)) for _, request in forced]
     targets = [torch.tensor(reference.preprocessor.encode(request).forced) for _, request in forced]
     reference_free = free_run(reference) if free else []
+    vocab_size = reference.vocab_size
     reference.close()
     del reference
     results = {}
@@ -419,6 +640,14 @@ def run_content(spec: dict) -> dict:
             "forced": groups.summary(),
             "free": _free_summary(outputs, reference_free, [task for task, _ in free]) if free else {},
         }
+    llama_cpp: dict = {"skipped": "not asked for (spec key llama_cpp)"}
+    if spec.get("llama_cpp"):
+        from mineru_fast.bench.llamacpp import LlamaCppUnavailable
+
+        try:
+            llama_cpp = _llama_cpp_row(spec, model, forced, steps, targets, free, reference_free, counter, vocab_size)
+        except LlamaCppUnavailable as exc:
+            llama_cpp = {"skipped": f"llama.cpp unavailable: {exc}"}
     return {
         "mode": "content",
         "pages": [p.name for p in pages],
@@ -427,18 +656,11 @@ def run_content(spec: dict) -> dict:
         "rules": {
             "confident": f"float32 top-1 softmax probability >= {CONFIDENT_P}",
             "special": f"forced token id >= {SPECIAL_FROM} (Qwen2-VL special tokens, end token, MinerU's own tokens)",
-            "image": f"crops resized to {CONTENT_IMAGE[0]}x{CONTENT_IMAGE[1]} (4 image tokens)",
+            "image": f"crops resized to {CONTENT_IMAGE[0]}x{CONTENT_IMAGE[1]} ({CONTENT_IMAGE_TOKENS} image tokens)",
         },
         "results": results,
-        LLAMA_CPP_ROW: {"skipped": _llama_cpp_reason(spec.get("llama_cpp_q8_0"))},
+        LLAMA_CPP_ROW: llama_cpp,
     }
-
-
-def _llama_cpp_reason(q8_0: str | None) -> str:
-    """Why the llama.cpp Q8_0 row is empty."""
-    if not q8_0:
-        return "no Q8_0 GGUF of the same language model given (spec key llama_cpp_q8_0)"
-    return f"{Path(q8_0).name} given, but this build has no llama.cpp runner (the side-by-side tooling adds it)"
 
 
 if __name__ == "__main__":

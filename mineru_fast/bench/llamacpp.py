@@ -15,6 +15,9 @@ vendors llama.cpp's tree with its converter ``convert_hf_to_gguf.py`` and ``gguf
 models, a trained one) into the GGUF pair with that converter, run by this interpreter (it needs
 torch, transformers and numpy, which mineru-fast's install has).
 
+``LlamaServer`` runs a ``llama-server`` for the length of a ``with`` block (the fidelity
+benchmark asks it for next-token log-probabilities).
+
     python -m mineru_fast.bench.llamacpp convert CHECKPOINT [--out DIR] [--tools DIR]
     python -m mineru_fast.bench.llamacpp build-native [--tools DIR] [--build DIR] [--jobs 2]
 """
@@ -23,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,6 +312,91 @@ def server_args(pair: GgufPair, threads: int, port: int, host: str = "127.0.0.1"
         "--ctx-size", str(pair.context_length * PARALLEL_SLOTS),
         "--threads", str(threads),
     ]  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LlamaServer:
+    """A ``llama-server`` child process for the length of a ``with`` block.
+
+    Entering starts ``server`` with ``args`` (which must name ``--port port``) and waits until
+    ``GET /health`` answers 200; leaving terminates it (killed after 30 s). Its output goes to a
+    temporary file, whose last lines are quoted when it fails.
+
+    Args:
+        server: the ``llama-server`` binary (``Tools.server``).
+        args: its arguments (``server_args``).
+        port: the port ``args`` names.
+        ready_timeout_s: most seconds to wait for it to load.
+
+    Raises (on entering):
+        LlamaCppUnavailable: it exited, or was not ready within ``ready_timeout_s``.
+    """
+
+    def __init__(self, server: Path, args: list[str], port: int, ready_timeout_s: float = 600.0) -> None:
+        self.argv, self.port, self.ready_timeout_s = [str(server), *args], port, ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.log = None
+
+    def __enter__(self) -> LlamaServer:
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__(None, None, None)
+                raise LlamaCppUnavailable(f"llama-server exited with status {self.proc.returncode}: {self._tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.25)
+        tail = self._tail()
+        self.__exit__(None, None, None)
+        raise LlamaCppUnavailable(f"llama-server not ready after {self.ready_timeout_s:.0f} s: {tail}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _tail(self) -> str:
+        assert self.log is not None
+        self.log.seek(0)
+        return " | ".join(self.log.read().strip().splitlines()[-3:])
+
+    def call(self, path: str, body: dict | None = None, timeout_s: float = 600.0) -> dict:
+        """``GET path`` (no ``body``) or ``POST path`` with ``body`` as JSON; the JSON answer.
+
+        Raises:
+            LlamaCppUnavailable: the connection failed or the server answered an error.
+        """
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+            if body is None:
+                conn.request("GET", path)
+            else:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            payload = response.read()
+            conn.close()
+        except OSError as exc:
+            raise LlamaCppUnavailable(f"llama-server {path}: {exc}") from exc
+        if response.status != 200:
+            raise LlamaCppUnavailable(f"llama-server {path} answered {response.status}: {payload[:300]!r}")
+        return json.loads(payload)
 
 
 def main(argv: list[str] | None = None) -> int:
