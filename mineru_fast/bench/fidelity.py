@@ -47,6 +47,7 @@ Run one comparison (the benchmark does this in a subprocess):
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
@@ -549,7 +550,7 @@ def _llama_cpp_row(
         for _, request in free:
             prompt = oracle.prompt(request)
             tokens, status = greedy_from_top(
-                lambda prefix, p=prompt: oracle.top(p, prefix), request.sampling, vocab_size, preprocessor.end_ids
+                functools.partial(oracle.top, prompt), request.sampling, vocab_size, preprocessor.end_ids
             )
             outputs.append(tokens)
             statuses.append(status)

@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from mineru_fast.errors import MineruFastError
 
@@ -341,7 +342,7 @@ class LlamaServer:
     def __init__(self, server: Path, args: list[str], port: int, ready_timeout_s: float = 600.0) -> None:
         self.argv, self.port, self.ready_timeout_s = [str(server), *args], port, ready_timeout_s
         self.proc: subprocess.Popen | None = None
-        self.log = None
+        self.log: IO[str] | None = None
 
     def __enter__(self) -> LlamaServer:
         self.log = tempfile.TemporaryFile("w+")
