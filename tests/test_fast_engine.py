@@ -333,3 +333,33 @@ def test_vision_attention_gives_the_same_values_whatever_the_head_grouping(monke
     for group in (1, 3, 4):
         monkeypatch.setattr(vision, "ATTENTION_HEAD_GROUP", group)
         assert torch.equal(block.attention(x, cos, sin), whole)
+
+
+def test_vision_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):
+    """The MLP is row-wise, so ``MLP_CHUNK_ROWS`` (chosen for the mmap threshold) changes no value
+    of the fast preset's per-token INT8 linears (each row's integers and scales are its own): bit
+    for bit against one chunk over all rows. Float32 linears agree to rounding (1e-5): the GEMM's
+    blocking, hence its summation order, depends on the number of rows."""
+    from mineru_fast.engine import vision
+    from mineru_fast.engine.quantize import OneDnnInt8Linear
+
+    torch.manual_seed(0)
+    block = vision.VisionBlock(
+        vision.VisionConfig(depth=1, embed_dim=256, num_heads=8, mlp_ratio=4, out_hidden_size=64)
+    )
+    x, cos, sin = torch.randn(300, 256), torch.randn(1, 300, 32), torch.randn(1, 300, 32)
+
+    def outputs() -> list[torch.Tensor]:
+        out = []
+        for rows in (300, 1, 7, 192):
+            monkeypatch.setattr(vision, "MLP_CHUNK_ROWS", rows)
+            out.append(block(x.clone(), cos, sin, [300]))
+        return out
+
+    with torch.inference_mode():
+        whole, *chunked = outputs()
+        for y in chunked:
+            torch.testing.assert_close(y, whole, rtol=1e-5, atol=1e-5)
+        block.fc1, block.fc2 = OneDnnInt8Linear(block.fc1), OneDnnInt8Linear(block.fc2)
+        whole, *chunked = outputs()
+        assert all(torch.equal(y, whole) for y in chunked)

@@ -18,14 +18,20 @@ from torch import nn
 
 from mineru_fast.engine.model import rotate_half
 
-# Rows of the vision MLP per chunk. Measured on the full-size encoder (per-token INT8, 2 threads, a
-# 1036x1036 layout image of 5476 patches): 1024-row chunks 7-10 % faster than one [5476, 5120] pass,
-# 512 and 2048 in between; the outputs are bit-identical (each row's MLP is independent).
-MLP_CHUNK_ROWS = 1024
+# Rows of the vision MLP per chunk: its [rows, 5120] float32 intermediates (3.75 MiB) stay under the
+# mmap threshold the engine pins (engine.memory.MMAP_THRESHOLD_BYTES, 4 MiB), so they are reused
+# from the heap instead of mapped and page-faulted afresh at every call. The outputs are
+# bit-identical for any chunking (each row's MLP is independent). A layout image's vision pass
+# (5476 patches, full-size encoder, per-token INT8, 2 threads, the threshold pinned; 2026-12-02,
+# Intel Xeon, three alternated runs): 1024-row chunks with 4-head groups 28.4 / 26.9 / 26.8 s,
+# 192 rows with 2-head groups 25.3 / 25.5 / 25.3 s (with glibc's threshold left at 32 MiB both
+# take ~23 s: the remaining difference is the layout pass's other [5476, 1280] temporaries).
+MLP_CHUNK_ROWS = 192
 # Heads per attention call. Each head's attention is its own computation (the same values whatever
-# the grouping); groups of 4 of the 16 heads keep the rotated queries and keys, the value copy and
-# the output of one call at a quarter of the all-heads size (a layout image: ~0.1 GB less at peak).
-ATTENTION_HEAD_GROUP = 4
+# the grouping); groups of 2 of the 16 heads keep the rotated queries and keys, the value copy and
+# the output of one call at an eighth of the all-heads size (a layout image: 3.3 MiB each, under
+# the pinned mmap threshold, like MLP_CHUNK_ROWS).
+ATTENTION_HEAD_GROUP = 2
 
 
 @dataclass(frozen=True)
