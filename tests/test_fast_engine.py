@@ -329,10 +329,18 @@ def test_vision_attention_gives_the_same_values_whatever_the_head_grouping(monke
     )
     x, cos, sin = torch.randn(300, 256), torch.randn(1, 300, 32), torch.randn(1, 300, 32)
     monkeypatch.setattr(vision, "ATTENTION_HEAD_GROUP", 8)
-    whole = block.attention(x, cos, sin)
-    for group in (1, 3, 4):
-        monkeypatch.setattr(vision, "ATTENTION_HEAD_GROUP", group)
-        assert torch.equal(block.attention(x, cos, sin), whole)
+    with torch.inference_mode():
+        whole = block.attention(x.clone(), cos, sin)  # the input is consumed (its storage reused)
+        for group in (1, 3, 4):
+            monkeypatch.setattr(vision, "ATTENTION_HEAD_GROUP", group)
+            assert torch.equal(block.attention(x.clone(), cos, sin), whole)
+        # Against the textbook form (every head at once, fresh tensors): the same operators on the
+        # same values, so equal up to SDPA's blocking over heads (1e-6).
+        q, k, v = block.qkv(x).view(300, 3, 8, 32).permute(1, 2, 0, 3)
+        q, k = vision.apply_rotary(q, cos, sin), vision.apply_rotary(k, cos, sin)
+        heads = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        textbook = block.proj(heads.transpose(0, 1).reshape(300, 256))
+    torch.testing.assert_close(whole, textbook, rtol=1e-6, atol=1e-6)
 
 
 def test_vision_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):
@@ -363,3 +371,24 @@ def test_vision_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):
         block.fc1, block.fc2 = OneDnnInt8Linear(block.fc1), OneDnnInt8Linear(block.fc2)
         whole, *chunked = outputs()
         assert all(torch.equal(y, whole) for y in chunked)
+
+
+def test_vision_rotary_cache_keeps_the_most_recent_grids(monkeypatch):
+    """The rotary tables are cached per grid, but only the ``ROPE_CACHE_GRIDS`` most recently used
+    (crop grids vary with every block size: an unbounded cache grew over a server's life). The
+    layout grid, used on every page, stays; an evicted grid's tables are rebuilt equal."""
+    from mineru_fast.engine import vision
+
+    monkeypatch.setattr(vision, "ROPE_CACHE_GRIDS", 4)
+    encoder = vision.VisionEncoder(
+        vision.VisionConfig(depth=1, embed_dim=64, num_heads=2, mlp_ratio=2, out_hidden_size=32)
+    )
+    layout, first = (1, 8, 8), (1, 2, 2)
+    first_tables = encoder.rotary(first)
+    for w in range(4, 24, 2):
+        encoder.rotary(layout)  # every page
+        encoder.rotary((1, 2, w))  # a new crop size
+    assert len(encoder._rope_cache) == 4
+    assert layout in encoder._rope_cache and first not in encoder._rope_cache
+    again = encoder.rotary(first)
+    assert all(torch.equal(a, b) for a, b in zip(again, first_tables, strict=True))

@@ -271,3 +271,22 @@ def test_a_decode_step_waits_for_the_budget_or_one_unit_not_both(tiny_model):
         assert scheduler.max_decode_wait_s <= max(scheduler.admission_budget_s, *units) + 1e-9
         first.cancel()
         run_until_done(scheduler, first)
+
+
+def test_a_sequence_lets_go_of_its_pixels_once_its_image_is_encoded(tiny_model):
+    """After the vision pass a sequence keeps no pixel storage: an empty view (``[:0]``) had kept
+    the whole buffer (a layout image's 26 MB) alive until the sequence ended."""
+    engine = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+    scheduler = engine.scheduler
+    handle = scheduler.submit(crop_request(bound=400, forced_text=NUMBERS), start=False)
+    seq = scheduler.inbox.get()  # looked at and put back: the loop has not run yet
+    scheduler.inbox.put(seq)
+    pixels = seq.encoded.pixel_values
+    assert pixels.untyped_storage().nbytes() > 0
+    with torch.inference_mode():
+        while seq.encoded.pixel_values.shape[0] and not handle.done():
+            scheduler.step()
+        assert not handle.done() and seq.encoded.pixel_values.shape == (0, pixels.shape[1])
+        assert seq.encoded.pixel_values.untyped_storage().nbytes() == 0
+        run_until_done(scheduler, handle)
+    assert handle.result().finish_reason == "length"

@@ -408,7 +408,8 @@ class Scheduler:
                 size = self._next_pack_size()
                 self.vision_pack, self.waiting = self.waiting[:size], self.waiting[size:]
                 self.vision_job_s = 0.0
-                pixels = torch.cat([s.encoded.pixel_values for s in self.vision_pack])
+                parts = [s.encoded.pixel_values for s in self.vision_pack]
+                pixels = parts[0] if len(parts) == 1 else torch.cat(parts)  # a layout image: no copy
                 self.vision_job = self.runner.vision_steps(pixels, [s.encoded.grid_thw for s in self.vision_pack])
             next(self.vision_job)
             elapsed = self.clock() - start
@@ -430,7 +431,9 @@ class Scheduler:
             self._vision_failed(pack, exc)
             return
         for seq in pack:
-            seq.encoded.pixel_values = seq.encoded.pixel_values[:0]  # the pixels are no longer needed
+            # The pixels are no longer needed: a fresh empty tensor, since an empty view (``[:0]``)
+            # would keep the whole storage alive (a layout image's 26 MB) until the sequence ends.
+            seq.encoded.pixel_values = seq.encoded.pixel_values.new_empty((0, seq.encoded.pixel_values.shape[1]))
             if seq.ended is not None:
                 self._end(seq, seq.ended)
             else:
