@@ -273,20 +273,51 @@ def test_a_decode_step_waits_for_the_budget_or_one_unit_not_both(tiny_model):
         run_until_done(scheduler, first)
 
 
-def test_a_sequence_lets_go_of_its_pixels_once_its_image_is_encoded(tiny_model):
-    """After the vision pass a sequence keeps no pixel storage: an empty view (``[:0]``) had kept
-    the whole buffer (a layout image's 26 MB) alive until the sequence ended."""
+def test_a_lone_image_s_pixels_are_freed_once_embedded_and_no_sequence_keeps_any(tiny_model):
+    """A one-image vision pack (a layout image: 26 MB of pixels) is not copied, and its pixels
+    are freed as soon as the patch embedding has read them, while the pass goes on; after the pass
+    no sequence keeps pixel storage (an empty view ``[:0]`` had kept it until the sequence ended)."""
+    import weakref
+
     engine = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
     scheduler = engine.scheduler
     handle = scheduler.submit(crop_request(bound=400, forced_text=NUMBERS), start=False)
     seq = scheduler.inbox.get()  # looked at and put back: the loop has not run yet
     scheduler.inbox.put(seq)
-    pixels = seq.encoded.pixel_values
-    assert pixels.untyped_storage().nbytes() > 0
+    dim = seq.encoded.pixel_values.shape[1]
+    pixels = weakref.ref(seq.encoded.pixel_values)
     with torch.inference_mode():
-        while seq.encoded.pixel_values.shape[0] and not handle.done():
-            scheduler.step()
-        assert not handle.done() and seq.encoded.pixel_values.shape == (0, pixels.shape[1])
+        scheduler._drain_inbox()
+        scheduler._vision_unit()  # the pack's first unit: the patch embedding
+        assert scheduler.vision_job is not None and scheduler.vision_pack == [seq]  # the pass goes on
+        assert pixels() is None
+        while scheduler.vision_job is not None:
+            scheduler._vision_unit()
+        assert seq.image_embeds is not None and seq.encoded.pixel_values.shape == (0, dim)
         assert seq.encoded.pixel_values.untyped_storage().nbytes() == 0
         run_until_done(scheduler, handle)
     assert handle.result().finish_reason == "length"
+
+
+def test_a_pack_of_several_images_frees_each_sequence_s_pixels_after_the_pass(tiny_model):
+    """A pack of several keeps each sequence's pixels through the pass (they are encoded one by one
+    should the pack fail), then lets go of them; the tokens are those of the images alone."""
+    requests = [crop_request(seed=s) for s in range(3)]
+    reference = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+    alone = [reference.generate([r])[0].token_ids for r in requests]
+    reference.close()
+    scheduler = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048).scheduler  # stepped here
+    handles = [scheduler.submit(r, start=False) for r in requests]
+    sequences = [scheduler.inbox.get() for _ in requests]
+    for seq in sequences:
+        scheduler.inbox.put(seq)
+    with torch.inference_mode():
+        scheduler._drain_inbox()
+        scheduler._vision_unit()
+        assert len(scheduler.vision_pack) == 3
+        assert all(s.encoded.pixel_values.shape[0] > 0 for s in sequences)
+        while scheduler.vision_job is not None:
+            scheduler._vision_unit()
+        assert all(s.encoded.pixel_values.untyped_storage().nbytes() == 0 for s in sequences)
+        run_until_done(scheduler, *handles)
+    assert [h.result().token_ids for h in handles] == alone

@@ -10,6 +10,7 @@ before it starts.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -223,14 +224,17 @@ class FastEngine:
         """The vision pass over packed images as a generator of steps (see
         ``VisionEncoder.stepwise``); traced or compiled encoders run whole, in one step.
 
+        Only the steps hold ``pixel_values``: the eager encoder lets go of them once they are
+        embedded, so a caller that drops its own reference frees them for the rest of the pass.
         Once the pass is done the heap is trimmed: a layout image's activations (~0.3 GB) are
         freed blocks of glibc's heap, which it would keep, and a later pack of other sizes would
         not reuse them all (measured on the full-size model: 0.28 GB resident that a trim returns)."""
         steps = (
             self.vision.stepwise(pixel_values, grids)
             if self.vision_runner is self.vision
-            else _one_step(lambda: self.vision_runner(pixel_values, grids))
+            else _one_step(functools.partial(self.vision_runner, pixel_values, grids))
         )
+        del pixel_values
         embeds = yield from steps
         trim_heap()
         return embeds

@@ -139,6 +139,18 @@ def _close_at_exit(ref: weakref.ref[Scheduler]) -> None:
         scheduler.close(timeout=10)
 
 
+def _patches(seq: SequenceState) -> int:
+    """Patches of the sequence's image (its grid's ``t * h * w``: the pixel rows it came with)."""
+    t, h, w = seq.encoded.grid_thw
+    return t * h * w
+
+
+def _no_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """A fresh ``[0, patch_dim]`` tensor to hold instead of ``pixels``: an empty view (``[:0]``)
+    would keep the whole storage alive."""
+    return pixels.new_empty((0, pixels.shape[1]))
+
+
 def _chunk(seq: SequenceState, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The next ``n`` prompt tokens of ``seq`` as a ``Qwen2LM.prefill_chunks`` entry."""
     assert seq.embeds is not None and seq.positions is not None
@@ -386,7 +398,7 @@ class Scheduler:
     def _pack_patches(self) -> int:
         """Patches of the current vision pack, or of the one the next vision unit will form."""
         pack = self.vision_pack if self.vision_job is not None else self.waiting[: self._next_pack_size()]
-        return sum(s.encoded.pixel_values.shape[0] for s in pack)
+        return sum(_patches(s) for s in pack)
 
     def _next_pack_size(self) -> int:
         """How many of ``waiting`` the next vision pack takes: in order, up to
@@ -394,7 +406,7 @@ class Scheduler:
         in a pack of its own."""
         count = patches = 0
         for seq in self.waiting:
-            n = seq.encoded.pixel_values.shape[0]
+            n = _patches(seq)
             if count and (patches + n > self.vision_pack_patches or seq.alone or self.waiting[0].alone):
                 break
             count, patches = count + 1, patches + n
@@ -408,9 +420,9 @@ class Scheduler:
                 size = self._next_pack_size()
                 self.vision_pack, self.waiting = self.waiting[:size], self.waiting[size:]
                 self.vision_job_s = 0.0
-                parts = [s.encoded.pixel_values for s in self.vision_pack]
-                pixels = parts[0] if len(parts) == 1 else torch.cat(parts)  # a layout image: no copy
-                self.vision_job = self.runner.vision_steps(pixels, [s.encoded.grid_thw for s in self.vision_pack])
+                self.vision_job = self.runner.vision_steps(
+                    self._pack_pixels(self.vision_pack), [s.encoded.grid_thw for s in self.vision_pack]
+                )
             next(self.vision_job)
             elapsed = self.clock() - start
             self.vision_job_s += elapsed
@@ -433,11 +445,23 @@ class Scheduler:
         for seq in pack:
             # The pixels are no longer needed: a fresh empty tensor, since an empty view (``[:0]``)
             # would keep the whole storage alive (a layout image's 26 MB) until the sequence ends.
-            seq.encoded.pixel_values = seq.encoded.pixel_values.new_empty((0, seq.encoded.pixel_values.shape[1]))
+            seq.encoded.pixel_values = _no_pixels(seq.encoded.pixel_values)  # no longer needed
             if seq.ended is not None:
                 self._end(seq, seq.ended)
             else:
                 bisect.insort(self.ready, seq, key=lambda s: s.order)
+
+    @staticmethod
+    def _pack_pixels(pack: list[SequenceState]) -> torch.Tensor:
+        """The pack's pixels as one tensor. A pack of one image (a layout image: 26 MB) is not
+        copied, and its sequence lets go of them now, so the vision pass frees them once they are
+        embedded; a pack of several keeps each sequence's own, to encode them one by one should the
+        pack fail (``_vision_failed``)."""
+        if len(pack) > 1:
+            return torch.cat([s.encoded.pixel_values for s in pack])
+        encoded = pack[0].encoded
+        pixels, encoded.pixel_values = encoded.pixel_values, _no_pixels(encoded.pixel_values)
+        return pixels
 
     def _vision_failed(self, pack: list[SequenceState], exc: Exception) -> None:
         """A pack's vision pass raised: its one sequence ends with ``"error"``; a pack of several

@@ -214,9 +214,11 @@ class VisionEncoder(nn.Module):
 
         A generator: each ``next()`` runs the patch embedding or one block and yields; the last one
         runs the merger and raises ``StopIteration`` whose ``value`` is the output ``forward`` gives
-        (the same operations in the same order, so bit-identical).
+        (the same operations in the same order, so bit-identical). The pixels are let go of once
+        embedded: when the caller keeps no reference, they are freed for the rest of the pass.
         """
         x, cos, sin, lengths = self._embed(pixel_values, grids)
+        del pixel_values
         for block in self.blocks:
             yield
             x = block(x, cos, sin, lengths)
