@@ -56,7 +56,7 @@ from mineru_fast.engine.quantize import (
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bumped whenever the files' layout or meaning changes
+FORMAT = 2  # bumped whenever the files' layout or meaning changes
 MANIFEST = "manifest.json"
 
 # Layer kinds an entry can hold, by class; a model with any other kind of layer (torch.ao's

@@ -213,9 +213,10 @@ class _PerTokenInt8Linear(nn.Module):
 
     def prepared_state(self) -> dict[str, torch.Tensor]:
         """The tensors that define this layer (``from_prepared`` rebuilds it from them): the int8
-        weight (``weight_q`` ``[out, in]`` for ``onednn``, ``weight_t`` ``[in, out]`` for
-        ``int_mm``), ``weight_scale`` ``[out]`` float32, ``weight_max`` ``[1]`` int8 and, when the
-        layer has one, ``bias`` ``[out]`` float32."""
+        weight (``weight_q`` ``[out, in]`` for ``onednn`` and ``gemv``, ``weight_t`` ``[in, out]``
+        for ``int_mm``; ``gemv`` adds its rows' sums, ``weight_sum`` ``[out]`` int32),
+        ``weight_scale`` ``[out]`` float32, ``weight_max`` ``[1]`` int8 and, when the layer has
+        one, ``bias`` ``[out]`` float32."""
         state = {**self._weight_state(), "weight_scale": self.weight_scale}
         state["weight_max"] = torch.tensor([self.weight_max], dtype=torch.int8)
         if self.bias is not None:
@@ -351,21 +352,26 @@ class GemvInt8Linear(_PerTokenInt8Linear):
     weight_sum: torch.Tensor
 
     def _pack(self, q: torch.Tensor) -> None:
-        self.register_buffer("weight_q", q.contiguous())
         # Summed QUANTIZE_CHUNK_ROWS rows at a time: the sum widens its input to int32 first, and
         # whole, the 151,936-row head's widened copy took 0.54 GB (a +0.31 GB loading peak).
         weight_sum = torch.empty(q.shape[0], dtype=torch.int32)
         for start in range(0, q.shape[0], QUANTIZE_CHUNK_ROWS):
             rows = slice(start, start + QUANTIZE_CHUNK_ROWS)
             torch.sum(q[rows], dim=1, dtype=torch.int32, out=weight_sum[rows])
+        self._set_weight(q.contiguous(), weight_sum)
+
+    def _set_weight(self, q: torch.Tensor, weight_sum: torch.Tensor) -> None:
+        self.register_buffer("weight_q", q)
         self.register_buffer("weight_sum", weight_sum)
         self._kernel = int8_gemv_status().op
 
     def _weight_state(self) -> dict[str, torch.Tensor]:
-        return {"weight_q": self.weight_q}
+        # The sums are kept with the weight: summing the 494 M weights again cost ~1 s of every
+        # warm start (benchmarks/README.md, "Memory and start-up").
+        return {"weight_q": self.weight_q, "weight_sum": self.weight_sum}
 
     def _load_weight(self, state: dict[str, torch.Tensor]) -> int:
-        self._pack(state["weight_q"])
+        self._set_weight(state["weight_q"], state["weight_sum"])
         return state["weight_q"].shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
