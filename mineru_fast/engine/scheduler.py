@@ -443,8 +443,6 @@ class Scheduler:
             self._vision_failed(pack, exc)
             return
         for seq in pack:
-            # The pixels are no longer needed: a fresh empty tensor, since an empty view (``[:0]``)
-            # would keep the whole storage alive (a layout image's 26 MB) until the sequence ends.
             seq.encoded.pixel_values = _no_pixels(seq.encoded.pixel_values)  # no longer needed
             if seq.ended is not None:
                 self._end(seq, seq.ended)
