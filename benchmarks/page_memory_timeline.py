@@ -19,13 +19,12 @@ import argparse
 import hashlib
 import json
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from pathlib import Path
 
-DEFAULT_PAGE = "notes_f7f010b78016aeebd76e56d9283eb67f_49"  # 17 blocks, the workload's median page
+from preset_page_speed import DEFAULT_PAGE, replayed_page  # a sibling script (its folder is on sys.path)
 
 
 def resident_bytes() -> int:
@@ -64,15 +63,9 @@ def main() -> None:
     parser.add_argument("--step", type=float, default=10.0, help="MB above the last high that records a new one")
     args = parser.parse_args()
 
-    from PIL import Image
-
     from mineru_fast import DocumentParser, ParserOptions
-    from mineru_fast.protocol.traces import build_omnidocbench_traces, load_trace
 
-    traces = Path(tempfile.mkdtemp())
-    build_omnidocbench_traces(args.workload / "annotations.json", args.workload / "images", traces)
-    image = Image.open(args.workload / "images" / f"{args.page}.jpg").convert("RGB")
-    trace = load_trace(traces / f"{args.page}.json")
+    image, trace = replayed_page(args.workload, args.page)
     start = time.perf_counter()
     doc_parser = DocumentParser.from_pretrained(args.model, ParserOptions.preset(args.preset, threads=args.threads))
     load_s = time.perf_counter() - start

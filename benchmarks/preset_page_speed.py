@@ -29,17 +29,24 @@ from pathlib import Path
 DEFAULT_PAGE = "notes_f7f010b78016aeebd76e56d9283eb67f_49"  # 17 blocks, the workload's median page
 
 
-def child(args: argparse.Namespace) -> None:
-    """One variant in this process: load, parse ``args.parses`` times, print the JSON line."""
+def replayed_page(workload: Path, page: str):
+    """``(image, trace)`` of workload page ``page``: its RGB image and the forced outputs built
+    from its ground truth (``protocol.traces.build_omnidocbench_traces``)."""
     from PIL import Image
 
-    from mineru_fast import DocumentParser, ParserOptions
     from mineru_fast.protocol.traces import build_omnidocbench_traces, load_trace
 
     traces = Path(tempfile.mkdtemp())
-    build_omnidocbench_traces(args.workload / "annotations.json", args.workload / "images", traces)
-    image = Image.open(args.workload / "images" / f"{args.page}.jpg").convert("RGB")
-    trace = load_trace(traces / f"{args.page}.json")
+    build_omnidocbench_traces(workload / "annotations.json", workload / "images", traces)
+    image = Image.open(workload / "images" / f"{page}.jpg").convert("RGB")
+    return image, load_trace(traces / f"{page}.json")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One variant in this process: load, parse ``args.parses`` times, print the JSON line."""
+    from mineru_fast import DocumentParser, ParserOptions
+
+    image, trace = replayed_page(args.workload, args.page)
     start = time.perf_counter()
     parser = DocumentParser.from_pretrained(args.model, ParserOptions.preset(args.preset, threads=args.threads))
     load_s = time.perf_counter() - start
