@@ -169,6 +169,81 @@ def test_replay_forces_exact_output_and_kv_buffers_stay_put(fast_engine):
     ] == buffers
 
 
+def test_a_released_kv_slot_is_zero_and_uncommitted_and_its_neighbours_keep_theirs():
+    """``KVCache.release`` hands a slot's pages back: its positions read as zeros, the resident
+    size of the buffers falls by the slot's pages, and the slots beside it keep their values, also
+    where a slot's size is not a whole number of pages (the pages it shares are kept)."""
+    import mmap
+
+    from mineru_fast.engine.kv_cache import KVCache
+    from mineru_fast.engine.memory import resident_bytes
+
+    for max_len in (1024, 1001):  # 1024: each slot is whole pages; 1001 (512,512 bytes): slots share pages
+        cache = KVCache(slots=3, kv_heads=2, max_len=max_len, head_dim=64, dtype=torch.float32)
+        values = torch.randn(1, 2, max_len, 64)
+        for slot in range(3):
+            cache.write_prefill(slot, values + slot, values - slot)
+        before = resident_bytes([cache.k, cache.v])
+        cache.release(1)
+        assert before is not None and before - resident_bytes([cache.k, cache.v]) >= 2 * (
+            2 * max_len * 64 * 4 - 2 * mmap.PAGESIZE
+        )
+        whole_pages = slice(mmap.PAGESIZE // 256, max_len - mmap.PAGESIZE // 256)  # 256 bytes per position
+        assert not cache.k[1, :, whole_pages].any() and not cache.v[1, :, whole_pages].any()
+        for slot in (0, 2):
+            assert torch.equal(cache.k[slot], values[0] + slot) and torch.equal(cache.v[slot], values[0] - slot)
+
+
+def test_a_kernel_that_refuses_to_release_kv_slots_only_leaves_them_committed(monkeypatch, caplog):
+    """Where ``madvise(MADV_REMOVE)`` is refused (a sandboxed kernel), ``release`` logs it once and
+    stops trying: the slot keeps its values and nothing raises into the engine loop."""
+    import logging
+
+    from mineru_fast.engine import kv_cache
+
+    class Refusing:
+        calls = 0
+
+        def madvise(self, *args: object) -> None:
+            Refusing.calls += 1
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(kv_cache, "_release_refused", False)
+    cache = kv_cache.KVCache(slots=2, kv_heads=2, max_len=1024, head_dim=64, dtype=torch.float32)
+    cache.write_prefill(1, torch.ones(1, 2, 1024, 64), torch.ones(1, 2, 1024, 64))
+    real = cache._k_region
+    cache._k_region = Refusing()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="mineru_fast.engine.kv_cache"):
+        cache.release(1)
+        cache.release(1)
+    cache._k_region = real
+    assert Refusing.calls == 1 and kv_cache._release_refused
+    assert sum("not released" in r.getMessage() for r in caplog.records) == 1
+    assert cache.k[1].eq(1).all()
+
+
+def test_finished_sequences_give_their_kv_memory_back(tiny_model):
+    """Every slot a finished (or moved) sequence leaves is released, so after a batch the KV buffers
+    hold at most the one page per slot and layer a padding row writes, not the longest sequence each
+    slot ever held; the tokens are those of a run without releases."""
+    import mmap
+
+    from mineru_fast.engine.memory import resident_bytes
+
+    engine = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+    requests = page_requests(text_page()) + page_requests(text_page(seed=3))
+    results = engine.generate(requests)
+    buffers = [t for layer in engine.lm.layers for t in (layer.attention.kv_cache.k, layer.attention.kv_cache.v)]
+    kv_heads = engine.lm.layers[0].attention.kv_cache.k.shape[1]
+    committed = resident_bytes(buffers)
+    assert committed is not None and committed <= len(buffers) * 4 * kv_heads * mmap.PAGESIZE
+    kept = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+    kept.lm.release_slot = lambda slot: None  # type: ignore[method-assign]
+    assert [r.token_ids for r in kept.generate(requests)] == [r.token_ids for r in results]
+    engine.close()
+    kept.close()
+
+
 def test_follow_ups_join_the_running_batch(tiny_model):
     """A request submitted while others decode joins their batch: the short layout's follow-up
     crop finishes before the long layout still decoding, with the tokens it gets alone. The loop
@@ -341,6 +416,32 @@ def test_vision_attention_gives_the_same_values_whatever_the_head_grouping(monke
         heads = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
         textbook = block.proj(heads.transpose(0, 1).reshape(300, 256))
     torch.testing.assert_close(whole, textbook, rtol=1e-6, atol=1e-6)
+
+
+def test_vision_attention_with_qkv_packed_by_head_group_gives_the_same_values(monkeypatch):
+    """The fast preset packs each block's INT8 ``qkv`` by head group, so attention computes one
+    group's queries, keys and values at a time and never the whole ``[n, 3 * dim]``: the same values
+    bit for bit as the one-pack layer, and the layer's whole-output path is not taken."""
+    from mineru_fast.engine import vision
+    from mineru_fast.engine.quantize import OneDnnInt8Linear
+
+    torch.manual_seed(0)
+    config = vision.VisionConfig(depth=1, embed_dim=256, num_heads=8, mlp_ratio=4, out_hidden_size=64)
+    block = vision.VisionBlock(config)
+    block.qkv, block.proj = OneDnnInt8Linear(block.qkv), OneDnnInt8Linear(block.proj)
+    x, cos, sin = torch.randn(300, 256), torch.randn(1, 300, 32), torch.randn(1, 300, 32)
+    with torch.inference_mode():
+        whole = block.attention(x.clone(), cos, sin)
+        vision.pack_qkv_by_head_group(block.qkv, config)
+        assert block.qkv.row_groups is not None and block.qkv.row_groups.shape == (4, 3 * 2 * 32)
+
+        def no_whole_output(x: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("qkv computed whole")
+
+        monkeypatch.setattr(block.qkv, "forward", no_whole_output)
+        assert torch.equal(block.attention(x.clone(), cos, sin), whole)
+    with pytest.raises(ValueError, match="groups of 2"):
+        vision.qkv_row_groups(vision.VisionConfig(depth=1, embed_dim=96, num_heads=3, mlp_ratio=4, out_hidden_size=8))
 
 
 def test_vision_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):

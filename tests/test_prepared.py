@@ -27,6 +27,7 @@ from mineru_fast.engine.quantize import (
     IntMmInt8Linear,
     OneDnnInt8Linear,
 )
+from mineru_fast.engine.vision import qkv_row_groups
 from mineru_fast.runtime.hub import PREPARED_CACHE_ENV as CACHE_ENV
 
 INT8 = Int8DynamicConfig()
@@ -69,6 +70,10 @@ def test_warm_start_reads_the_entry_and_decodes_the_same_tokens(model, tmp_path,
     warm = make_engine(model, root)
     assert warm.prepared_from == "cache"
     assert isinstance(warm.lm.layers[0].attention.wqkv, OneDnnInt8Linear)
+    for engine in (cold, warm):  # the vision attention's qkv packed by head group, also as read back
+        qkv = engine.vision.blocks[0].qkv
+        assert isinstance(qkv, OneDnnInt8Linear) and qkv.row_groups is not None
+        assert torch.equal(qkv.row_groups, qkv_row_groups(engine.vision.config))
     assert outputs(warm) == uncached  # same tokens and the same log-probabilities, bit for bit
     assert not list(root.glob(".tmp-*")) and not list(root.glob(".trash-*"))
 

@@ -131,3 +131,49 @@ def test_per_token_rows_do_not_depend_on_their_batch_neighbours(kernel):
     assert torch.equal(layer(x[:1]), layer(x)[:1])
     per_tensor = quantize_linear(linear, Int8DynamicConfig("torch_ao"))
     assert not torch.equal(per_tensor(x[:1]), per_tensor(x)[:1])
+
+
+def test_onednn_row_groups_give_the_same_outputs_bit_for_bit():
+    """A oneDNN layer packed by row groups (the vision attention's qkv, for memory) computes every
+    output with the same integers and float steps: its whole output, each group's outputs from
+    ``row_group_outputs`` and a layer restored from its prepared state equal the one-pack layer's
+    bit for bit; a grouping that is not a partition of the rows is refused."""
+    from mineru_fast.engine.quantize import OneDnnInt8Linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 48)
+    x = torch.randn(37, 96)
+    whole = OneDnnInt8Linear(linear)
+    grouped = OneDnnInt8Linear(linear)
+    groups = torch.randperm(48).view(4, 12)
+    grouped.pack_row_groups(groups)
+    assert whole.packed_bytes() == 48 * 96  # int8 weights; grouped, also the rows (int64), scales and bias
+    assert grouped.packed_bytes() == 48 * 96 + 48 * (8 + 4 + 4)
+    expected = whole(x)
+    assert torch.equal(grouped(x), expected)
+    parts = list(grouped.row_group_outputs(x))
+    assert [p.shape for p in parts] == [(37, 12)] * 4
+    assert all(torch.equal(part, expected[:, rows]) for part, rows in zip(parts, groups, strict=True))
+    state = grouped.prepared_state()
+    assert torch.equal(state["weight_q"], whole.prepared_state()["weight_q"])  # stored in row order
+    restored = OneDnnInt8Linear.from_prepared(state)
+    assert torch.equal(restored.row_groups, groups) and torch.equal(restored(x), expected)
+    with pytest.raises(ValueError, match="output rows"):
+        grouped.pack_row_groups(torch.arange(47).view(1, 47))
+    with pytest.raises(ValueError, match="packed whole"):
+        next(whole.row_group_outputs(x))
+
+
+def test_int32_products_are_scaled_in_their_own_storage_to_the_same_values():
+    """``_scaled`` (the ``int_mm`` and ``gemv`` GEMM paths) converts the int32 products to float32
+    in place and scales them: the values of ``torch.mul(acc, scale)``, in ``acc``'s storage."""
+    from mineru_fast.engine.quantize import _scaled
+
+    torch.manual_seed(0)
+    for m, n in ((1, 7), (3, 1000), (37, 4864), (512, 9728)):
+        acc = torch.randint(-(2**24), 2**24, (m, n), dtype=torch.int32)
+        scale = torch.rand(n)
+        expected = torch.mul(acc, scale)
+        got = _scaled(acc, scale)
+        assert got.dtype == torch.float32 and got.data_ptr() == acc.data_ptr()
+        assert torch.equal(got, expected)

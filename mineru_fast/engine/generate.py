@@ -35,7 +35,7 @@ from mineru_fast.engine.prepared import PreparedCache, PreparedCacheError, cache
 from mineru_fast.engine.preprocess import Preprocessor
 from mineru_fast.engine.quantize import quantize_linear
 from mineru_fast.engine.scheduler import Scheduler, SequenceState
-from mineru_fast.engine.vision import VisionEncoder
+from mineru_fast.engine.vision import VisionEncoder, pack_qkv_by_head_group
 from mineru_fast.engine.vision_runner import make_vision_runner
 
 logger = logging.getLogger(__name__)
@@ -123,10 +123,10 @@ class FastEngine:
         (from the checkpoint's dtype: no float32 copy ever exists, and the stored weights of one
         layer at a time are alive), and written to the cache on the way when caching pays."""
         cache = None
+        text_config, vision_config = read_configs(model_dir)
         if cache_root is not None and cacheable(configs.values()):
             cache = PreparedCache(cache_root, model_dir, prepared_settings(self.dtype, configs))
             if cache.exists():
-                text_config, vision_config = read_configs(model_dir)
                 with torch.device("meta"):
                     vision, lm = VisionEncoder(vision_config), Qwen2LM(text_config)
                 try:
@@ -142,6 +142,8 @@ class FastEngine:
             def prepare(name: str, linear: nn.Linear) -> nn.Module:
                 config = configs["lm_head" if (part, name) == ("lm", "lm_head") else part]
                 layer = linear.to(self.dtype) if config is None else quantize_linear(linear, config)
+                if part == "vision" and name.endswith(".qkv"):
+                    pack_qkv_by_head_group(layer, vision_config)
                 if writer is not None:
                     writer.add(part, name, layer)
                 return layer
@@ -303,8 +305,8 @@ def _weight_form(layer: nn.Module) -> str:
 def _layer_bytes(layer: nn.Module) -> int:
     """Bytes of a layer's own tensors; oneDNN's packed INT8 weight (not a buffer) as 1 byte per weight."""
     own = sum(t.numel() * t.element_size() for t in [*layer.parameters(False), *layer.buffers(False)])
-    packed = getattr(layer, "weight_packed", None)
-    return own + (packed.numel() if packed is not None else 0)
+    packed_bytes = getattr(layer, "packed_bytes", None)
+    return own + (packed_bytes() if packed_bytes is not None else 0)
 
 
 def _one_step(run) -> Generator[None, None, torch.Tensor]:

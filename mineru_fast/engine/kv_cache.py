@@ -3,16 +3,23 @@
 The buffers live in anonymous memory maps: the whole size is reserved at construction, and the
 operating system commits (and zero-fills) a page only when a sequence first writes into it. A
 layout pass therefore costs the memory of the positions it uses, not of ``slots x max_len``; the
-resident size grows towards the reservation only as long sequences occupy more slots.
+resident size grows towards the reservation only as long sequences occupy more slots, and a slot
+whose sequence has ended or moved is given back (``release``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+_release_refused = False  # the kernel refused MADV_REMOVE once: KVCache.release stops trying
 
 
 def _reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
@@ -21,7 +28,10 @@ def _reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.T
     Returns the tensor and the map, which must outlive it.
     """
     count = math.prod(shape)
-    region = mmap.mmap(-1, count * dtype.itemsize)  # anonymous: zero-filled by the OS, committed lazily
+    # Shared and anonymous: zero-filled by the OS, committed lazily, and a mapping of its own (a
+    # private one may be merged with the allocator's neighbouring maps, and then /proc/self/smaps
+    # cannot tell the KV buffers' resident size apart: engine.memory.resident_bytes).
+    region = mmap.mmap(-1, count * dtype.itemsize)
     return torch.frombuffer(region, dtype=dtype, count=count).view(shape), region
 
 
@@ -74,6 +84,29 @@ class KVCache(nn.Module):
         its now stale copy)."""
         self.k[dst, :, :length] = self.k[src, :, :length]
         self.v[dst, :, :length] = self.v[src, :, :length]
+
+    def release(self, slot: int) -> None:
+        """Give ``slot``'s committed memory back to the operating system (``madvise`` with
+        ``MADV_REMOVE``, which frees a shared map's pages, on the whole pages inside the slot's
+        part of both maps): those positions read as zeros again and are committed anew when next
+        written. A slot a finished or moved sequence leaves otherwise stays committed up to the
+        longest sequence it ever held (the layout pass's ~1,800 positions: 44 MB at MinerU2.5's
+        size in float32). A no-op where the platform has no ``MADV_REMOVE`` (it is Linux's), and
+        from the first refusal on where the kernel refuses it (logged once)."""
+        global _release_refused
+        if _release_refused or not hasattr(mmap, "MADV_REMOVE"):
+            return
+        size = self.k[slot].numel() * self.k.element_size()
+        # Only whole pages: a page shared with a neighbouring slot keeps its contents.
+        start = -(-slot * size // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (slot + 1) * size // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            try:
+                for region in (self._k_region, self._v_region):
+                    region.madvise(mmap.MADV_REMOVE, start, end - start)
+            except OSError as exc:  # e.g. a sandboxed kernel without it: slots then stay committed
+                _release_refused = True
+                logger.warning("KV slots are not released (madvise MADV_REMOVE: %s)", exc)
 
     def write_decode(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -56,7 +56,7 @@ from mineru_fast.engine.quantize import (
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # bumped whenever the files' layout or meaning changes
+FORMAT = 3  # bumped whenever the files' layout or meaning changes
 MANIFEST = "manifest.json"
 
 # Layer kinds an entry can hold, by class; a model with any other kind of layer (torch.ao's
@@ -99,7 +99,7 @@ def _code_digest() -> str:
     module): an editable install keeps its version number across code changes."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in ("quantize.py", "checkpoint.py", "prepared.py"):
+    for name in ("quantize.py", "checkpoint.py", "prepared.py", "vision.py"):  # vision: qkv's head groups
         digest.update((here / name).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -143,6 +143,24 @@ def _onednn_matmul(
 
 def _int_mm_matmul(qx: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(qx, weight_t)
+
+
+def _scaled(acc: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``acc * weight_scale`` in float32, in ``acc``'s storage (``[M, N]`` int32, contiguous):
+    converted to float32 in place (each element is read and written at the same address, 4 bytes
+    both ways), then scaled in place. ``torch.mul(acc, weight_scale)`` allocates a float32 copy of
+    ``acc`` and then its result: two more ``[M, N]`` (a 512-row prefill chunk's ``w_gate_up``: 20 MB
+    each). The same values (tested)."""
+    out = acc.view(torch.float32)
+    out.copy_(acc)
+    return out.mul_(weight_scale)
+
+
+@functools.cache
+def _zero_points(rows: int) -> torch.Tensor:
+    """``[rows]`` int64 zeros: the weight zero points of a symmetric oneDNN layer, one tensor per
+    size shared by every layer (per layer they were ~3 MB over the vision tower), never written."""
+    return torch.zeros(rows, dtype=torch.long)
 
 
 @functools.cache
@@ -273,35 +291,117 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
     weights, oneDNN's u8 x s8 -> s32 GEMM (see the module docstring).
 
     Input ``[..., in_features]`` of any float dtype; output in the input's dtype.
+
+    ``pack_row_groups`` packs the weight as several oneDNN weights, one per group of output rows;
+    ``row_group_outputs`` then gives each group's outputs in turn from one quantization of the
+    input, so a caller that consumes them group by group never holds the whole output (the vision
+    attention's ``qkv``: ``engine.vision``). Each output is computed by the same integer dot product
+    and the same float steps whatever the grouping, so the values are bit-identical (tested).
     """
 
     backend = "onednn"
+    row_groups: torch.Tensor | None = None  # [groups, rows] int64 output rows of each pack, or None: one pack
 
     def _pack(self, q: torch.Tensor) -> None:
-        self.weight_packed = torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN blocked layout: no buffer
-        self.weight_zero_points = torch.zeros(q.shape[0], dtype=torch.long)  # not state: always zeros
+        if self.row_groups is None:
+            self._packs = [torch.ops.onednn.qlinear_prepack(q, None)]  # oneDNN blocked layout: no buffer
+            self._group_state = []
+        else:
+            self._packs = [torch.ops.onednn.qlinear_prepack(q[rows].contiguous(), None) for rows in self.row_groups]
+            self._group_state = [
+                (self.weight_scale[rows], None if self.bias is None else self.bias[rows]) for rows in self.row_groups
+            ]
+
+    def pack_row_groups(self, row_groups: torch.Tensor) -> None:
+        """Pack the weight again as one oneDNN weight per row group.
+
+        Args:
+            row_groups: ``[groups, rows]`` int64, each output row exactly once.
+
+        Raises:
+            ValueError: ``row_groups`` is not a partition of the output rows.
+        """
+        every_row = torch.arange(self.out_features)
+        if row_groups.dim() != 2 or not torch.equal(row_groups.flatten().sort().values, every_row):
+            raise ValueError(f"row_groups must split the {self.out_features} output rows into equal groups")
+        q = self._dense_weight()
+        self.row_groups = row_groups.to(torch.int64)
+        self._pack(q)
+
+    def packed_bytes(self) -> int:
+        """Bytes this layer holds outside its buffers: the packed int8 weights (one byte per weight)
+        and, packed by row groups, the groups' rows and their copies of the scales and bias."""
+        extra = [] if self.row_groups is None else [self.row_groups]
+        extra += [t for state in self._group_state for t in state if t is not None]
+        return sum(pack.numel() for pack in self._packs) + sum(t.numel() * t.element_size() for t in extra)
+
+    def _dense_weight(self) -> torch.Tensor:
+        """The int8 weight ``[out, in]`` in output-row order, read back from the packs."""
+        # A pack reads back as [in, rows] in plain layout. qlinear_prepack reads its input as
+        # contiguous [out, in] whatever its strides (a transposed view packs the wrong matrix).
+        dense = [pack.to_dense().t() for pack in self._packs]
+        if self.row_groups is None:
+            return dense[0].contiguous()
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        for rows, part in zip(self.row_groups, dense, strict=True):
+            q[rows] = part
+        return q
 
     def _weight_state(self) -> dict[str, torch.Tensor]:
-        # The packed weight read back ([in, out], plain layout) and stored [out, in], as quantized,
-        # to be packed again when loaded: the plain tensor as it is gives the same outputs but made
-        # decode GEMMs ~2x slower, and qlinear_prepack reads its input as contiguous [out, in]
-        # whatever its strides (a transposed view packs the wrong matrix).
-        return {"weight_q": self.weight_packed.to_dense().t().contiguous()}
+        # Stored [out, in], as quantized, to be packed again when loaded: the plain tensor as it is
+        # gives the same outputs but made decode GEMMs ~2x slower.
+        state = {"weight_q": self._dense_weight()}
+        if self.row_groups is not None:
+            state["row_groups"] = self.row_groups
+        return state
 
     def _load_weight(self, state: dict[str, torch.Tensor]) -> int:
+        self.row_groups = state.get("row_groups")
         self._pack(state["weight_q"].contiguous())
         return state["weight_q"].shape[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, shape[-1]).float()
+    def _quantized_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x2`` ``[M, in]`` float32 -> (``q + 128`` ``[M, in]`` uint8 in this thread's work
+        buffer, valid until the next INT8 layer runs on the thread; the scales ``[M, 1]``)."""
         x_scale, inv = self._token_scales(x2)
         # round(x / scale) + 128 as uint8: x * inv lies in [-127, 127], so + 128.5 is positive
         # and the float -> uint8 conversion's truncation rounds half up, in two passes.
         shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
-        qx = _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted)
-        y = _onednn_matmul(qx, self.weight_packed, self.weight_scale, self.weight_zero_points)
-        return self._finish(y, x_scale, shape, dtype)
+        return _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted), x_scale
+
+    def _group_output(self, qx: torch.Tensor, x_scale: torch.Tensor, group: int) -> torch.Tensor:
+        """``[M, rows]`` float32 outputs of pack ``group`` (scaled, bias added)."""
+        pack = self._packs[group]
+        weight_scale, bias = (self.weight_scale, self.bias) if self.row_groups is None else self._group_state[group]
+        y = _onednn_matmul(qx, pack, weight_scale, _zero_points(pack.shape[1]))
+        if bias is None:
+            return y.mul_(x_scale)
+        return torch.addcmul(bias, y, x_scale, out=y)
+
+    def row_group_outputs(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Each row group's outputs ``[M, rows]`` (``x`` ``[M, in]``, any float dtype; outputs in
+        its dtype), in ``row_groups`` order, from one quantization of ``x``. While the iterator is
+        alive no other INT8 layer may run on this thread (the quantized input is in its work buffer).
+
+        Raises:
+            ValueError: the weight is packed whole (``pack_row_groups`` was not called).
+        """
+        if self.row_groups is None:
+            raise ValueError("the weight is packed whole: call pack_row_groups first")
+        qx, x_scale = self._quantized_input(x.float())
+        for group in range(len(self._packs)):
+            yield self._group_output(qx, x_scale, group).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        qx, x_scale = self._quantized_input(x.reshape(-1, shape[-1]).float())
+        if self.row_groups is None:
+            y = self._group_output(qx, x_scale, 0)
+        else:
+            y = torch.empty(qx.shape[0], self.out_features)
+            for group, rows in enumerate(self.row_groups):
+                y[:, rows] = self._group_output(qx, x_scale, group)
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
 
 class IntMmInt8Linear(_PerTokenInt8Linear):
@@ -330,8 +430,7 @@ class IntMmInt8Linear(_PerTokenInt8Linear):
         x_scale, inv = self._token_scales(x2)
         scaled = torch.mul(x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32)).round_()
         qx = _scratch_tensor("i8", x2.shape, torch.int8).copy_(scaled)
-        y = torch.mul(_int_mm_matmul(qx, self.weight_t), self.weight_scale)
-        return self._finish(y, x_scale, shape, dtype)
+        return self._finish(_scaled(_int_mm_matmul(qx, self.weight_t), self.weight_scale), x_scale, shape, dtype)
 
 
 class GemvInt8Linear(_PerTokenInt8Linear):
@@ -376,15 +475,15 @@ class GemvInt8Linear(_PerTokenInt8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        x2 = x.reshape(-1, shape[-1]).float()
         if 1 <= x2.shape[0] <= MAX_ROWS and self._kernel is not None:
-            y = self._kernel(x2, self.weight_q, self.weight_sum, self.weight_scale, self.bias)
+            y = self._kernel(x2.contiguous(), self.weight_q, self.weight_sum, self.weight_scale, self.bias)
             return y.to(dtype).reshape(*shape[:-1], self.out_features)
         x_scale, inv = self._token_scales(x2)
         shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
         qx = _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted)  # q + 128, as the onednn path
         signed = qx.view(torch.int8).bitwise_xor_(-128)  # the byte q + 128, top bit flipped, is q as int8
-        y = torch.mul(_int_mm_matmul(signed, self.weight_q.t()), self.weight_scale)
+        y = _scaled(_int_mm_matmul(signed, self.weight_q.t()), self.weight_scale)
         return self._finish(y, x_scale, shape, dtype)
 
 

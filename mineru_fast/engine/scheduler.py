@@ -519,13 +519,13 @@ class Scheduler:
             seq.prefill_s += elapsed * n / total
             if seq.prefilled < seq.prompt_len:
                 continue
-            del self.prefilling[slot]
             seq.embeds = seq.image_embeds = None
             try:
                 self.rules.reset_row(slot, seq.request.sampling, seq.encoded.forced, seq.encoded.input_ids)
             except Exception as exc:
-                self._fail(seq, "decoding rules", exc)
+                self._fail(seq, "decoding rules", exc)  # ends it in its prefilling slot, which is released
                 continue
+            del self.prefilling[slot]
             self.live[slot] = seq
             completed.append((slot, row))
         if completed:
@@ -553,6 +553,7 @@ class Scheduler:
                 return
             seq = self.live.pop(top)
             self.runner.lm.move_slot(top, free, seq.prompt_len + len(seq.tokens) - 1)  # all but the last token
+            self.runner.lm.release_slot(top)
             self.rules.move_row(top, free)
             self.live[free] = seq
 
@@ -685,6 +686,7 @@ class Scheduler:
             for slot, other in list(stage.items()):
                 if other is seq:
                     del stage[slot]
+                    self.runner.lm.release_slot(slot)
         for stage_list in (self.waiting, self.ready):
             if seq in stage_list:
                 stage_list.remove(seq)
