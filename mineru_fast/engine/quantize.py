@@ -210,6 +210,9 @@ def _scratch_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> to
     return buffer[:size].view(shape)
 
 
+_HALF_OFFSET = torch.tensor(128.5)
+
+
 class _PerTokenInt8Linear(nn.Module):
     """Shared by the per-token kernels: int8 weights, one float32 scale per output channel."""
 
@@ -275,15 +278,27 @@ class _PerTokenInt8Linear(nn.Module):
         absmax = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg_()).clamp_(min=127e-12)
         return absmax / 127.0, absmax.reciprocal_().mul_(127.0)
 
+    @classmethod
+    def _quantized_input(cls, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``onednn`` / ``gemv`` activation quantization: ``x2`` ``[M, in]`` float32 ->
+        (``q + 128`` ``[M, in]`` uint8 in this thread's work buffer, valid until the next INT8
+        layer runs on the thread; the scales ``[M, 1]``)."""
+        x_scale, inv = cls._token_scales(x2)
+        # round(x / scale) + 128 as uint8: x * inv lies in [-127, 127], so + 128.5 is positive
+        # and the float -> uint8 conversion's truncation rounds half up, in two passes.
+        shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
+        return _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted), x_scale
+
+    @staticmethod
+    def _rescaled(y: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``y * x_scale (+ bias)`` in ``y``'s storage (``y`` ``[M, N]`` float32, already times the
+        weight scales; ``x_scale`` ``[M, 1]``; ``bias`` ``[N]`` or None)."""
+        if bias is None:
+            return y.mul_(x_scale)
+        return torch.addcmul(bias, y, x_scale, out=y)
+
     def _finish(self, y: torch.Tensor, x_scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        if self.bias is None:
-            y.mul_(x_scale)
-        else:
-            torch.addcmul(self.bias, y, x_scale, out=y)
-        return y.to(dtype).reshape(*shape[:-1], self.out_features)
-
-
-_HALF_OFFSET = torch.tensor(128.5)
+        return self._rescaled(y, x_scale, self.bias).to(dtype).reshape(*shape[:-1], self.out_features)
 
 
 class OneDnnInt8Linear(_PerTokenInt8Linear):
@@ -360,23 +375,11 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
         self._pack(state["weight_q"].contiguous())
         return state["weight_q"].shape[1]
 
-    def _quantized_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x2`` ``[M, in]`` float32 -> (``q + 128`` ``[M, in]`` uint8 in this thread's work
-        buffer, valid until the next INT8 layer runs on the thread; the scales ``[M, 1]``)."""
-        x_scale, inv = self._token_scales(x2)
-        # round(x / scale) + 128 as uint8: x * inv lies in [-127, 127], so + 128.5 is positive
-        # and the float -> uint8 conversion's truncation rounds half up, in two passes.
-        shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
-        return _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted), x_scale
-
     def _group_output(self, qx: torch.Tensor, x_scale: torch.Tensor, group: int) -> torch.Tensor:
         """``[M, rows]`` float32 outputs of pack ``group`` (scaled, bias added)."""
         pack = self._packs[group]
         weight_scale, bias = (self.weight_scale, self.bias) if self.row_groups is None else self._group_state[group]
-        y = _onednn_matmul(qx, pack, weight_scale, _zero_points(pack.shape[1]))
-        if bias is None:
-            return y.mul_(x_scale)
-        return torch.addcmul(bias, y, x_scale, out=y)
+        return self._rescaled(_onednn_matmul(qx, pack, weight_scale, _zero_points(pack.shape[1])), x_scale, bias)
 
     def row_group_outputs(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
         """Each row group's outputs ``[M, rows]`` (``x`` ``[M, in]``, any float dtype; outputs in
@@ -479,9 +482,7 @@ class GemvInt8Linear(_PerTokenInt8Linear):
         if 1 <= x2.shape[0] <= MAX_ROWS and self._kernel is not None:
             y = self._kernel(x2.contiguous(), self.weight_q, self.weight_sum, self.weight_scale, self.bias)
             return y.to(dtype).reshape(*shape[:-1], self.out_features)
-        x_scale, inv = self._token_scales(x2)
-        shifted = torch.addcmul(_HALF_OFFSET, x2, inv, out=_scratch_tensor("f32", x2.shape, torch.float32))
-        qx = _scratch_tensor("u8", x2.shape, torch.uint8).copy_(shifted)  # q + 128, as the onednn path
+        qx, x_scale = self._quantized_input(x2)  # q + 128, as the onednn path
         signed = qx.view(torch.int8).bitwise_xor_(-128)  # the byte q + 128, top bit flipped, is q as int8
         y = _scaled(_int_mm_matmul(signed, self.weight_q.t()), self.weight_scale)
         return self._finish(y, x_scale, shape, dtype)
