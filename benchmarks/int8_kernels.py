@@ -4,7 +4,10 @@ Kernels (see ``mineru_fast/engine/quantize.py`` for what each does): ``torch_ao`
 per-tensor 7-bit activations: the default until issue 17), ``onednn`` and ``int_mm`` (per-token
 int8 activations), the float32 linear, the bfloat16 linear where the class has native bfloat16,
 and weight-only INT8 (``torch.ops.aten._weight_int8pack_mm``, float activations) at decode batch
-sizes, where a layer is bound by reading its weights.
+sizes, where a layer is bound by reading its weights; for the language model's shapes, where the
+own kernels are built (``engine.kernels``), also ``gemv`` (per channel / per token, the own GEMV
+for up to 16 rows) and ``block`` (32-value scales, ``quantize.BlockInt8Linear``: the fast
+preset's language model).
 
 Shapes: the vision block's qkv (1280->3840), proj (1280->1280), fc1 (1280->5120) and fc2
 (5120->1280) at 5476 rows (one 1036x1036 layout image) and at crop sizes (1024 and 256 patches);
@@ -15,9 +18,10 @@ gate_up (896->9728) and down (4864->896) at decode batch 1, 4 and 16 and at pref
 Each figure is the fastest of ``--repeat`` calls after one warm-up (the fastest, not the median:
 on a shared machine it is the least disturbed), the kernels interleaved call by call.
 
-``python benchmarks/int8_kernels.py [--isa native|avx2|avx512|avx512_vnni] [--threads N] [--json OUT]``
-runs a simulated class in a subprocess with ``mineru_fast.runtime.cpu.simulation_env`` set before torch
-loads.
+``python benchmarks/int8_kernels.py [--isa native|avx2|avx512|avx512_vnni] [--threads N] [--layers P] [--json OUT]``
+``--isa`` other than ``native`` runs a simulated class in a subprocess with
+``mineru_fast.runtime.cpu.simulation_env`` set before torch loads; ``--layers lm.`` measures only
+the language model's shapes.
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ GROUPS = {  # sums reported per group: one vision block, one LM layer (head apar
 }
 
 
-def _kernels(k: int, n: int, m: int, native_bf16: bool) -> dict:
+def _kernels(name: str, k: int, n: int, m: int, native_bf16: bool) -> dict:
     import torch
     from torch import nn
 
-    from mineru_fast.engine.quantize import Int8DynamicConfig, quantize_
+    from mineru_fast.engine.kernels import int8_gemv_status
+    from mineru_fast.engine.quantize import BlockInt8Linear, GemvInt8Linear, Int8DynamicConfig, quantize_
 
     torch.manual_seed(0)
     linear = nn.Linear(k, n).eval()
@@ -71,11 +76,14 @@ def _kernels(k: int, n: int, m: int, native_bf16: bool) -> dict:
         scale = w.abs().amax(1) / 127
         q = torch.round(w / scale[:, None]).to(torch.int8)
         out["weight_only"] = lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale).add_(linear.bias)
+    if name.startswith("lm.") and int8_gemv_status().block_op is not None:
+        out["gemv"], out["block"] = GemvInt8Linear(linear), BlockInt8Linear(linear)
     return out
 
 
-def measure(repeat: int) -> dict:
-    """Every shape's kernels in this process: ``{"shapes": [...], "groups": {...}}`` in ms."""
+def measure(repeat: int, layers: str = "") -> dict:
+    """Every shape's kernels (of layers named from ``layers``) in this process: ``{"shapes": [...],
+    "groups": {...}}`` in ms."""
     import torch
 
     from mineru_fast.engine.quantize import int8_kernel_path
@@ -84,8 +92,8 @@ def measure(repeat: int) -> dict:
     cls = isa_class(read_topology().isa)
     rows = []
     with torch.inference_mode():
-        for name, k, n, m in SHAPES:
-            kernels = _kernels(k, n, m, cls.native_bf16)
+        for name, k, n, m in [shape for shape in SHAPES if shape[0].startswith(layers)]:
+            kernels = _kernels(name, k, n, m, cls.native_bf16)
             inputs = {
                 key: torch.randn(m, k, dtype=torch.bfloat16 if key == "bf16" else torch.float32) for key in kernels
             }
@@ -105,6 +113,8 @@ def measure(repeat: int) -> dict:
     for label, (prefix, m) in GROUPS.items():
         members = [r for r in rows if r["layer"].startswith(prefix) and r["rows"] == m
                    and (r["layer"] != "lm.head" or prefix == "lm.head")]  # fmt: skip
+        if not members:
+            continue
         keys = set.intersection(*(set(r["ms"]) for r in members))
         groups[label] = {key: sum(r["ms"][key] for r in members) for key in sorted(keys)}
     return {
@@ -121,7 +131,7 @@ def measure(repeat: int) -> dict:
 
 def render(result: dict) -> str:
     """Markdown: the groups' totals and each kernel's ratio to ``torch_ao``."""
-    keys = ["torch_ao", "onednn", "int_mm", "fp32", "bf16", "weight_only"]
+    keys = ["torch_ao", "onednn", "int_mm", "fp32", "bf16", "weight_only", "gemv", "block"]
     lines = [
         f"ISA class {result['isa_class']} (hardware {result['hardware_class']}"
         + (f", capped by {result['capped_by']}" if result["capped_by"] else "")
@@ -143,6 +153,7 @@ def main() -> None:
     ap.add_argument("--isa", default="native", help="native, or a class to simulate: avx2, avx512, avx512_vnni")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     ap.add_argument("--repeat", type=int, default=12, help="timed calls per kernel and shape")
+    ap.add_argument("--layers", default="", help="only shapes whose layer name starts with this (e.g. lm.)")
     ap.add_argument("--json", help="write the raw figures here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -156,7 +167,7 @@ def main() -> None:
     from mineru_fast.runtime.cpu import physical_cores_available
 
     torch.set_num_threads(args.threads or physical_cores_available())
-    result = measure(args.repeat)
+    result = measure(args.repeat, args.layers)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -8,10 +8,12 @@ The variants alternate, ``--rounds`` times, so a drift of the machine reaches th
 
 ``PYTHONPATH=. python benchmarks/preset_page_speed.py --model <full synthetic> --workload
 <shared>/workloads/omnidocbench_demo [--page NAME] [--threads 2] [--rounds 2] [--parses 2]
-[--variant fast] [--variant bf16] [--variant fast:MALLOC_MMAP_THRESHOLD_=33554432]``
+[--variant fast] [--variant bf16] [--variant fast:MALLOC_MMAP_THRESHOLD_=33554432]
+[--variant fast+lm_quant=int8-dynamic+lm_head_quant=int8-dynamic]``
 
-A variant is ``PRESET`` or ``PRESET:VAR=VALUE[,VAR=VALUE]``. Run it on a quiet machine: only
-ratios within one run mean anything.
+A variant is ``PRESET[+FIELD=VALUE...][:VAR=VALUE[,VAR=VALUE]]``: a preset, ``ParserOptions``
+fields it overrides (strings) and environment variables. Run it on a quiet machine: only ratios
+within one run mean anything.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def child(args: argparse.Namespace) -> None:
 
     image, trace = replayed_page(args.workload, args.page)
     start = time.perf_counter()
-    parser = DocumentParser.from_pretrained(args.model, ParserOptions.preset(args.preset, threads=args.threads))
+    preset, *fields = args.preset.split("+")
+    overrides = dict(field.split("=", 1) for field in fields)
+    parser = DocumentParser.from_pretrained(args.model, ParserOptions.preset(preset, threads=args.threads, **overrides))
     load_s = time.perf_counter() - start
     walls, markdown, doc = [], None, None
     for _ in range(args.parses):
@@ -69,7 +73,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parses", type=int, default=2)
-    parser.add_argument("--variant", action="append", help="PRESET or PRESET:VAR=VALUE[,VAR=VALUE] (repeatable)")
+    parser.add_argument("--variant", action="append", help="PRESET[+FIELD=VALUE...][:VAR=VALUE,...] (repeatable)")
     parser.add_argument("--preset", help=argparse.SUPPRESS)  # set in the child process
     args = parser.parse_args()
     if args.preset:

@@ -62,16 +62,17 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     rows = results["rows"]
     cls = isa_class(read_topology().isa)
     baseline = "reference bf16" if cls.native_bf16 else "reference fp32"  # never emulated bf16
-    # the shipped preset (per-token oneDNN INT8 where nothing else is recorded) and the other kernel;
-    # where the own GEMV runs the shipped LM's decode rows, oneDNN alone is its A/B row (no candidate)
-    gemv = int8_gemv_status().op is not None
-    ab = ["  INT8 per token, oneDNN"] if gemv else []
+    # the shipped preset (vision on per-token oneDNN INT8 where nothing else is recorded, the LM on
+    # 32-value blocks where the own kernel is built), the LM's per-channel A/B and the other kernel
+    block = int8_gemv_status().block_op is not None
+    ab = ["  LM INT8 per channel / per token"] if block else []
     assert [r["label"] for r in rows] == [baseline, "+ continuous batching", *ab, "  INT8 per tensor, torch.ao"]
     assert rows[0]["pages"] == ["tiny"] and "data data data data" in rows[0]["markdown"]
     assert [r["candidate"] for r in rows] == [None, "int8-onednn", *[None] * len(ab), "int8-torch_ao"]
     assert rows[1]["numerics"]["int8_kernel"] == "onednn" and rows[-1]["numerics"]["int8_kernel"] == "torch_ao"
-    assert "lm_decode_kernel" in rows[1]["numerics"]
-    assert all("lm_decode_kernel" not in r["numerics"] for r in rows[2:])
+    assert "lm_int8_block" in rows[1]["numerics"]
+    if block:  # the A/B row: per-channel INT8, its decode rows on the own GEMV
+        assert "lm_int8_block" not in rows[2]["numerics"] and "lm_decode_kernel" in rows[2]["numerics"]
     assert results["header"]["isa_class"] == cls.name
     check = results["auto_check"]
     assert check["auto_picks"] == "int8-onednn" and set(check["measured_s_per_page"]) == {
@@ -98,7 +99,7 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert "Not a full-size model" in out and "| top-1 vs fp32 % | logits cosine |" in out
     assert "not run | not run" in out and f"ISA class: {cls.name}" in out
     assert "- + continuous batching: fast engine, fp32; onednn: int8 weights per channel" in out
-    assert ("|   INT8 per token, oneDNN | int8_kernel=auto runs onednn on this class" in out) is not gemv
+    assert "|   INT8 per token, oneDNN | int8_kernel=auto runs onednn on this class" in out
     # start-up without the prepared cache, cold (writes it) and warm (reads it), each a fresh process
     startup = results["startup"]
     assert [s["prepared_from"] for s in startup] == ["checkpoint", "checkpoint", "cache"]
@@ -107,7 +108,7 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     # the rows ran on the warm cache; the shipped preset's memory table: its embedding is mapped
     memory = rows[1]["memory"]
     assert memory["prepared_from"] == "cache" and memory["embedding"]["mapped"]
-    head = "lm head (GemvInt8Linear)" if gemv else "lm head (OneDnnInt8Linear)"
+    head = "lm head (BlockInt8Linear)" if block else "lm head (OneDnnInt8Linear)"
     assert memory["kv"]["reserved"] > 0 and memory["rss"] > 0 and head in memory["weights"]
     assert "Memory of '+ continuous batching' after its pages" in out
 

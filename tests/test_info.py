@@ -21,6 +21,13 @@ def test_two_socket_amx_machine(tmp_path, monkeypatch):
     assert info["backends"]["auto_chooses"]["backend"] == "stock"  # no measurement for this CPU
     text = render(info)
     assert "2 socket(s), 8 physical core(s), 16 logical CPU(s), 2 NUMA node(s)" in text and "AMX: yes" in text
+    # AVX-512 VNNI: the fast preset's language model on the block kernel, unless it is turned off
+    assert info["choices"]["lm_quant_fast"]["quant"] == "int8-block"
+    assert "the fast preset's language model runs int8-block: 32-value INT8 scales" in text
+    monkeypatch.setenv("MINERU_FAST_OWN_KERNELS", "0")
+    off = collect(read_topology(sysfs, proc, affinity=set(range(16))))["choices"]["lm_quant_fast"]
+    assert off == {"quant": "int8-dynamic", "reason": "per-channel INT8 instead of 32-value blocks: own INT8 GEMV off "
+                   "(MINERU_FAST_OWN_KERNELS=0)"}  # fmt: skip
 
 
 def test_info_json_runs_here(capsys, tmp_path, monkeypatch):

@@ -20,7 +20,9 @@ from mineru_fast.engine.prepared import MANIFEST, PreparedCache, cacheable, prep
 from mineru_fast.engine.quantize import (
     Bf16WeightsConfig,
     Bf16WeightsLinear,
+    BlockInt8Linear,
     GemvInt8Linear,
+    Int8BlockConfig,
     Int8DynamicConfig,
     Int8WeightOnlyConfig,
     Int8WeightOnlyLinear,
@@ -151,12 +153,14 @@ def test_the_environment_variable_and_the_flag_bypass_the_cache(model, tmp_path,
 
 def test_only_int8_models_without_torch_ao_are_cached():
     assert cacheable([INT8, None, None]) and cacheable([Int8WeightOnlyConfig(), None, None])
+    assert cacheable([None, Int8BlockConfig(), Int8BlockConfig()])
     assert not cacheable([Bf16WeightsConfig(), Bf16WeightsConfig(), None])  # the checkpoint is the prepared form
     assert not cacheable([Int8DynamicConfig("torch_ao"), INT8, INT8])
 
 
 @pytest.mark.parametrize(
-    "kind", [OneDnnInt8Linear, GemvInt8Linear, IntMmInt8Linear, Int8WeightOnlyLinear, Bf16WeightsLinear]
+    "kind",
+    [OneDnnInt8Linear, GemvInt8Linear, IntMmInt8Linear, BlockInt8Linear, Int8WeightOnlyLinear, Bf16WeightsLinear],
 )
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_layer_rebuilt_from_its_prepared_state_gives_the_same_outputs(kind, bias):

@@ -1,4 +1,5 @@
-"""Dynamic INT8 kernels: the documented math, per-token vs per-tensor, exactness on every ISA class."""
+"""Dynamic INT8 kernels: the documented math, per-token vs per-tensor, exactness on every ISA class;
+block-wise INT8's PyTorch form (the kernel itself: test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mineru_fast.engine.quantize import (
+    BlockInt8Linear,
+    Int8BlockConfig,
     Int8DynamicConfig,
     int8_kernel_path,
     int8_weight_max,
@@ -177,3 +181,63 @@ def test_int32_products_are_scaled_in_their_own_storage_to_the_same_values():
         got = _scaled(acc, scale)
         assert got.dtype == torch.float32 and got.data_ptr() == acc.data_ptr()
         assert torch.equal(got, expected)
+
+
+def _blockwise_expected(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``Int8BlockConfig``'s math in float64, written from its definition (not from the packed
+    layout): 32-value blocks of each weight row and each activation row, symmetric to +-127
+    (weights ``round(w / s)``, activations ``round(x * (127 / max))``, both half to even), exact
+    integer products per block, each block's sum times both its scales, summed over blocks, bias."""
+    n, k = linear.weight.shape
+    pad = -k % 32
+    w = F.pad(linear.weight.detach().float(), (0, pad)).view(n, -1, 32)
+    w_scale = w.abs().amax(2) / 127
+    w_q = torch.round(w / w_scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).double()
+    xb = F.pad(x.float(), (0, pad)).view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(2)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    x_q = torch.round(xb * inv[..., None]).double()
+    dots = torch.einsum("mbk,nbk->mnb", x_q, w_q)  # exact: integers far below 2**53
+    y = (dots * (amax / 127).double()[:, None, :] * w_scale.double()[None]).sum(2)
+    return y if linear.bias is None else y + linear.bias.detach().double()
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), [(40, 96, True), (50, 70, False), (16, 32, True), (3, 5, True)])
+def test_block_int8_reference_computes_the_documented_math(n, k, bias):
+    """The PyTorch form of the block kernel (what runs without it, and what the kernel is checked
+    against): its packed layout and padding (N to 16, K to 32) unpack to the definition's values.
+    Tolerance: the float32 sum over blocks against float64 (rounding ~1e-7 relative per step)."""
+    torch.manual_seed(n * k)
+    linear = nn.Linear(k, n, bias=bias)
+    layer = BlockInt8Linear(linear)
+    layer._kernel = None  # the reference path, even where the kernel is built
+    x = torch.randn(7, k) * torch.logspace(-2, 2, 7)[:, None]
+    x[0] = 0.0  # an all-zero row: scale 0, output = bias
+    x[1, : min(k, 32)] = 0.0  # and an all-zero block inside a row
+    got, expected = layer(x).double(), _blockwise_expected(linear, x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    # against the float layer: within 32-value INT8 rounding (each product's relative error is
+    # about 1/254 per factor, summed over random signs; 2 % of the output's norm is far above it)
+    reference = linear(x).detach().double()
+    assert float((got - reference).norm()) < 0.02 * float(reference.norm())
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16 and layer(x[None]).shape == (1, 7, n)
+
+
+def test_block_int8_rows_do_not_depend_on_their_batch_neighbours():
+    torch.manual_seed(3)
+    layer = BlockInt8Linear(nn.Linear(64, 48))
+    layer._kernel = None
+    x = torch.randn(6, 64)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(6)])
+    x_loud = x.clone()
+    x_loud[5] *= 1000  # one loud row: per-tensor scales would coarsen every other row
+    assert torch.equal(layer(x), alone) and torch.equal(layer(x_loud)[:5], alone[:5])
+
+
+def test_block_int8_prepared_state_round_trips():
+    torch.manual_seed(4)
+    layer = BlockInt8Linear(nn.Linear(70, 50))
+    restored = BlockInt8Linear.from_prepared(layer.prepared_state())
+    x = torch.randn(3, 70)
+    assert (restored.in_features, restored.out_features) == (70, 50) and torch.equal(restored(x), layer(x))
+    assert isinstance(quantize_linear(nn.Linear(8, 8), Int8BlockConfig()), BlockInt8Linear)

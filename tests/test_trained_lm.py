@@ -16,17 +16,18 @@ from pathlib import Path
 import pytest
 from conftest import WORKLOAD, need
 
-from mineru_fast.bench.fidelity import LLAMA_CPP_ROW, run_content
+from mineru_fast.bench.fidelity import LLAMA_CPP_ROW, PER_CHANNEL, run_content
 from mineru_fast.runtime.hub import lm_source
 
-# Four full-size engines one after another, and llama.cpp's row when asked for: about 10 minutes
+# Five full-size engines one after another, and llama.cpp's row when asked for: about 10 minutes
 # on 2 cores, past the suite's 600 s per test (the module's fixture runs inside its first test).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 CONFIGS = {
-    "fast": {"preset": "fast", "overrides": {}},
+    "fast": {"preset": "fast", "overrides": {}},  # the LM on 32-value blocks (the own kernel where built)
     "bf16": {"preset": "bf16", "overrides": {}},
-    "torch_ao": {"preset": "fast", "overrides": {"int8_kernel": "torch_ao"}},
+    "per_channel": {"preset": "fast", "overrides": {**PER_CHANNEL, "int8_kernel": "onednn"}},
+    "torch_ao": {"preset": "fast", "overrides": {**PER_CHANNEL, "int8_kernel": "torch_ao"}},
 }
 
 
@@ -46,31 +47,43 @@ def slice_run() -> dict:
 
 def test_fast_preset_meets_the_acceptance_thresholds(slice_run):
     """On a slice (~300 forced steps, 3 free blocks), what the full run measured (943 steps,
-    benchmarks/README.md): the fast preset agrees with fp32 on >= 99.5 % of the confident steps,
-    up to one step (full run: 491 of 493; the slice: 157 of 158), and its free-running outputs
-    equal fp32's on at least as many blocks as bf16's (12 of 12 each in the full run). Over all
-    steps it is below bf16 (94.6 % against 98.1 %: near-ties where fp32 is unsure; the
-    acceptance's bound there is not met); the bound asserted is that gap with a slice's noise,
-    6 points, and >= 90 %."""
+    benchmarks/README.md): the fast preset agrees with fp32 on >= 99.5 % of the confident steps
+    (full run: 493 of 493), over all steps no less than bf16 (full run: 98.62 % against 98.52 %;
+    one step of a slice is ~0.3 %, so one step of slack), and its free-running outputs equal
+    fp32's on at least as many blocks as bf16's (12 of 12 each in the full run)."""
     results = slice_run["results"]
     fast, bf16 = results["fast"], results["bf16"]
+    if "own AVX-512 VNNI block" not in fast["numerics"].get("lm_int8_block", ""):
+        pytest.skip(f"the fast preset's LM is not block-wise here: {fast['numerics'].get('lm_int8_block')}")
     assert slice_run["forced"]["steps"] > 250 and fast["forced"]["groups"]["confident"]["steps"] > 50
-    # 99.5 % of the slice's ~160 confident steps leaves no flip at all; one step of slack (the full
-    # run: 2 of 493 differ, 99.59 %) keeps the bound's meaning at the slice's resolution.
+    # 99.5 % of the slice's ~160 confident steps leaves no flip at all; one step of slack keeps the
+    # bound's meaning at the slice's resolution.
     confident = fast["forced"]["groups"]["confident"]
     flips = round(confident["steps"] * (1 - confident["top1_pct"] / 100))
     assert flips <= int(0.005 * confident["steps"]) + 1
+    one_step = 100 / slice_run["forced"]["steps"]
+    assert fast["forced"]["groups"]["all"]["top1_pct"] >= bf16["forced"]["groups"]["all"]["top1_pct"] - one_step
     assert fast["free"]["all"]["identical"] >= bf16["free"]["all"]["identical"]
-    assert fast["forced"]["groups"]["all"]["top1_pct"] >= max(90.0, bf16["forced"]["groups"]["all"]["top1_pct"] - 6)
-    assert fast["forced"]["groups"]["all"]["mean_cosine"] >= 0.995
+    assert fast["forced"]["groups"]["all"]["mean_cosine"] >= 0.9995
+
+
+def test_32_value_blocks_close_most_of_per_channels_gap(slice_run):
+    """Per channel / per token INT8 (the fast preset's LM before) flips near-ties where fp32 is
+    unsure: full run 94.27 % over all steps against the blocks' 98.62 %. On the slice the blocks
+    agree on more steps, by at least a third of that gap."""
+    groups = {label: r["forced"]["groups"] for label, r in slice_run["results"].items()}
+    if "own AVX-512 VNNI block" not in slice_run["results"]["fast"]["numerics"].get("lm_int8_block", ""):
+        pytest.skip("the fast preset's LM is not block-wise here")
+    assert groups["fast"]["all"]["top1_pct"] >= groups["per_channel"]["all"]["top1_pct"] + 1.5
+    assert groups["fast"]["all"]["mean_cosine"] > groups["per_channel"]["all"]["mean_cosine"]
 
 
 def test_the_fixture_separates_per_tensor_from_per_token(slice_run):
     """One activation scale over a whole sequence (per tensor) loses many greedy choices that
     per-token scales keep: the trained LM discriminates where random weights could not."""
     groups = {label: r["forced"]["groups"] for label, r in slice_run["results"].items()}
-    assert groups["torch_ao"]["all"]["top1_pct"] < groups["fast"]["all"]["top1_pct"] - 10
-    assert groups["torch_ao"]["confident"]["top1_pct"] < groups["fast"]["confident"]["top1_pct"]
+    assert groups["torch_ao"]["all"]["top1_pct"] < groups["per_channel"]["all"]["top1_pct"] - 10
+    assert groups["torch_ao"]["confident"]["top1_pct"] < groups["per_channel"]["confident"]["top1_pct"]
 
 
 def test_llama_cpp_q8_0_row(slice_run):

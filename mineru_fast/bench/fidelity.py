@@ -81,17 +81,26 @@ LLAMA_CPP_ROW = "llama.cpp Q8_0 (same weights)"  # MinerU 4's CPU runtime (bench
 LLAMA_CPP_TOP = 20  # log-probabilities llama-server returns per step (its n_probs)
 
 # The precisions and kernels the project offers, against the float32 engine (``run_content``'s default).
+# the fast preset's language model before 32-value blocks
+PER_CHANNEL = {"lm_quant": "int8-dynamic", "lm_head_quant": "int8-dynamic"}
 CONTENT_CONFIGS: dict[str, dict] = {
     "exact preset (bf16-stored weights, fp32 math)": {"preset": "exact", "overrides": {}},
     "bf16 preset": {"preset": "bf16", "overrides": {}},
-    "fast: INT8 per token, oneDNN (INT8 head)": {"preset": "fast", "overrides": {"int8_kernel": "onednn"}},
-    "fast: INT8 per token, int_mm (INT8 head)": {"preset": "fast", "overrides": {"int8_kernel": "int_mm"}},
-    "fast: INT8 per tensor, torch.ao (INT8 head)": {"preset": "fast", "overrides": {"int8_kernel": "torch_ao"}},
-    "fast: INT8 per token, oneDNN, float head": {
+    "fast preset: INT8 32-value blocks, own kernel (INT8 head)": {"preset": "fast", "overrides": {}},
+    "fast, INT8 32-value blocks, float head": {"preset": "fast", "overrides": {"lm_head_quant": "bf16-weights"}},
+    "fast, INT8 per channel / per token, oneDNN (INT8 head)": {
         "preset": "fast",
-        "overrides": {"int8_kernel": "onednn", "lm_head_quant": "bf16-weights"},
+        "overrides": {**PER_CHANNEL, "int8_kernel": "onednn"},
     },
-    "fast: weight-only INT8 LM and head": {
+    "fast, INT8 per channel / per token, int_mm (INT8 head)": {
+        "preset": "fast",
+        "overrides": {**PER_CHANNEL, "int8_kernel": "int_mm"},
+    },
+    "fast, INT8 per tensor, torch.ao (INT8 head)": {
+        "preset": "fast",
+        "overrides": {**PER_CHANNEL, "int8_kernel": "torch_ao"},
+    },
+    "fast, weight-only INT8 LM and head": {
         "preset": "fast",
         "overrides": {"lm_quant": "int8-weight-only", "lm_head_quant": "int8-weight-only"},
     },
@@ -586,7 +595,8 @@ def run_content(spec: dict) -> dict:
 
     Returns:
         ``{"mode": "content", "pages", "forced": {"requests", "steps"}, "free": {"blocks"},
-        "rules": {...}, "results": {label: {"forced": StepGroups.summary(), "free": {...}}}}``.
+        "rules": {...}, "results": {label: {"config", "numerics" (``engine.numerics``: what ran), "forced":
+        StepGroups.summary(), "free": {...}}}}``.
 
     Raises:
         BenchmarkError: no workload directory, or the workload has no content block with text.
@@ -634,10 +644,12 @@ def run_content(spec: dict) -> dict:
             cosine = F.cosine_similarity(logits.double(), ref.logits.double(), dim=-1)
             groups.add(task, target, same, cosine, ref.confident)
         outputs = free_run(engine) if free else []
+        numerics = dict(engine.numerics)
         engine.close()
         del engine
         results[label] = {
             "config": config,
+            "numerics": numerics,
             "forced": groups.summary(),
             "free": _free_summary(outputs, reference_free, [task for task, _ in free]) if free else {},
         }

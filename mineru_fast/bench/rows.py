@@ -25,9 +25,10 @@ from mineru_fast.engine.memory import peak_rss_bytes
 class Row:
     """One stage of the table: a label and the ``ParserOptions`` preset + overrides it runs.
 
-    ``quick``: part of ``--quick`` (the baseline, the shipped preset and the other INT8 kernel
-    ``auto`` chooses between): ``"always"``, ``"native-bf16"`` / ``"emulated-bf16"`` (only on ISA
-    classes with / without native bfloat16), or ``""`` (full run only). ``candidate``: the row is
+    ``quick``: part of ``--quick`` (the baseline, the shipped preset, its language model with
+    per-channel INT8 instead of 32-value blocks, and the other INT8 kernel ``auto`` chooses
+    between): ``"always"``, ``"native-bf16"`` / ``"emulated-bf16"`` (only on ISA classes with /
+    without native bfloat16), or ``""`` (full run only). ``candidate``: the row is
     this ``choice.CANDIDATES`` configuration (batched, as shipped), so ``auto`` is checked against it.
     """
 
@@ -60,12 +61,13 @@ class Row:
                 return f"bf16 is emulated on {cls.name} (no native bfloat16): not run"
         kernel = self.overrides.get("int8_kernel")
         if kernel and kernel == choose_int8_kernel("auto", _topology()).value:
+            return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
+        if self.overrides.get("lm_quant") == "int8-dynamic" and not kernel:
             from mineru_fast.engine.kernels import int8_gemv_status
 
-            if kernel != "onednn" or int8_gemv_status().op is None:
-                return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
-            # else auto runs oneDNN's numerics with the own GEMV for the LM's decode rows: this row
-            # (oneDNN everywhere) is their A/B
+            kernels = int8_gemv_status()
+            if kernels.block_op is None:  # the fast preset's LM is then per-channel INT8 itself
+                return f"the shipped row's LM is per-channel INT8 here ({kernels.reason}): see '+ continuous batching'"
         if self.overrides.get("backend") == "ipex":
             from mineru_fast.engine.backends import ipex_status
 
@@ -86,6 +88,7 @@ def _topology():
 
 _SINGLE = {"slots": 1, "page_window": 1}
 _FP32_WEIGHTS = {"lm_quant": "none", "lm_head_quant": "none"}  # the exact preset's LM, in float32 storage
+_PER_CHANNEL_LM = {"lm_quant": "int8-dynamic", "lm_head_quant": "int8-dynamic"}  # the LM before 32-value blocks
 ROWS: list[Row] = [
     Row("reference fp32", "reference-fp32", quick="emulated-bf16"),  # the baseline where bf16 is emulated
     Row("reference bf16", "reference", quick="native-bf16"),
@@ -95,8 +98,10 @@ ROWS: list[Row] = [
     Row("+ dynamic INT8 (eager vision)", "fast", {**_SINGLE}),
     # The fast preset as shipped; its candidate is int8-<the kernel int8_kernel=auto runs>.
     Row("+ continuous batching", "fast", quick="always", candidate="int8-auto"),
-    # The same with each other INT8 kernel (a kernel int8_kernel=auto already runs is not repeated;
-    # oneDNN is, where auto adds the own GEMV: it is then the A/B of that kernel, not a candidate).
+    # Its LM with per-channel / per-token INT8 (decode rows on the own GEMV): the A/B of 32-value blocks.
+    Row("  LM INT8 per channel / per token", "fast", _PER_CHANNEL_LM, "always"),
+    # The same with each other INT8 kernel for int8-dynamic layers (a kernel int8_kernel=auto
+    # already runs is not repeated).
     Row("  INT8 per token, oneDNN", "fast", {"int8_kernel": "onednn"}, "always", candidate="int8-onednn"),
     Row("  INT8 per tensor, torch.ao", "fast", {"int8_kernel": "torch_ao"}, "always", candidate="int8-torch_ao"),
     Row("  INT8 per token, torch._int_mm", "fast", {"int8_kernel": "int_mm"}, candidate="int8-int_mm"),
@@ -230,7 +235,10 @@ def roofline(engine) -> dict:
     gemm = rf.gemm_peaks(vision.embed_dim, vision.embed_dim * vision.mlp_ratio)
     memory_gbps = rf.memory_bandwidth(512 if full_size else 64)
     peaks = {"gemm": gemm, "memory_gbps": memory_gbps}
-    got = rf.achieved(engine, bytes_per_weight=1.0)  # the fast preset stores int8 weights
+    from mineru_fast.engine.quantize import BLOCK, BlockInt8Linear
+
+    # the fast preset stores int8 weights, on 32-value blocks with a float32 scale each
+    got = rf.achieved(engine, bytes_per_weight=1 + 4 / BLOCK if isinstance(engine.lm.lm_head, BlockInt8Linear) else 1.0)
     return {
         "full_size": full_size,
         "peaks": peaks,

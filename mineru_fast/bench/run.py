@@ -128,10 +128,6 @@ def run_rows(
         result = _run_row(row, spec, tag)
         result["load"] = monitor.stop().to_dict()
         results.append(result)
-    shipped = next((r for r in results if r.get("shipped")), None)
-    for result in results:
-        if shipped and result is not shipped and result.get("candidate") == shipped.get("candidate"):
-            result["candidate"] = None  # the shipped candidate without the own GEMV: its A/B, not a candidate
     return results
 
 

@@ -87,12 +87,26 @@ def collect(topology: Topology | None = None) -> dict:
                 "reason": preset.reason,
             },
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
+            "lm_quant_fast": _fast_lm_quant(topology),
         },
         "prepared_cache": prepared_cache_summary(),
         "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
         # MinerU 4's renderer (the mineru4 extra): HTML, LaTeX, DOCX, EPUB, PDF from the bundle
         "renderer": {"docvortex": _version("docvortex")},
     }
+
+
+def _fast_lm_quant(topology: Topology) -> dict[str, str]:
+    """What the fast preset's ``lm_quant="int8-block"`` runs on ``topology``, without building the kernel."""
+    from mineru_fast.engine.kernels import not_planned
+
+    reason = not_planned(topology)
+    if reason is None:
+        return {
+            "quant": "int8-block",
+            "reason": "32-value INT8 scales on the own AVX-512 VNNI kernel (built on first use)",
+        }
+    return {"quant": "int8-dynamic", "reason": f"per-channel INT8 instead of 32-value blocks: {reason}"}
 
 
 def render(info: dict) -> str:
@@ -136,6 +150,8 @@ def render(info: dict) -> str:
         f"{choices['auto_preset']['reason']}",
         f"  int8_kernel=auto (fast preset) runs {choices['int8_kernel_auto']['kernel']}: "
         f"{choices['int8_kernel_auto']['reason']}",
+        f"  the fast preset's language model runs {choices['lm_quant_fast']['quant']}: "
+        f"{choices['lm_quant_fast']['reason']}",
         "Prepared:   "
         + (
             f"{cache['root']}: {cache['entries']} prepared model(s), {cache['bytes'] / 1e9:.2f} GB "

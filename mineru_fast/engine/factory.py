@@ -1,9 +1,11 @@
 """Build the engine ``ParserOptions`` ask for, with threads and quantization applied.
 
 The built engine carries ``engine.numerics``: ``numerics.describe(options)`` (ISA class, precision,
-native or emulated bfloat16, INT8 kernel and why) for result metadata, and, where the fast preset's
-INT8 is oneDNN's, ``lm_decode_kernel``: whether the language model runs on the own GEMV
-(``engine.kernels``; the same numerics) or why not.
+native or emulated bfloat16, INT8 kernel and why) for result metadata; where a part asks for
+block-wise INT8 (the fast preset's language model), ``lm_int8_block``: the own kernel that runs
+it, or why it is not built and the per-channel ``int8-dynamic`` layers that run instead; and,
+where the language model's per-channel INT8 is oneDNN's, ``lm_decode_kernel``: whether its
+decode rows run on the own GEMV (``engine.kernels``; the same numerics) or why not.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from mineru_fast.engine.interface import Engine
 from mineru_fast.engine.kernels import int8_gemv_status
 from mineru_fast.engine.memory import pin_mmap_threshold
 from mineru_fast.engine.numerics import describe, warn_if_emulated_bf16
-from mineru_fast.engine.quantize import Bf16WeightsConfig, Int8DynamicConfig, Int8WeightOnlyConfig
+from mineru_fast.engine.quantize import Bf16WeightsConfig, Int8BlockConfig, Int8DynamicConfig, Int8WeightOnlyConfig
 from mineru_fast.options import TASKS, ParserOptions
 from mineru_fast.protocol.spec import sampling_for
 from mineru_fast.runtime.hub import prepared_cache_root
@@ -25,6 +27,7 @@ from mineru_fast.runtime.threads import in_fresh_thread, set_torch_threads
 logger = logging.getLogger(__name__)
 
 QUANT_CONFIGS = {
+    "int8-block": Int8BlockConfig(),
     "int8-weight-only": Int8WeightOnlyConfig(),
     "bf16-weights": Bf16WeightsConfig(),
     "none": None,
@@ -68,15 +71,25 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
 
     configs = {**QUANT_CONFIGS, "int8-dynamic": Int8DynamicConfig(numerics["int8_kernel"] or "auto")}
     choice = choose_backend(options.backend)
-    int8_parts = {part: getattr(options, f"{part}_quant") == "int8-dynamic" for part in ("vision", "lm", "lm_head")}
+    quants = {part: getattr(options, f"{part}_quant") for part in ("vision", "lm", "lm_head")}
+    if "int8-block" in quants.values():
+        status = int8_gemv_status()
+        if status.block_op is not None:
+            numerics["lm_int8_block"] = "own AVX-512 VNNI block-wise INT8 kernel (32-value scales), every row count"
+        else:  # the PyTorch form of its arithmetic is far slower than per-channel INT8 on oneDNN
+            numerics["lm_int8_block"] = f"per-channel int8-dynamic instead: {status.reason}"
+            quants = {part: "int8-dynamic" if q == "int8-block" else q for part, q in quants.items()}
+    int8_parts = {part: q in ("int8-dynamic", "int8-block") for part, q in quants.items()}
     ipex_int8 = choice.backend == "ipex" and choice.int8 == "ipex"
     if ipex_int8 and any(int8_parts.values()):
         numerics.update(
             int8_kernel="ipex", int8_kernel_path="IPEX INT8 linear (WoqLowpMode.INT8)", int8_reason=choice.reason
         )
+        numerics.pop("lm_int8_block", None)  # IPEX's INT8 replaces the block-wise layers too
 
     lm_configs = configs
-    if options.int8_kernel == "auto" and numerics["int8_kernel"] == "onednn" and not ipex_int8:
+    lm_per_channel = "int8-dynamic" in (quants["lm"], quants["lm_head"])
+    if options.int8_kernel == "auto" and numerics["int8_kernel"] == "onednn" and lm_per_channel and not ipex_int8:
         # The language model's decode rows on the own GEMV (oneDNN's numerics, bit for bit);
         # vision, all GEMMs of many rows, stays on oneDNN's prepacked kernel.
         status = int8_gemv_status()
@@ -87,7 +100,7 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
     def quant(part: str) -> object | None:  # IPEX's INT8 starts from the float layer
         if ipex_int8 and int8_parts[part]:
             return None
-        return (configs if part == "vision" else lm_configs)[getattr(options, f"{part}_quant")]
+        return (configs if part == "vision" else lm_configs)[quants[part]]
 
     engine = FastEngine(
         model_dir,
@@ -107,6 +120,8 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
     logger.info("backend: %s (%s)", choice.backend, choice.reason)
     if numerics["int8_kernel"]:
         logger.info("INT8 kernel: %s (%s)", numerics["int8_kernel_path"], numerics["int8_reason"])
+    if numerics.get("lm_int8_block"):
+        logger.info("LM block-wise INT8: %s", numerics["lm_int8_block"])
     if numerics.get("lm_decode_kernel"):
         logger.info("LM decode rows: %s", numerics["lm_decode_kernel"])
     if choice.backend == "ipex":

@@ -24,7 +24,9 @@ def describe(options: ParserOptions, topology: Topology | None = None, environ: 
     kernel with its exact numerics (``quantize.int8_kernel_path``; imports torch) and the reason."""
     topology = topology or read_topology()
     cls = isa_class(topology.isa, environ)
-    uses_int8 = "int8-dynamic" in (options.vision_quant, options.lm_quant, options.lm_head_quant)
+    # int8-block falls back to int8-dynamic where its kernel is not built (engine.factory)
+    quants = (options.vision_quant, options.lm_quant, options.lm_head_quant)
+    uses_int8 = not {"int8-dynamic", "int8-block"}.isdisjoint(quants)
     kernel = choose_int8_kernel(options.int8_kernel, topology, environ=environ) if uses_int8 else None
     bf16 = options.precision == "bf16"
     return {

@@ -44,7 +44,9 @@ from torch import nn
 from mineru_fast.engine.memory import trim_heap
 from mineru_fast.engine.quantize import (
     Bf16WeightsLinear,
+    BlockInt8Linear,
     GemvInt8Linear,
+    Int8BlockConfig,
     Int8DynamicConfig,
     Int8WeightOnlyConfig,
     Int8WeightOnlyLinear,
@@ -67,6 +69,7 @@ _KINDS: dict[type[nn.Module], str] = {
     GemvInt8Linear: "gemv",
     IntMmInt8Linear: "int_mm",
     Int8WeightOnlyLinear: "int8_weight_only",
+    BlockInt8Linear: "int8_block",
     Bf16WeightsLinear: "bf16_weights",
 }
 _PACKED_ANEW = {"onednn": ("weight_q",)}  # tensors copied into another form when a layer is restored
@@ -75,6 +78,7 @@ _RESTORE: dict[str, Callable[[dict[str, torch.Tensor]], nn.Module]] = {
     "gemv": GemvInt8Linear.from_prepared,
     "int_mm": IntMmInt8Linear.from_prepared,
     "int8_weight_only": Int8WeightOnlyLinear.from_prepared,
+    "int8_block": BlockInt8Linear.from_prepared,
     "bf16_weights": Bf16WeightsLinear.from_prepared,
 }
 
@@ -319,7 +323,7 @@ def cacheable(configs: Iterable[object | None]) -> bool:
     configs = list(configs)
     if any(isinstance(c, Int8DynamicConfig) and resolve_int8_backend(c.backend) == "torch_ao" for c in configs):
         return False
-    return any(isinstance(c, Int8DynamicConfig | Int8WeightOnlyConfig) for c in configs)
+    return any(isinstance(c, Int8DynamicConfig | Int8BlockConfig | Int8WeightOnlyConfig) for c in configs)
 
 
 def _restore(kind: str, state: dict[str, torch.Tensor]) -> nn.Module:

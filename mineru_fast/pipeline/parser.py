@@ -181,7 +181,8 @@ class DocumentParser:
     def runtime(self) -> dict[str, Any]:
         """What the engine runs on this machine and why (``engine.numerics.describe``: ISA class, precision,
         bfloat16 native or emulated, INT8 kernel and the reason for it, and, as the engine was
-        built, the kernel of the language model's decode rows, ``lm_decode_kernel``); JSON-ready."""
+        built, what runs the language model's block-wise INT8, ``lm_int8_block``, or its per-channel
+        INT8 decode rows, ``lm_decode_kernel``); JSON-ready."""
         from mineru_fast.engine.numerics import describe
 
         built = getattr(self.engine, "numerics", None)
