@@ -545,7 +545,9 @@ def _blockwise_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def block_int8_reference(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """``csrc/int8_block.cpp``'s arithmetic in PyTorch, for CPUs without the own kernel.
+    """``csrc/int8_block.cpp``'s arithmetic in PyTorch: the kernel's test oracle, and what a
+    ``BlockInt8Linear`` runs where the kernel is not built (the engine's factory then builds
+    per-channel ``int8-dynamic`` layers instead, which are far faster there).
 
     The same integers (activation blocks quantized as the kernel does: ``x * (127 / max|x_block|)``
     rounded half to even; the products of 32 values summed exactly, in float32, whose 24-bit
