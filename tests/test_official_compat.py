@@ -237,6 +237,45 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
             (line("100 900 900 950", "page_footnote"), "1 first line\nsecond line"),
         )
     ],
+    # Inline markup in table cells (HTML tables as the model may answer them): every element
+    # official renders, alone and nested, with "|", spaces and non-ASCII in link targets, in a
+    # merged cell (the table stays HTML), in OTSL (escaped to text by mineru-vl-utils), and in a
+    # table continued across a page break.
+    "table_inline_markup": [
+        page(
+            (
+                line("100 050 900 450", "table"),
+                "<table><tr><th><b>Bold</b> and <i>italic</i></th><th><strong><em>both</em></strong></th></tr>"
+                '<tr><td><code>x|y</code> <code>a`b</code></td><td><a href="http://e.x/a b">link</a></td></tr>'
+                "<tr><td><u>under</u> <sup>2</sup> <sub>i</sub> <s>gone</s></td>"
+                '<td><a href="http://e.x/ü(1)|z?q=\\"><b>bold link</b></a></td></tr>'
+                '<tr><td><a href="http://e.x/q"><u>underlined link</u></a></td><td><b><u>bold under</u></b></td></tr>'
+                "<tr><td><em> spaced </em><b>a|b</b></td><td><i><b>nest</b>ed</i> <sup><b>x</b></sup></td></tr>"
+                '<tr><td><a href="">no target</a> <a>none</a></td>'
+                "<td><p><span>p</span></p><br><s><u>su</u></s></td></tr>"
+                "<tr><td>x<eq>a|b</eq> <code><b>c</b></code></td><td><strong>Ｂ</strong> ＆ <em>ａ</em></td></tr>"
+                "</table>",
+            ),
+            (
+                line("100 470 900 600", "table"),
+                '<table><tr><td colspan="2"><b>Merged</b> <a href="http://e.x/m">l</a></td></tr>'
+                "<tr><td><i>x</i></td><td><code>y</code></td></tr></table>",
+            ),
+            (line("100 620 900 700", "table"), "<fcel><b>o</b><fcel><a href='x'>l</a><nl><fcel>1<fcel><u>2</u><nl>"),
+            (
+                line("100 750 900 950", "table"),
+                "<table><tr><th>name</th><th>link</th></tr>"
+                '<tr><td><b>a</b></td><td><a href="http://e.x/1">one</a></td></tr></table>',
+            ),
+        ),
+        page(
+            (
+                line("100 050 900 300", "table"),
+                "<table><tr><th>name</th><th>link</th></tr>"
+                '<tr><td><i>b</i></td><td><a href="http://e.x/二 2">two</a></td></tr></table>',
+            ),
+        ),
+    ],
 }
 
 
@@ -437,3 +476,42 @@ def test_table_join_matches_docvortex():
             shape = [(c["type"], c.get("index"), c["content"]) for c in official["content"]]
             assert shape == [(c["type"], c.get("index"), c["content"]) for c in fast["content"]]
     assert joined > 50  # the cases exercise the join, not only its refusals
+
+
+# Inline markup a simple table's cells may hold: every tag official renders (alone, nested and
+# unclosed), links with and without targets and with characters their targets escape, code with
+# backticks, formulas with pipes, comments, whitespace, characters cell text escapes.
+CELL_TOKENS = [
+    "<b>", "</b>", "<strong>", "</strong>", "<i>", "</i>", "<em>", "</em>", "<u>", "</u>", "<s>", "</s>",
+    "<sup>", "</sup>", "<sub>", "</sub>", "<code>", "</code>", "<p>", "</p>", "<span>", "</span>", "<br>",
+    '<a href="http://e.x/a b(1)|ü\\\\">', "<a href=''>", "<a>", '<a href=" /x ">', "</a>", "<eq>", "</eq>",
+    "<!--c-->", "x", "y z", " ", "  ", "\t", "\n", "|", "\\", "&amp;", "&lt;", "<", "`", "``", "*", "_", "~",
+    "Ａ", "１", "é",
+]  # fmt: skip
+
+
+def test_table_cells_inline_markup_matches_docvortex():
+    """Simple tables whose cells hold random inline markup render as docvortex renders them:
+    emphasis markers or HTML tags by style set, code spans, links (Markdown or HTML), escaping."""
+    import random
+
+    from docvortex.options import LatexDelimitersConfig
+    from docvortex.render._internal.markdown.table import render_html_table
+
+    from mineru_fast.results.table_markdown import render_table
+
+    rng = random.Random(3)
+
+    def cell() -> str:
+        tag = rng.choice(["td", "td", "th"])
+        return f"<{tag}>{''.join(rng.choice(CELL_TOKENS) for _ in range(rng.randint(0, 12)))}</{tag}>"
+
+    def row() -> str:
+        return "<tr>" + "".join(cell() for _ in range(rng.randint(1, 3))) + "</tr>"
+
+    cases = ["<table>" + row() + row() + row() + "</table>" for _ in range(1500)]
+    official = [render_html_table(c, asset_base_url="", delimiters=LatexDelimitersConfig()) for c in cases]
+    assert [render_table(c) for c in cases] == official
+    pipe_tables = [o for o in official if o is not None and o.startswith("| ")]
+    links = sum("[" in o and "](" in o for o in pipe_tables)
+    assert len(pipe_tables) > 300 and links > 30  # pipe tables with links rendered, not only tables refused

@@ -9,7 +9,8 @@ from mineru_fast.protocol.page import RAW_TYPE_KEY, ContentOutput, plan_content,
 from mineru_fast.protocol.traces import PageTrace, model_math
 from mineru_fast.results.finish import finish_blocks
 from mineru_fast.results.page import Block, Page
-from mineru_fast.results.writer import render_page, render_table
+from mineru_fast.results.table_markdown import render_table
+from mineru_fast.results.writer import render_page
 
 
 def line(box: str, kind: str, tail: str = "<|rotate_up|>") -> str:

@@ -31,7 +31,6 @@ import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,6 +39,7 @@ from mineru_fast.results.metadata import head_dict
 from mineru_fast.results.middle import Envelope, image_name, middle_blocks, model_page
 from mineru_fast.results.mineru4 import CONFIDENCE_KEY, TRANSPARENT, page_model, plain_text
 from mineru_fast.results.page import Confidence, Page, ParseError, cut_crops, layout_overlay, status_of
+from mineru_fast.results.table_markdown import format_embedded_html, render_table
 from mineru_fast.results.table_merge import can_merge_tables, merge_tables
 
 __all__ = [
@@ -180,151 +180,6 @@ def _escape_rule(text: str) -> str:
     return f"\\{text}" if text and (set(text) == {"_"} or set(text) == {"-"}) else text
 
 
-# ---------------------------------------------------------------- tables
-
-
-class _Node:
-    def __init__(self, tag: str, attrs: dict) -> None:
-        self.tag, self.attrs = tag, attrs
-        self.children: list[_Node | str] = []
-
-
-class _Tree(HTMLParser):
-    """A minimal DOM of an HTML fragment (void elements closed at once)."""
-
-    _VOID = {"br", "img", "hr", "input", "meta", "link", "col", "area", "base", "wbr", "source"}
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.root = _Node("#root", {})
-        self.stack = [self.root]
-
-    def handle_starttag(self, tag, attrs):
-        node = _Node(tag, dict(attrs))
-        self.stack[-1].children.append(node)
-        if tag not in self._VOID:
-            self.stack.append(node)
-
-    def handle_startendtag(self, tag, attrs):
-        self.stack[-1].children.append(_Node(tag, dict(attrs)))
-
-    def handle_endtag(self, tag):
-        for i in range(len(self.stack) - 1, 0, -1):
-            if self.stack[i].tag == tag:
-                del self.stack[i:]
-                return
-
-    def handle_data(self, data):
-        self.stack[-1].children.append(data)
-
-
-def _find_all(node: _Node, tags: set[str], recursive: bool = True) -> list[_Node]:
-    out = []
-    for child in node.children:
-        if isinstance(child, _Node):
-            if child.tag in tags:
-                out.append(child)
-            if recursive:
-                out.extend(_find_all(child, tags))
-    return out
-
-
-def _descendants(node: _Node):
-    for child in node.children:
-        if isinstance(child, _Node):
-            yield child
-            yield from _descendants(child)
-
-
-_COMPLEX_TAGS = {"blockquote", "div", "dl", "figure", "h1", "h2", "h3", "h4", "h5", "h6", "img", "li", "math"}
-_COMPLEX_TAGS |= {"object", "ol", "pre", "svg", "table", "ul"}
-_INLINE_TAGS = {"a", "b", "br", "code", "em", "eq", "i", "p", "s", "span", "strong", "sub", "sup", "u"}
-_STYLE_TAGS = {"b", "strong", "em", "i", "u", "s", "sup", "sub"}
-_EQ_RE = re.compile(r"<eq>(?P<latex>.*?)</eq>", re.IGNORECASE | re.DOTALL)
-
-
-def _format_embedded_html(markup: str) -> str:
-    """``<eq>`` formulas of embedded HTML as `` $..$ `` (docvortex ``markdown.table.format_embedded_html``)."""
-    return _EQ_RE.sub(lambda m: f" ${html.unescape(m.group('latex')).strip()}$ ", markup)
-
-
-def _is_complex(table: _Node) -> bool:
-    if _find_all(table, {"table"}):
-        return True
-    theads = _find_all(table, {"thead"})
-    if theads and len(_find_all(theads[0], {"tr"}, recursive=False)) > 1:
-        return True
-    for cell in _find_all(table, {"td", "th"}):
-        if "rowspan" in cell.attrs or "colspan" in cell.attrs or len(_find_all(cell, {"p"})) > 1:
-            return True
-        for node in _descendants(cell):
-            if node.tag in _COMPLEX_TAGS or node.tag not in _INLINE_TAGS or (node.tag == "span" and node.attrs):
-                return True
-    return False
-
-
-def _cell_text(node: _Node) -> str:
-    parts = []
-    for child in node.children:
-        if isinstance(child, str):
-            parts.append(child.replace("&", "&amp;").replace("<", "&lt;").replace("\\", "\\\\").replace("|", r"\|"))
-        elif child.tag == "br":
-            parts.append("<br>")
-        elif child.tag == "eq":
-            latex = re.sub(r"(\\*)\|", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "|", _text_of(child).strip())
-            parts.append(f"${latex}$" if latex else "")
-        elif child.tag in _STYLE_TAGS or child.tag in ("p", "span", "a", "code"):
-            # Simple tables from the model carry no styles; nested inline markup keeps its text.
-            parts.append(_cell_text(child))
-    return "".join(parts)
-
-
-def _text_of(node: _Node) -> str:
-    return "".join(c if isinstance(c, str) else _text_of(c) for c in node.children)
-
-
-def _normalize_cell(text: str) -> str:
-    text = re.sub(r"[ \t\r\f\v]+", " ", text)
-    text = re.sub(r" *\n+ *", " ", text)
-    return re.sub(r" *<br> *", "<br>", text).strip()
-
-
-def render_table(markup: str) -> str | None:
-    """A table body as Markdown: a pipe table when GFM can hold it without loss, else its HTML
-    (inline ``<eq>`` formulas as ``$..$``); None when the markup holds no table.
-
-    Mirrors docvortex ``render._internal.markdown.table.render_html_table``.
-    """
-    tree = _Tree()
-    tree.feed(markup)
-    tree.close()
-    tables = _find_all(tree.root, {"table"})
-    if not tables:
-        return None
-    if len(tables) != 1 or _is_complex(tables[0]):
-        return _format_embedded_html(markup).strip()
-    rows = _find_all(tables[0], {"tr"})
-    rendered: list[list[str]] = []
-    flags: list[list[bool]] = []
-    for row in rows:
-        cells = _find_all(row, {"td", "th"}, recursive=False)
-        if not cells:
-            return _format_embedded_html(markup).strip()
-        rendered.append([_normalize_cell(_cell_text(c)) for c in cells])
-        flags.append([c.tag == "th" for c in cells])
-    if not rendered:
-        return _format_embedded_html(markup).strip()
-    width = max(len(r) for r in rendered)
-    for cells_text in rendered:
-        cells_text.extend([""] * (width - len(cells_text)))
-    header = 0
-    if not (_find_all(tables[0], {"thead"}) and _find_all(_find_all(tables[0], {"thead"})[0], {"tr"}, False)):
-        header = next((i for i, f in enumerate(flags) if f and all(f)), 0)
-    body = rendered[:header] + rendered[header + 1 :]
-    lines = [rendered[header], ["---"] * width, *body]
-    return "\n".join(f"| {' | '.join(row)} |" for row in lines)
-
-
 # ---------------------------------------------------------------- blocks
 
 
@@ -425,12 +280,12 @@ class _PageRenderer:
         if visual == "image":
             parts = [f"![]({self.image('image', group)})"]
             if content and content.strip():
-                parts.append(_details(_format_embedded_html(content.strip()), group.get("sub_type") or "image content"))
+                parts.append(_details(format_embedded_html(content.strip()), group.get("sub_type") or "image content"))
             return "\n\n".join(parts)
         if visual == "chart":
             source = self.image("chart", group)
             if content and content.strip():
-                rendered = render_table(content.strip()) or _format_embedded_html(content.strip())
+                rendered = render_table(content.strip()) or format_embedded_html(content.strip())
                 return f"![]({source})\n\n{_details(rendered, group.get('sub_type') or 'chart content')}"
             return f"![]({source})"
         # code: plain code in a fence (language not guessed, see README), algorithms with their math
@@ -483,7 +338,7 @@ class _PageRenderer:
         / ``_render_chart``)."""
         visual = group["type"]
         body = next(c for c in group["content"] if c["type"] == f"{visual}_body")
-        content = _format_embedded_html(body.get("content") or "").strip()
+        content = format_embedded_html(body.get("content") or "").strip()
         item = {"type": visual, "img_path": self.image(visual, group)}
         if visual == "chart":
             item["content"] = content
@@ -541,10 +396,10 @@ class _PageRenderer:
         if not text:
             return ""
         if visual == "image":
-            return _format_embedded_html(text)
+            return format_embedded_html(text)
         if visual == "table":
             return render_table(text) or _fenced(text)
-        return render_table(text) or _format_embedded_html(text)
+        return render_table(text) or format_embedded_html(text)
 
 
 def _algorithm_text(spans: list[dict], render: Callable[[dict], str]) -> str:
