@@ -58,11 +58,11 @@ def test_mineru_page_ranges_become_mineru_fast_ranges():
 
 def test_file_store_bounds_owners_expiry_and_repeats():
     now = [1000.0]
-    store = FileStore(max_bytes=100, ttl=60, max_records=4, clock=lambda: now[0])
+    store = FileStore(max_bytes=100, ttl=60, max_records=4, key_bytes=80, key_records=4, clock=lambda: now[0])
     data = b"x" * 40
     digest = hashlib.sha256(data).hexdigest()
     upload = store.create_upload("alpha", "a.pdf", 40, "application/pdf", "parse", digest, lifetime=3600)
-    assert upload.status == "pending" and upload.expires_at == 1060  # capped at ttl
+    assert upload.status == "pending" and upload.expires_at == 1060 and upload.kept_until == 1060  # capped at ttl
     with pytest.raises(ApiError) as info:
         store.complete("alpha", upload.id, digest)
     assert (info.value.status, info.value.code) == (409, "upload_not_ready")
@@ -72,7 +72,10 @@ def test_file_store_bounds_owners_expiry_and_repeats():
     with pytest.raises(ApiError) as info:
         store.get_upload("beta", upload.id)  # another key's
     assert (info.value.status, info.value.code) == (404, "upload_not_found")
+    assert store.held_bytes() == 0  # a declaration holds no bytes
     store.put_content("alpha", upload.id, data)
+    store.put_content("alpha", upload.id, data)  # a repeat replaces the bytes, it does not add them
+    assert store.held_bytes() == 40 == store.held_bytes("alpha") and store.held_bytes("beta") == 0
     with pytest.raises(ApiError) as info:
         store.complete("alpha", upload.id, "0" * 64)
     assert info.value.code == "file_hash_mismatch"
@@ -86,6 +89,7 @@ def test_file_store_bounds_owners_expiry_and_repeats():
     assert store.held_bytes() == 40
     other = store.create_upload("beta", "a.pdf", 40, "application/pdf", "parse", digest)
     assert other.status == "pending"  # beta does not see alpha's file
+    store.put_content("beta", other.id, data)
     with pytest.raises(ApiError) as info:
         store.create_upload("beta", "c.pdf", 30, "application/pdf", "parse", None)  # 40 + 40 + 30 > 100
     assert (info.value.status, info.value.code) == (429, "upload_store_full")
@@ -99,7 +103,32 @@ def test_file_store_bounds_owners_expiry_and_repeats():
         store.create_upload("alpha", "d.pdf", 1, "application/pdf", "parse", None)
     with pytest.raises(ApiError) as info:  # records are bounded too
         store.create_upload("alpha", "d.pdf", 1, "application/pdf", "parse", None)
-    assert info.value.code == "upload_store_full"
+    assert info.value.code == "upload_quota_exceeded"
+
+
+def test_one_key_cannot_fill_the_upload_store():
+    """Audit round 4, N1: declarations cost no bytes and expire within ``pending_ttl`` unless
+    their bytes come; bytes and records are bounded per key, so a key filling its quota leaves
+    room for the others (on 44d1b50 the declared sizes filled the store for every key)."""
+    now = [1000.0]
+    store = FileStore(max_bytes=100, ttl=600, max_records=16, key_bytes=50, key_records=4, clock=lambda: now[0])
+    for _ in range(4):  # the attacker's declarations: its whole quota each, no bytes sent
+        store.create_upload("mallory", "x.pdf", 50, "application/pdf", "parse", None, lifetime=3600)
+    with pytest.raises(ApiError) as info:
+        store.create_upload("mallory", "x.pdf", 1, "application/pdf", "parse", None)
+    assert (info.value.status, info.value.code) == (429, "upload_quota_exceeded")
+    assert 1 <= int(info.value.headers["Retry-After"]) <= 60  # its declarations expire within a minute
+    honest = store.create_upload("alpha", "a.pdf", 50, "application/pdf", "parse", None)
+    store.put_content("alpha", honest.id, b"a" * 50)
+    assert honest.expires_at == 1600  # its bytes came: the whole lifetime
+    now[0] += 61  # mallory's declarations have expired; alpha's upload has not
+    assert store.get_upload("alpha", honest.id).data == b"a" * 50
+    sent = [store.create_upload("mallory", "x.pdf", 50, "application/pdf", "parse", None) for _ in range(4)]
+    store.put_content("mallory", sent[0].id, b"m" * 50)  # mallory's byte quota: 50
+    with pytest.raises(ApiError) as info:
+        store.put_content("mallory", sent[1].id, b"m" * 50)
+    assert info.value.code == "upload_quota_exceeded"
+    assert store.held_bytes("mallory") == 50 and store.held_bytes() == 100
 
 
 def test_metric_labels_name_the_mineru_routes():
@@ -449,6 +478,23 @@ def test_bad_requests_get_clear_4xx_errors(server, client, document):
     assert_error(
         client.post("/v1/uploads", json={"filename": "a.pdf", "bytes": 0, "mime_type": "x"}), 422, "invalid_request"
     )
+
+
+def test_declarations_without_bytes_leave_the_store_to_other_keys(server, client, document):
+    """Audit round 4, N1 (bounded attack, loopback): one key declares 41 full-size uploads and
+    sends no byte; another key's upload then goes through at once (on 44d1b50 it got
+    ``429 upload_store_full`` for the records' whole lifetime). N7: a ``PUT`` whose
+    ``Content-Length`` is not the declared size is refused before its body is read."""
+    declared = {"filename": "x.pdf", "bytes": MAX_UPLOAD_MB * 2**20, "mime_type": "application/pdf"}
+    answers = [client.post("/v1/uploads", json=declared) for _ in range(41)]
+    assert [a.status_code for a in answers] == [200] * 41
+    assert all(a.json()["expires_at"] - a.json()["created_at"] <= 60 for a in answers)  # brief until bytes come
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": BETA}, timeout=60) as beta:
+        assert beta.get(f"/v1/files/{upload(beta, document)}").json()["bytes"] == len(document)
+    small = client.post("/v1/uploads", json={"filename": "a.pdf", "bytes": 10, "mime_type": "application/pdf"})
+    assert put_declaring(server, small.json()["id"], 20).startswith(b"HTTP/1.1 400")  # no body sent: not waited for
+    for answer in answers:
+        client.post(f"/v1/uploads/{answer.json()['id']}/cancel")
 
 
 def test_mineru_routes_are_counted_by_route_template(client):

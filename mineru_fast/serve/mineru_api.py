@@ -359,8 +359,10 @@ class MineruDoor:
 
     Uploads live in this process: at most one full-size upload (``--max-upload-mb``) per job the
     server holds at once (``--workers`` plus ``--workers-queue``), each for ``--result-ttl``
-    seconds at most. With ``--replay DIR`` a document whose file name's stem names a trace
-    ``DIR/<stem>.json`` is replayed (tests, benchmarks).
+    seconds at most; one API key holds a quarter of that (at least one full-size upload) and an
+    eighth of the records, and a declaration whose bytes do not come within a minute expires.
+    With ``--replay DIR`` a document whose file name's stem names a trace ``DIR/<stem>.json`` is
+    replayed (tests, benchmarks).
 
     Args:
         service: the running service.
@@ -369,7 +371,9 @@ class MineruDoor:
     def __init__(self, service: Service) -> None:
         config = self.config = service.config
         self.service = service
-        self.files = FileStore(config.max_upload_bytes * (config.queue_size + config.workers), config.result_ttl)
+        store_bytes = config.max_upload_bytes * (config.queue_size + config.workers)
+        key_bytes = max(config.max_upload_bytes, store_bytes // 4)
+        self.files = FileStore(store_bytes, config.result_ttl, key_bytes=min(key_bytes, store_bytes))
         self.jobs = MineruJobs(config.result_ttl)
         replay = config.replay_dir
         self.traces = {path.stem: path for path in sorted(replay.glob("*.json"))} if replay else {}
@@ -690,9 +694,10 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
 
     @app.put("/v1/uploads/{upload_id}/content")
     async def put_upload_content(request: Request, upload_id: str) -> Response:
-        """The bytes of a declared upload."""
-        door.files.get_upload(request.state.api_key, upload_id)  # 404 before the body is read
-        door.files.put_content(request.state.api_key, upload_id, await request.body())
+        """The bytes of a declared upload: a ``Content-Length`` other than the declared size is
+        refused before the body is read, a body without one is read no further than that size."""
+        upload = door.files.get_upload(request.state.api_key, upload_id)  # 404 before the body is read
+        door.files.put_content(request.state.api_key, upload_id, await _body_of_size(request, upload.size))
         return Response(status_code=200)
 
     @app.post("/v1/uploads/{upload_id}/complete")
@@ -888,6 +893,32 @@ def _iso(seconds: float | None) -> str | None:
     if seconds is None:
         return None
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def _body_of_size(request: Request, size: int) -> bytes:
+    """A request's body, which must be ``size`` bytes.
+
+    Raises:
+        ApiError: 400 ``upload_size_mismatch`` when its ``Content-Length`` says another size
+            (before any byte is read) or, without one, once it runs past ``size`` bytes or ends
+            short.
+    """
+
+    def mismatch(sent: str) -> ApiError:
+        return ApiError(400, "upload_size_mismatch", f"the upload declared {size} bytes; {sent} were sent")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip() != str(size):
+        raise mismatch(declared.strip())
+    chunks, received = [], 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > size:
+            raise mismatch(f"more than {size}")
+        chunks.append(chunk)
+    if received != size:
+        raise mismatch(str(received))
+    return b"".join(chunks)
 
 
 def _sha256(data: bytes) -> str:

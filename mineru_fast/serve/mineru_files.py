@@ -8,11 +8,15 @@ it, until it expires (``ttl`` seconds after it was made, at most what the client
 deleted. A declaration whose SHA-256 and size match a live file of the same key is answered
 ``completed`` with that file at once, as MinerU's server does (no second copy of the bytes).
 
-Memory is bounded: the bytes declared by pending uploads and held by files (each counted once)
-stay under ``max_bytes``, and the records under ``max_records``; beyond either a declaration is
-refused ``429 upload_store_full`` with ``Retry-After`` (space comes back as records expire or are
-deleted). Nothing is written to disk. The store is the process's own: replicas behind a load
-balancer do not share it (one client's upload and its job must reach one ``mineru-fast serve``).
+Memory is bounded, for the store and for each key: the bytes held (sent by ``PUT`` to pending
+uploads, and of files, each counted once) stay under ``max_bytes`` and, for one key, under
+``key_bytes``; the records under ``max_records`` and ``key_records``. A declaration costs no bytes
+until its bytes arrive, and lives ``pending_ttl`` seconds until they do (then its full lifetime),
+so declarations nobody sends cannot hold the store: one key filling its own quota is refused
+``429 upload_quota_exceeded``, the store full ``429 upload_store_full``, both with ``Retry-After``
+(space comes back as records expire or are deleted). Nothing is written to disk. The store is the
+process's own: replicas behind a load balancer do not share it (one client's upload and its job
+must reach one ``mineru-fast serve``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Literal
 
 from mineru_fast.serve.errors import ApiError
@@ -68,7 +73,9 @@ class Upload:
         status: ``pending`` until completed or cancelled (``expired`` once past ``expires_at``).
         data: the bytes ``PUT`` sent, until completed.
         file: the ``SourceFile`` made at completion.
-        created_at / expires_at: Unix times (whole seconds).
+        created_at / expires_at: Unix times (whole seconds); a pending upload without its bytes
+            expires ``pending_ttl`` after it was declared, then at ``kept_until``.
+        kept_until: when its records expire once its bytes came (the lifetime asked, capped).
     """
 
     id: str
@@ -80,18 +87,23 @@ class Upload:
     sha256: str | None
     created_at: int
     expires_at: int
+    kept_until: int
     status: UploadStatus = "pending"
     data: bytes | None = field(default=None, repr=False)
     file: SourceFile | None = None
 
 
 class FileStore:
-    """Uploads and source files by id, per API key, with expiry and a memory bound; thread-safe.
+    """Uploads and source files by id, per API key, with expiry and memory bounds; thread-safe.
 
     Args:
-        max_bytes: most bytes declared (pending uploads) and held (files) at once.
+        max_bytes: most bytes held at once (sent to pending uploads, and files).
         ttl: seconds a record lives at most.
         max_records: most uploads and files kept at once.
+        key_bytes: most bytes one key holds at once (default: a quarter of ``max_bytes``).
+        key_records: most uploads and files one key keeps at once (default: an eighth of
+            ``max_records``, at least 1).
+        pending_ttl: seconds a declaration lives before its bytes arrive (capped at ``ttl``).
         clock: Unix time in seconds (injectable for tests).
 
     Raises:
@@ -99,11 +111,23 @@ class FileStore:
     """
 
     def __init__(
-        self, max_bytes: int, ttl: float, max_records: int = 4096, clock: Callable[[], float] = time.time
+        self,
+        max_bytes: int,
+        ttl: float,
+        max_records: int = 4096,
+        *,
+        key_bytes: int | None = None,
+        key_records: int | None = None,
+        pending_ttl: float = 60.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        if max_bytes <= 0 or ttl <= 0 or max_records <= 0:
-            raise ValueError("max_bytes, ttl and max_records must be > 0")
+        self.key_bytes = max_bytes // 4 if key_bytes is None else key_bytes
+        self.key_records = max(1, max_records // 8) if key_records is None else key_records
+        bounds = (max_bytes, ttl, max_records, self.key_bytes, self.key_records, pending_ttl)
+        if min(bounds) <= 0:
+            raise ValueError("max_bytes, ttl, max_records, key_bytes, key_records and pending_ttl must be > 0")
         self.max_bytes, self.ttl, self.max_records, self.clock = max_bytes, ttl, max_records, clock
+        self.pending_ttl = min(pending_ttl, ttl)
         self._uploads: dict[str, Upload] = {}
         self._files: dict[str, SourceFile] = {}
         self._lock = threading.Lock()
@@ -126,23 +150,29 @@ class FileStore:
             lifetime: seconds the client asked the records to live; capped at ``ttl``.
 
         Raises:
-            ApiError: 429 ``upload_store_full`` (with ``Retry-After``) when the declared bytes or
-                the record do not fit.
+            ApiError: 429 ``upload_quota_exceeded`` when ``owner``'s records or bytes (with
+                ``size`` more) would pass its quota, 429 ``upload_store_full`` when the store's
+                would; both with ``Retry-After``.
         """
         with self._lock:
             now = self._expire_locked()
-            expires = now + math.ceil(min(self.ttl, lifetime or self.ttl))
-            upload = Upload(_new_id("upload_"), owner, filename, mime_type, purpose, size, sha256, now, expires)
+            kept_until = now + math.ceil(min(self.ttl, lifetime or self.ttl))
+            expires = min(kept_until, now + math.ceil(self.pending_ttl))
+            upload = Upload(
+                _new_id("upload_"), owner, filename, mime_type, purpose, size, sha256, now, expires, kept_until
+            )
             same = next(
                 (f for f in self._files.values() if f.owner == owner and f.sha256 == sha256 and len(f.data) == size),
                 None,
             )
             if same is not None:
-                same.expires_at = max(same.expires_at, expires)
-                upload.status, upload.file = "completed", same
+                same.expires_at = max(same.expires_at, kept_until)
+                upload.status, upload.file, upload.expires_at = "completed", same, kept_until
             else:
-                self._check_room_locked(size)
-            if len(self._uploads) + len(self._files) >= self.max_records:
+                self._check_room_locked(owner, size)
+            if self._records_locked(owner) >= self.key_records:
+                raise self._full_locked(owner)
+            if self._records_locked() >= self.max_records:
                 raise self._full_locked()
             self._uploads[upload.id] = upload
             return upload
@@ -161,11 +191,13 @@ class FileStore:
             return upload
 
     def put_content(self, owner: str | None, upload_id: str, data: bytes) -> Upload:
-        """Store the bytes of a pending upload (a repeat replaces them).
+        """Store the bytes of a pending upload (a repeat replaces them); its records then live
+        until ``kept_until``.
 
         Raises:
             ApiError: 404 ``upload_not_found``; 409 ``upload_already_terminal`` once completed or
-                cancelled; 400 ``upload_size_mismatch`` when ``data`` is not the declared size.
+                cancelled; 400 ``upload_size_mismatch`` when ``data`` is not the declared size;
+                429 ``upload_quota_exceeded`` / ``upload_store_full`` when the bytes do not fit.
         """
         upload = self.get_upload(owner, upload_id)
         with self._lock:
@@ -174,7 +206,9 @@ class FileStore:
                 raise ApiError(
                     400, "upload_size_mismatch", f"the upload declared {upload.size} bytes; {len(data)} were sent"
                 )
-            upload.data = data
+            upload.data = None  # a repeat's earlier bytes are replaced, not added
+            self._check_room_locked(owner, len(data))
+            upload.data, upload.expires_at = data, upload.kept_until
             return upload
 
     def complete(self, owner: str | None, upload_id: str, sha256: str, expected: str | None = None) -> Upload:
@@ -245,29 +279,54 @@ class FileStore:
             self._files.pop(source.id, None)
 
     # -- bounds ----------------------------------------------------------------------------------
-    def held_bytes(self) -> int:
-        """Bytes declared by pending uploads and held by files now."""
+    def held_bytes(self, owner: str | None | EllipsisType = ...) -> int:
+        """Bytes held now (sent to pending uploads, and files): the store's (``...``), or ``owner``'s."""
         with self._lock:
             self._expire_locked()
-            return self._held_locked()
+            return self._held_locked(owner)
 
-    def _held_locked(self) -> int:
-        pending = sum(u.size for u in self._uploads.values() if u.status == "pending")
-        return pending + sum(len(f.data) for f in self._files.values())
+    def _owned(self, owner: str | None | EllipsisType) -> tuple[list[Upload], list[SourceFile]]:
+        """The uploads and files of ``owner`` (all of them for ``...``)."""
+        uploads, files = list(self._uploads.values()), list(self._files.values())
+        if owner is ...:
+            return uploads, files
+        return [u for u in uploads if u.owner == owner], [f for f in files if f.owner == owner]
 
-    def _check_room_locked(self, size: int) -> None:
+    def _held_locked(self, owner: str | None | EllipsisType = ...) -> int:
+        uploads, files = self._owned(owner)
+        sent = sum(len(u.data) for u in uploads if u.status == "pending" and u.data is not None)
+        return sent + sum(len(f.data) for f in files)
+
+    def _records_locked(self, owner: str | None | EllipsisType = ...) -> int:
+        uploads, files = self._owned(owner)
+        return len(uploads) + len(files)
+
+    def _check_room_locked(self, owner: str | None, size: int) -> None:
+        if self._held_locked(owner) + size > self.key_bytes:
+            raise self._full_locked(owner)
         if self._held_locked() + size > self.max_bytes:
             raise self._full_locked()
 
-    def _full_locked(self) -> ApiError:
-        ends = [u.expires_at for u in self._uploads.values()] + [f.expires_at for f in self._files.values()]
-        retry = max(1, min(ends, default=int(self.clock()) + 1) - int(self.clock()))
+    def _full_locked(self, owner: str | None | EllipsisType = ...) -> ApiError:
+        """429 for the store (``...``) or for ``owner``'s quota, ``Retry-After`` the first expiry among them."""
+        uploads, files = self._owned(owner)
+        now = int(self.clock())
+        retry = max(1, min([u.expires_at for u in uploads] + [f.expires_at for f in files], default=now + 1) - now)
+        headers = {"Retry-After": str(retry)}
+        if owner is not ...:
+            return ApiError(
+                429,
+                "upload_quota_exceeded",
+                f"this API key holds as many uploads as one key may (records or bytes); retry in {retry} s, or "
+                "delete its files (DELETE /v1/files/{id})",
+                headers,
+            )
         return ApiError(
             429,
             "upload_store_full",
             f"the server holds as many uploads as it keeps; retry in {retry} s, or delete files "
             "(DELETE /v1/files/{id})",
-            {"Retry-After": str(retry)},
+            headers,
         )
 
     def _expire_locked(self) -> int:
