@@ -115,7 +115,8 @@ class ParserOptions:
         dpi / max_side / max_image_pixels: input rendering and limits (see ``inputs``).
         render_timeout: seconds a PDF page may take to render; None = no bound, in this process
             (with a bound pages render in a child process, killed when one takes longer: that
-            page fails alone with ``render_timeout``; see ``inputs.open_document``).
+            page fails alone with ``render_timeout``, and after two such pages the document's
+            other pages fail unrendered; see ``inputs.open_document``).
         max_new_tokens: per-task bounds overriding ``protocol.SAMPLING``; keys ``"layout"``,
             ``"text"``, ``"table"``, ``"equation"``. Any mapping is accepted and stored as an
             immutable ``TokenBounds``.

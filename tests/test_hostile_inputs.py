@@ -163,3 +163,30 @@ def test_a_render_process_that_dies_fails_its_page_and_the_next_page_gets_a_new_
         with pytest.raises(CorruptDocument, match="page 2: the render process ended"):
             opened.render(1)
         assert opened.render(2).size == first.size
+
+
+def test_a_document_of_slow_pages_holds_its_worker_for_two_render_timeouts_only():
+    """Audit round 4, N2: a small PDF whose pages share one slow content stream held the only
+    worker for every page's ``render_timeout`` in turn (20 pages x 3 s: 67 s; on 44d1b50 each of
+    these pages was rendered until it timed out). After two time-outs its other pages fail at
+    once, each with its own ``render_timeout`` error, and no render process is started for them."""
+    from samples import stroked_lines_pdf
+
+    from mineru_fast.errors import RenderTimeout
+    from mineru_fast.inputs.documents import MAX_RENDER_TIMEOUTS
+
+    with open_document(stroked_lines_pdf([RENDER_BOMB_LINES] * 6), render_timeout=0.5) as opened:
+        messages = []
+        for index in opened.page_indices:
+            with pytest.raises(RenderTimeout) as info:
+                opened.render(index)
+            messages.append(str(info.value))
+            assert opened._renderer is None  # killed, or never started
+    assert MAX_RENDER_TIMEOUTS == 2
+    timed_out = "took longer than 0.5 s to render (render_timeout option)"
+    assert messages[:2] == [f"document: page {i} {timed_out}" for i in (1, 2)]
+    assert messages[2:] == [
+        f"document: page {i} not rendered: 2 pages of this document took longer than 0.5 s to render already "
+        "(render_timeout option)"
+        for i in range(3, 7)
+    ]

@@ -61,6 +61,10 @@ _PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
 _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
 MAX_PAGE_RANGE_CHARS = 4096
+MAX_RENDER_TIMEOUTS = 2
+"""Pages of one document that may time out rendering (``render_timeout``) before its other pages
+fail at once unrendered: a document's pages often share one slow content stream, so without
+this bound a document of N such pages held its worker N times ``render_timeout``."""
 MAX_IMAGE_FRAMES = 10_000  # pages of one multi-frame image (TIFF, MPO, DCX)
 # Peak bytes per pixel that ``OpenedDocument.render`` holds at once for one page, by source: the
 # decoded frame, ``to_rgb``'s conversions (an alpha frame is converted to RGBA, composited on a
@@ -226,6 +230,7 @@ class OpenedDocument:
     _renderer: _PdfRenderer | None = field(default=None, repr=False)
     _image: Image.Image | None = field(default=None, repr=False)
     _owns_image: bool = field(default=True, repr=False)  # a caller's PIL image is never closed
+    _render_timeouts: int = field(default=0, repr=False)  # pages that timed out rendering
 
     def render(self, index: int) -> Image.Image:
         """The RGB image of page ``index`` (0-based), long side at most ``max_side`` pixels.
@@ -375,6 +380,12 @@ class OpenedDocument:
     def _render_pdf_page(self, index: int) -> Image.Image:
         import pypdfium2 as pdfium
 
+        if self._render_timeouts >= MAX_RENDER_TIMEOUTS:
+            raise RenderTimeout(
+                f"{self.name}: page {index + 1} not rendered: {self._render_timeouts} pages of this document "
+                f"took longer than {self.render_timeout:g} s to render already (render_timeout option)"
+            )
+
         with _PDFIUM_LOCK:
             try:
                 page = self._pdf[index]  # type: ignore[index]
@@ -392,6 +403,7 @@ class OpenedDocument:
                 return self._renderer.render(index, scale, self.render_timeout)
             except RenderTimeout:
                 self._renderer = None  # killed: the next page gets a fresh process
+                self._render_timeouts += 1
                 raise RenderTimeout(
                     f"{self.name}: page {index + 1} took longer than {self.render_timeout:g} s to render "
                     "(render_timeout option)"
@@ -681,7 +693,8 @@ def open_document(
         render_timeout: seconds a PDF page may take to render; None renders in this process
             with no bound (PDFium holds a process-wide lock meanwhile). With a bound, a PDF's
             pages are rendered in a child process, killed when a page takes longer: that page
-            fails alone (``RenderTimeout``).
+            fails alone (``RenderTimeout``); once ``MAX_RENDER_TIMEOUTS`` pages of the document
+            have, its other pages fail at once with ``RenderTimeout``, unrendered.
 
     Returns:
         An ``OpenedDocument``; close it (or use it as a context manager) when done.
