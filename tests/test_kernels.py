@@ -4,6 +4,7 @@ linear (``quantize.BlockInt8Linear``) gives its PyTorch form's; the fallbacks.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -212,21 +213,90 @@ def test_without_the_kernel_gemv_is_onednn(monkeypatch):
         kernels.int8_gemv_status.cache_clear()
 
 
-def test_a_failed_build_leaves_onednn_with_the_reason(monkeypatch):
+def fake_vnni(monkeypatch, extensions: Path) -> None:
+    """A CPU class with AVX-512 VNNI and an empty extension folder, whatever this machine is."""
+    monkeypatch.delenv(kernels.OWN_KERNELS_ENV, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    monkeypatch.setattr(kernels, "isa_class", lambda _isa: type("Cls", (), {"vnni": True, "name": "amx"})())
+
+
+def test_a_failed_build_leaves_onednn_with_the_reason_and_is_not_retried(monkeypatch, tmp_path):
+    """Audit round 4, N16: a failed build was retried at every start (12-27 s each) and said only
+    PyTorch's last line; the compiler's error line is the reason now, kept until removed."""
     import torch.utils.cpp_extension as cpp_extension
 
-    def no_compiler(*_args, **_kwargs):
-        raise RuntimeError("Ninja is required to load C++ extensions")
+    calls = []
 
-    monkeypatch.delenv(kernels.OWN_KERNELS_ENV, raising=False)
-    monkeypatch.setattr(kernels, "isa_class", lambda _isa: type("Cls", (), {"vnni": True, "name": "amx"})())
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    def failing_compiler(*_args, **_kwargs):
+        calls.append(1)
+        log = "Error building extension\nint8_block.cpp:12:3: error: 'x' was not declared\nninja: build stopped"
+        raise RuntimeError(log)
+
+    fake_vnni(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", failing_compiler)
+    kernels.int8_gemv_status.cache_clear()
+    try:
+        first = kernels.int8_gemv_status()
+        kernels.int8_gemv_status.cache_clear()  # the next start
+        second = kernels.int8_gemv_status()
+    finally:
+        kernels.int8_gemv_status.cache_clear()
+    assert first.op is None and first.reason == (
+        "own INT8 GEMV not built (RuntimeError: int8_block.cpp:12:3: error: 'x' was not declared)"
+    )
+    failed = next(tmp_path.rglob("failed.txt"))
+    assert second.op is None and second.reason == f"{first.reason}; remove {failed} to build again"
+    assert len(calls) == 1  # not built again
+    assert not list(failed.parent.glob(".staging-*"))  # the private build folder is gone
+
+
+def test_a_killed_build_does_not_hold_up_the_next_start(monkeypatch, tmp_path):
+    """Audit round 4, N3: a build killed by SIGKILL left PyTorch's lock file, and every start in
+    the next 10 minutes waited for it (or, in PyTorch's own wait, forever). Here a process is
+    killed while it builds (its compiler stubbed to block); the next start takes the lock at
+    once, clears what the killed build left and builds anew."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    child = r"""
+import sys, threading
+import torch.utils.cpp_extension as cpp_extension
+import mineru_fast.engine.kernels as kernels
+kernels.isa_class = lambda _isa: type("Cls", (), {"vnni": True, "name": "amx"})()
+def compiling(*args, **kwargs):
+    print("compiling", flush=True)
+    threading.Event().wait()
+cpp_extension._write_ninja_file_and_build_library = compiling
+kernels.int8_gemv_status()
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), kernels.OWN_KERNELS_ENV: "1"}
+    builder = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert builder.stdout.readline().strip() == "compiling"  # inside PyTorch's builder, its lock taken
+    finally:
+        builder.send_signal(signal.SIGKILL)
+        builder.wait(60)
+    (build,) = [p for p in tmp_path.glob("*/*") if p.is_dir()]
+    seen = []
+
+    def recording_load(name, sources, **kwargs):
+        seen.append(kwargs["build_directory"])
+        raise RuntimeError("stop here")
+
+    fake_vnni(monkeypatch, tmp_path)
+    monkeypatch.setattr(kernels, "BUILD_WAIT_S", 30.0)  # on 44d1b50 the killed build's lock was waited for
+    monkeypatch.setattr(cpp_extension, "load", recording_load)
     kernels.int8_gemv_status.cache_clear()
     try:
         status = kernels.int8_gemv_status()
-        assert status.op is None and "not built (RuntimeError: Ninja is required" in status.reason
     finally:
         kernels.int8_gemv_status.cache_clear()
+    assert status.reason == "own INT8 GEMV not built (RuntimeError: stop here)"  # built again, not waited for
+    assert len(seen) == 1 and Path(seen[0]).parent == build
+    assert [p.name for p in build.iterdir() if p.name.startswith(".staging-")] == []  # the killed build's folder too
 
 
 def test_a_cpu_without_vnni_keeps_onednn(monkeypatch):
@@ -240,33 +310,31 @@ def test_a_cpu_without_vnni_keeps_onednn(monkeypatch):
         kernels.int8_gemv_status.cache_clear()
 
 
-def test_a_build_in_progress_is_waited_for_and_a_stale_lock_is_removed(monkeypatch, tmp_path):
+def test_a_build_in_progress_is_waited_for_within_a_bound(tmp_path):
     """Processes started together must all get the kernels (their numerics differ from the
-    fallback's): one that finds another's lock waits until it is released, within a bound."""
-    import os
+    fallback's): one that finds the build lock held waits until it is released, within a bound."""
     import threading
-    import time
 
-    lock = tmp_path / "lock"
-    assert not kernels._held_by_another_build(lock) and kernels._another_build_ended(lock, wait_s=0)
-    lock.touch()
-    assert kernels._held_by_another_build(lock) and lock.exists()  # a live build
-    assert not kernels._another_build_ended(lock, wait_s=0.3)  # still held when the bound passed
-    released = threading.Event()
+    building, release = threading.Event(), threading.Event()
+    outcome = []
 
-    def release() -> None:  # the other process finishing: waited on by event, never by a fixed sleep
-        released.wait()
-        lock.unlink()
+    def other_build() -> None:  # another builder; waited on by events, never by a fixed sleep
+        with kernels._build_lock(tmp_path, wait_s=0) as held:
+            outcome.append(held)
+            building.set()
+            release.wait()
 
-    other = threading.Thread(target=release)
+    other = threading.Thread(target=other_build)
     other.start()
-    released.set()
-    assert kernels._another_build_ended(lock, wait_s=600) and not lock.exists()
-    other.join()
-    lock.touch()
-    old = time.time() - kernels.STALE_LOCK_S - 1
-    os.utime(lock, (old, old))
-    assert not kernels._held_by_another_build(lock) and not lock.exists()  # a killed build's lock
+    try:
+        assert building.wait(60) and outcome == [True]
+        with kernels._build_lock(tmp_path, wait_s=0.3) as held:
+            assert not held  # still held when the bound passed
+    finally:
+        release.set()
+        other.join(60)
+    with kernels._build_lock(tmp_path, wait_s=600) as held:
+        assert held
 
 
 def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(monkeypatch, tmp_path, caplog):
@@ -276,11 +344,10 @@ def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(m
 
     def recording_load(name, sources, **kwargs):
         seen.update(kwargs, name=name, sources=sources)
+        seen["copies"] = [Path(source).read_bytes() for source in sources]
         raise RuntimeError("stop here")
 
-    monkeypatch.delenv(kernels.OWN_KERNELS_ENV, raising=False)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "isa_class", lambda _isa: type("Cls", (), {"vnni": True, "name": "amx"})())
+    fake_vnni(monkeypatch, tmp_path)
     monkeypatch.setattr(cpp_extension, "load", recording_load)
     kernels.int8_gemv_status.cache_clear()
     try:
@@ -288,11 +355,14 @@ def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(m
             status = kernels.int8_gemv_status()
     finally:
         kernels.int8_gemv_status.cache_clear()
-    build = Path(seen["build_directory"])
+    staging = Path(seen["build_directory"])
+    build = staging.parent
     assert status.op is None and build.parent.parent == tmp_path and build.name.startswith(kernels.NAME + "-")
-    # built from a copy inside the build folder: two checkouts of the same code share one build
-    assert seen["sources"] == [str(build / source.name) for source in kernels.SOURCES]
-    assert all((build / source.name).read_bytes() == source.read_bytes() for source in kernels.SOURCES)
+    # built from copies in a private folder inside the build folder: two checkouts of the same
+    # code share one build, and a killed build leaves nothing there that a later start loads
+    assert staging.name.startswith(".staging-") and not staging.exists()
+    assert seen["sources"] == [str(staging / source.name) for source in kernels.SOURCES]
+    assert seen["copies"] == [source.read_bytes() for source in kernels.SOURCES]
     assert "compiling the own INT8 GEMV once for this machine" in caplog.text
 
 

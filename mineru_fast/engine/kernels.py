@@ -12,10 +12,15 @@ activations at a time, and quantizes the activations itself; its arithmetic is t
 It is compiled once per machine with PyTorch's C++ extension builder (a C++ compiler and ninja are
 needed; about 30 s), into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``), in a folder named by the digest of the source and the flags, so a
-change of either builds anew and installs of the same code share one build. A process that
-finds another one building or loading it (PyTorch's lock file in the build folder) waits for it,
-up to ``BUILD_WAIT_S``: processes started together (``launch`` instances, Ray actors) then all run
-the kernels, and so the same numerics (the block kernel's differ from its fallback's). It is used
+change of either builds anew and installs of the same code share one build. One process at a time
+builds or loads it, holding an ``flock`` on ``build.flock`` there (the kernel releases it when its
+holder dies, even by SIGKILL, so a killed build never blocks the next start); the build runs in a
+private folder and only a finished library is renamed into place, so a killed build leaves
+nothing half-written that a later start would load. A process that finds the lock held waits for
+it, up to ``BUILD_WAIT_S``: processes started together (``launch`` instances, Ray actors) then all
+run the kernels, and so the same numerics (the block kernel's differ from its fallback's). A build
+that fails records its reason in ``failed.txt`` beside it, and later starts report that reason
+without building again, until the file is removed (or the sources change). The kernels are used
 only where the CPU class has AVX-512 VNNI (``cpu.isa_class``, caps included); elsewhere, when the
 build fails, or with ``MINERU_FAST_OWN_KERNELS=0``, the engine keeps oneDNN, with the reason
 reported by ``int8_gemv_status``.
@@ -28,13 +33,17 @@ Both kernels are built together, as one extension.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +62,7 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int8_gemv.cp
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 NAME = "mineru_fast_int8_gemv"
-STALE_LOCK_S = 600.0  # a build takes ~30 s on 2 busy cores; a lock this old belongs to a killed one
-BUILD_WAIT_S = 180.0  # longest wait for another process's build or load: a slow build, not a killed one
+BUILD_WAIT_S = 180.0  # longest wait for another process's build or load (a build takes ~30 s on 2 busy cores)
 LOCK_POLL_S = 0.2
 MAX_ROWS = 16  # rows of activations per call (csrc/int8_gemv.cpp's kMaxRows)
 
@@ -90,43 +98,67 @@ def _build_directory() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag / f"{NAME}-{digest}"
 
 
-def _source_copies(build: Path) -> list[Path]:
-    """The sources, copied into ``build`` (atomically, once): PyTorch's build file names the sources'
-    paths, so builds from two checkouts of the same code would otherwise rebuild each other's."""
+@contextmanager
+def _build_lock(build: Path, wait_s: float | None = None) -> Iterator[bool]:
+    """Hold the exclusive ``flock`` of ``build/build.flock`` while the body runs; yields whether it
+    was had within ``wait_s`` (default ``BUILD_WAIT_S``; polled every ``LOCK_POLL_S``). The lock
+    dies with its holder."""
     build.mkdir(parents=True, exist_ok=True)
-    copies = []
-    for source in SOURCES:
-        copy = build / source.name
-        if not copy.exists():
-            partial = build / f".{source.name}.{os.getpid()}"
-            partial.write_bytes(source.read_bytes())
-            partial.replace(copy)
-        copies.append(copy)
-    return copies
+    with open(build / "build.flock", "a+b") as handle:
+        deadline = time.monotonic() + (BUILD_WAIT_S if wait_s is None else wait_s)
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(LOCK_POLL_S)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _held_by_another_build(lock: Path) -> bool:
-    """Whether a live build holds ``lock`` (PyTorch's builder waits on it without a bound). A lock
-    older than ``STALE_LOCK_S`` was left by a killed build and is removed."""
+def _compile(build: Path) -> None:
+    """Build and load the extension in a private folder under ``build`` (the sources copied there:
+    PyTorch's build file names their paths, so two checkouts of the same code share one build),
+    then rename the library into ``build``; what a killed build left is removed first. The caller
+    holds the build lock.
+
+    Raises:
+        Exception: whatever PyTorch's builder raises (no compiler or ninja, a failed compile).
+    """
+    from torch.utils.cpp_extension import load  # imports setuptools: only here
+
+    for left in build.glob(".staging-*"):  # a killed build's: no live build holds the lock
+        shutil.rmtree(left, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=build))
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_S:
-        return True
-    lock.unlink(missing_ok=True)
-    return False
+        sources = [staging / source.name for source in SOURCES]
+        for source, copy in zip(SOURCES, sources, strict=True):
+            copy.write_bytes(source.read_bytes())
+        load(
+            NAME,
+            [str(source) for source in sources],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(staging),
+            is_python_module=False,
+        )
+        (built,) = staging.glob(f"{NAME}*.so")  # PyTorch adds _v1.. to a name built again in one process
+        built.replace(build / f"{NAME}.so")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _another_build_ended(lock: Path, wait_s: float = BUILD_WAIT_S) -> bool:
-    """Wait while another live process holds ``lock`` (``_held_by_another_build``), up to
-    ``wait_s``; whether it was released (or was stale, or never held) in that time."""
-    deadline = time.monotonic() + wait_s
-    while _held_by_another_build(lock):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(LOCK_POLL_S)
-    return True
+def _build_failure(exc: Exception) -> str:
+    """One line on a failed build or load: the error's type and the compiler's first error line
+    (PyTorch's message ends with a generic one), else its last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = next((line for line in lines if "error:" in line), lines[-1] if lines else "")
+    return f"own INT8 GEMV not built ({type(exc).__name__}: {detail[:200]})"
 
 
 def _disabled() -> bool:
@@ -155,29 +187,31 @@ def int8_gemv_status() -> KernelStatus:
     reason = not_planned()
     if reason is not None:
         return KernelStatus(None, reason)
+    build = _build_directory()
+    failed = build / "failed.txt"
     try:
-        from torch.utils.cpp_extension import load  # imports setuptools: only here
-
-        build = _build_directory()
-        if not _another_build_ended(build / "lock"):
-            reason = f"own INT8 GEMV still being built by another process after {BUILD_WAIT_S:.0f} s ({build})"
-            logger.warning("%s; oneDNN for now", reason)
-            return KernelStatus(None, reason)
-        sources = _source_copies(build)
-        if not (build / f"{NAME}.so").exists():
-            logger.warning("compiling the own INT8 GEMV once for this machine (~30 s) into %s", build)
-        load(
-            NAME,
-            [str(source) for source in sources],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(build),
-            is_python_module=False,
-        )
+        with _build_lock(build) as held:
+            if not held:
+                reason = f"own INT8 GEMV still being built by another process after {BUILD_WAIT_S:.0f} s ({build})"
+                logger.warning("%s; oneDNN for now", reason)
+                return KernelStatus(None, reason)
+            library = build / f"{NAME}.so"
+            if library.exists():
+                torch.ops.load_library(str(library))
+            elif failed.exists():
+                reason = f"{failed.read_text(encoding='utf-8').strip()}; remove {failed} to build again"
+                logger.warning("%s; decode uses oneDNN", reason)
+                return KernelStatus(None, reason)
+            else:
+                logger.warning("compiling the own INT8 GEMV once for this machine (~30 s) into %s", build)
+                try:
+                    _compile(build)
+                except Exception as exc:
+                    failed.write_text(_build_failure(exc) + "\n", encoding="utf-8")
+                    raise
         op, block_op = torch.ops.mineru_fast.int8_linear_rows, torch.ops.mineru_fast.int8_block_linear
-    except Exception as exc:  # a compiler or ninja missing, a failed build: oneDNN stays
-        last = (str(exc).strip().splitlines() or [""])[-1][:200]
-        reason = f"own INT8 GEMV not built ({type(exc).__name__}: {last})"
+    except Exception as exc:  # a compiler or ninja missing, a failed build or load: oneDNN stays
+        reason = _build_failure(exc)
         logger.warning("%s; decode uses oneDNN", reason)
         return KernelStatus(None, reason)
     return KernelStatus(op, f"own AVX-512 VNNI INT8 GEMV for 1-{MAX_ROWS} rows, torch._int_mm above", block_op)
