@@ -220,3 +220,81 @@ def test_leftovers_of_killed_writers_are_swept_and_other_environments_entries_ke
     make_engine(model, root).close()  # a new file: this environment's old entry is stale, the other's is not
     assert not old_tmp.exists() and not trash.exists() and fresh_tmp.exists()
     assert elsewhere in entries(root) and engine_entry not in entries(root) and len(entries(root)) == 2
+
+
+def _flip_weights(entry: Path) -> str:
+    """4,096 bytes of a packed LM weight set to 0x7f (the audit's case: it loaded without a word)."""
+    name = "lm.layers.0.attention.wqkv.safetensors"
+    data = bytearray((entry / name).read_bytes())
+    data[-8192:-4096] = b"\x7f" * 4096
+    (entry / name).write_bytes(bytes(data))
+    return name
+
+
+def _swap_header_dtype(entry: Path) -> str:
+    """A dtype in a file's header changed to another of the same size (I8 -> U8): every request of
+    every later start failed on 44d1b50, the entry being kept."""
+    name = "lm.layers.0.feed_forward.w_gate_up.safetensors"
+    data = (entry / name).read_bytes()
+    assert b'"dtype":"I8"' in data[:4096]
+    (entry / name).write_bytes(data.replace(b'"dtype":"I8"', b'"dtype":"U8"', 1))
+    return name
+
+
+def _zero_embedding(entry: Path) -> str:
+    """The embedding table's bytes zeroed (the non-linear tensors' file)."""
+    name = "lm.safetensors"
+    data = bytearray((entry / name).read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = bytes(len(data) - header)
+    (entry / name).write_bytes(bytes(data))
+    return name
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip_weights,
+        pytest.param(_swap_header_dtype, marks=pytest.mark.slow),
+        pytest.param(_zero_embedding, marks=pytest.mark.slow),
+    ],
+)
+def test_a_damaged_entry_is_detected_by_its_digests_and_prepared_again(model, tmp_path, uncached, caplog, damage):
+    """Audit round 4, N4: a damaged entry loaded as valid weights (other tokens) or failed every
+    request of every later start. Its files' digests now tell, the warning names the file, and the
+    model is prepared again: the same tokens as without a cache."""
+    root = tmp_path / "prepared"
+    make_engine(model, root).close()
+    (entry,) = entries(root)
+    name = damage(entry)
+    with caplog.at_level(logging.WARNING, logger="mineru_fast.engine.generate"):
+        again = make_engine(model, root)
+    assert again.prepared_from == "checkpoint"
+    warned = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(warned) == 1 and name in warned[0]
+    assert outputs(again) == uncached
+    assert make_engine(model, root).prepared_from == "cache"  # committed anew, whole
+
+
+@pytest.mark.slow  # several engine builds: ~10 s under load
+def test_an_entry_of_another_key_or_an_old_format_is_not_used_and_old_formats_go(model, tmp_path, uncached):
+    """An entry copied under this key's name from other settings is refused (its manifest's
+    identity is not this key's) and prepared again; committing removes this checkpoint's entries
+    of older formats in the same environment (they piled up, 1.4 GB each)."""
+    import json
+
+    root = tmp_path / "prepared"
+    make_engine(model, root, lm_head_quant=None).close()
+    (other,) = entries(root)
+    mine = PreparedCache(root, model, prepared_settings(torch.float32, {"vision": INT8, "lm": INT8, "lm_head": INT8}))
+    shutil.copytree(other, mine.path)
+    old_format = root / "old-format"
+    shutil.copytree(other, old_format)
+    manifest = json.loads((old_format / MANIFEST).read_text())
+    manifest["format"] = manifest["identity"]["format"] = 3
+    manifest["identity"]["settings"] = mine.identity["settings"]
+    (old_format / MANIFEST).write_text(json.dumps(manifest))
+    engine = make_engine(model, root)
+    assert engine.prepared_from == "checkpoint" and outputs(engine) == uncached
+    assert json.loads((mine.path / MANIFEST).read_text())["identity"] == mine.identity  # this key's, anew
+    assert not old_format.exists() and other in entries(root)  # other settings: another preset's entry, kept
