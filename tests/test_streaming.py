@@ -280,7 +280,9 @@ def test_a_bundle_closed_by_an_exception_records_the_failure_in_its_middle_json(
     record = middle["extensions"]["mineru_fast"]
     assert record["status"] == "failure" and len(record["pages"]) == len(middle["pages"]) == 5
     assert record["errors"][0]["code"] == "interrupted"
-    assert len(json.loads((out / "structured_content.json").read_text())["pages"]) == 5
+    assert middle["is_full_document"] is False  # audit round 4, N15: it said true on 44d1b50
+    structured = json.loads((out / "structured_content.json").read_text())
+    assert len(structured["pages"]) == 5 and structured["is_full_document"] is False
     assert len(json.loads((out / "model_output.json").read_text())["pages"]) == 5
 
 

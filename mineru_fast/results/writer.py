@@ -820,12 +820,18 @@ def envelope_for(
         head: mineru-fast's record of the result (``metadata.head_dict``).
         pages: per page ``{"page_idx", "status", "errors", "warnings"}``, added to the record.
         modes: the pages' ``ocr_mode`` values (``"txt"`` for all: MinerU 4's parse mode ``txt``).
+
+    ``is_full_document`` holds only when every page of the source was selected and written, and
+    the writing was not cut short (an ``INTERRUPTED`` error in ``head``).
     """
     metadata = metadata or {}
     source = metadata.get("input") or {}
     count = source.get("page_count") or len(pages)
     parsed = source.get("pages")
-    full = parsed is None or list(parsed) == list(range(count))
+    every_page = list(range(count))
+    interrupted = any(error.get("code") == INTERRUPTED for error in head.get("errors") or [])
+    written = [page["page_idx"] for page in pages]
+    full = not interrupted and written == every_page and (parsed is None or list(parsed) == every_page)
     parse_mode = "txt" if modes == {"txt"} else "ocr"
     pdf = source.get("format", "pdf") == "pdf"
     return Envelope(count, full, metadata.get("tier"), parse_mode, {**head, "pages": pages}, pdf=pdf)
