@@ -4,6 +4,7 @@ through pyarrow)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 
@@ -405,8 +406,7 @@ def test_inspection_rows_carry_their_own_pages_not_the_document_task_list(tmp_pa
 
     small, large = rows(320), rows(3200)
     assert (len(small), len(large)) == (10, 100)
-    overhead = [len(row[ITEM]) - len(claimed_pages_pdf(3200)) for row in large]
-    assert max(overhead) < 1500  # a row of 3200 pages' lists is over 10 KB
+    assert max(len(row[ITEM]) for row in large) < 1500  # a row of 3200 pages' lists is over 10 KB
     tasks = [_item(row) for row in large]
     assert [task.pages for task in tasks[:2]] == ["1-32", "33-64"] and tasks[-1].pages == "3169-3200"
     assert {task.selection for task in tasks} == {"1-3200"} and tasks[0].info.pages == ()
@@ -430,3 +430,82 @@ def test_joining_a_cluster_passes_the_prepared_cache_switch_to_its_workers(monke
     monkeypatch.delenv("MINERU_FAST_PREPARED_CACHE")
     init_ray("127.0.0.1:6379")
     assert [c["runtime_env"] for c in calls] == [{"env_vars": {"MINERU_FAST_PREPARED_CACHE": "off"}}, None]
+
+
+def test_task_rows_carry_a_reference_to_the_document_never_its_bytes(tmp_path):
+    """Every task row of a document carried the whole document's bytes: a 6.2 MB PDF of 10,000
+    pages made 313 rows of 1.9 GB. The rows name the document (its ``Source``); the actor reads it."""
+    import os
+
+    from samples import raw_pdf
+
+    from mineru_fast.distributed.batch import ITEM, _inspect, _item, _Job, _row
+
+    padding = os.urandom(512 * 1024).hex().encode()  # 1 MiB of an unreferenced stream: a large file
+    data = raw_pdf([
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 3200 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(padding), padding),
+    ])  # fmt: skip
+    path = tmp_path / "long.pdf"
+    path.write_bytes(data)
+    job = _Job(Source(str(path), str(path)), "long")
+    rows = _inspect(_row(job), None, None, None, 32, 10_000)
+    assert len(rows) == 100 and len(data) > 2**20
+    assert sum(len(row[ITEM]) for row in rows) < 100 * 1024  # was 100 copies of the file: 100 MiB
+    assert not any(padding[:64] in row[ITEM] for row in rows)
+    tasks = [_item(row) for row in rows]
+    assert {task.source for task in tasks} == {job.source}
+    assert tasks[0].info.sha256 == hashlib.sha256(data).hexdigest()  # what the actor checks its read against
+
+
+@needs_pyarrow
+def test_an_actor_reads_the_document_its_task_names_and_refuses_one_changed_since_inspection(tmp_path):
+    from mineru_fast.distributed.batch import _document_bytes, _inspect, _item, _Job, _row
+
+    data = pdf_bytes(3)
+    (tmp_path / "doc.pdf").write_bytes(data)
+    (source,) = list_sources([(tmp_path / "doc.pdf").as_uri()])
+    task = _item(_inspect(_row(_Job(source, "doc")), None, None, None, 2, 100)[1])
+    assert task.pages == "3" and _document_bytes(task, ledger=None) == data  # a URI: read by the actor
+    (tmp_path / "doc.pdf").write_bytes(pdf_bytes(4))  # replaced between its inspection and its parse
+    with pytest.raises(SourceError, match=r"^file://.*/doc\.pdf changed since it was inspected \(its SHA-256"):
+        _document_bytes(task, ledger=None)
+
+
+def test_a_document_whose_tasks_ran_under_different_runtimes_records_the_mix(tmp_path):
+    """An actor restarted after a failed kernel load ran per-channel INT8 while the other ran the
+    block kernel: the document's metadata named the runtime of whichever task came in first. The
+    mix is recorded in the outputs' metadata and the manifest, and logged even with ``quiet``."""
+    from mineru_fast.distributed.batch import BatchConfig, _Job, _Outcome, _Runner
+    from mineru_fast.results.metadata import PACKAGE, SCHEMA_VERSION
+
+    block = {"isa_class": "avx512_vnni", "engine": "fast", "precision": "fp32", "int8_kernel": "onednn",
+             "int8_reason": "x", "lm_int8_block": "own AVX-512 VNNI block-wise INT8 kernel"}  # fmt: skip
+    fallback = {**block, "lm_int8_block": "per-channel int8-dynamic instead: kernel not built"}
+
+    def done(name: str, index: int, pages: list[int], runtime: dict) -> _Outcome:
+        source = {"name": name, "format": "pdf", "sha256": None, "page_count": 5, "pages": []}
+        metadata = {"schema_version": SCHEMA_VERSION, "package": dict(PACKAGE), "input": source, "runtime": runtime}
+        return _Outcome(name, "done", index, "1-5", metadata, [Page(i) for i in pages])
+
+    jobs = [_Job(Source("in/mixed.pdf", "in/mixed.pdf"), "mixed"), _Job(Source("in/one.pdf", "in/one.pdf"), "one")]
+    config = BatchConfig([], tmp_path, "model", pages_per_task=2, layout="2.x", quiet=True)
+    lines: list[str] = []
+    runner = _Runner(config, jobs, lines.append)
+    for name, odd in (("mixed", fallback), ("one", block)):  # pages 3-4 come in first
+        for outcome in (done(name, 1, [2, 3], odd), done(name, 2, [4], block), done(name, 0, [0, 1], block)):
+            runner.take(outcome)
+    assert lines == [
+        "in/mixed.pdf: mixed numerics: pages 1-2,5 / 3-4 ran under different runtimes (lm_int8_block differ); "
+        "recorded in its metadata.runtimes and the manifest's runtimes"
+    ]
+    metadata = json.loads((tmp_path / "mixed" / "mixed.json").read_text())["metadata"]
+    assert metadata["runtime"] == block  # its first page's, not the first result's (pages 3-4)
+    assert metadata["runtimes"] == [{"pages": [0, 1, 4], "runtime": block}, {"pages": [2, 3], "runtime": fallback}]
+    records = Manifest(tmp_path).records()
+    assert (records["mixed"].status, records["mixed"].pages) == ("success", 5)
+    assert records["mixed"].runtimes == [{"pages": [1, 2, 5], "runtime": block}, {"pages": [3, 4], "runtime": fallback}]
+    one = json.loads((tmp_path / "one" / "one.json").read_text())["metadata"]
+    assert one["runtime"] == block and "runtimes" not in one and records["one"].runtimes == []

@@ -165,6 +165,31 @@ def test_a_task_that_fails_on_every_attempt_makes_its_pages_failures_and_the_doc
     assert not (out / PARTIAL).exists()
 
 
+def test_a_local_document_reaches_the_actors_through_the_ledger_checked_against_its_inspection(cluster, tmp_path):
+    """Task rows name a local document instead of carrying its bytes: an actor on any node has the
+    ledger read it on the driver's node, where the file is. A file changed or gone since its
+    inspection is a ``SourceError`` with its own message (not Ray's wrapper of it)."""
+    from mineru_fast.distributed.batch import _document_bytes, _inspect, _item, _Job, _Ledger, _row
+    from mineru_fast.distributed.sources import Source
+    from mineru_fast.errors import SourceError
+
+    path, data = tmp_path / "doc.pdf", pdf_bytes(3)
+    path.write_bytes(data)
+    task = _item(_inspect(_row(_Job(Source(str(path), str(path)), "doc")), None, None, None, 2, 100)[0])
+    ledger = ray.remote(num_cpus=0)(_Ledger).remote()
+    try:
+        assert task.pages == "1-2" and _document_bytes(task, ledger) == data
+        path.write_bytes(pdf_bytes(4))
+        with pytest.raises(SourceError, match=r"doc\.pdf changed since it was inspected \(its SHA-256 differs\)$"):
+            _document_bytes(task, ledger)
+        path.unlink()
+        with pytest.raises(SourceError, match=r"^cannot read .*doc\.pdf: \[Errno 2\]") as missing:
+            _document_bytes(task, ledger)
+    finally:
+        ray.kill(ledger)
+    assert type(missing.value) is SourceError
+
+
 def test_resume_after_an_interrupted_run_parses_only_what_is_left(cluster, tiny_model, tmp_path):
     documents = {"a_one.png": 1, "b_long.pdf": 6, "c_one.png": 1}
     inputs, traces = make_collection(tmp_path, documents)

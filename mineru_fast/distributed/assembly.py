@@ -16,6 +16,13 @@ A task that failed on every attempt adds one ``failure`` page per page it held (
 nothing else parsed) and never looks complete; ``failed_pages`` lists them. The problems of the
 other pages that did not end in ``success`` (a page the model could not read) are summed up in
 ``problem`` for the manifest's ``error`` and the progress line, as ``parse`` prints them.
+
+Each completed task names the runtime its actor ran (its result metadata's ``runtime``: ISA class,
+precision, INT8 kernels), and the actors of one batch can differ (a node of another CPU class, an
+actor restarted after its block-wise INT8 kernel failed to load runs per-channel INT8). The
+document's metadata claims the runtime of its first parsed page; when its pages ran under more
+than one, ``runtimes`` lists each with its pages (``metadata.runtimes`` of the outputs), so a mix is
+recorded, never hidden behind one runtime.
 """
 
 from __future__ import annotations
@@ -92,7 +99,8 @@ class DocumentAssembly:
         output: the batch output directory.
         name: the document's output stem.
         tasks: its tasks' 0-based page indices (``split_pages``).
-        metadata: the result's metadata block (the parse actor's ``DocumentParser.result_metadata``).
+        metadata: the result's metadata block (the parse actor's ``DocumentParser.result_metadata``;
+            copied: ``finish`` sets its ``runtime`` and ``runtimes``).
         confidence: add the ``mf_confidence`` extension field (``DocumentWriter``).
         layout: the ``DocumentWriter`` layout, ``"mineru4"`` or ``"2.x"``.
     """
@@ -109,12 +117,16 @@ class DocumentAssembly:
         self.output, self.name, self.tasks = output, name, tasks
         self.root = output / PARTIAL / name
         shutil.rmtree(self.root, ignore_errors=True)
-        self.writer = DocumentWriter(self.root / "doc", name, layout=layout, metadata=metadata, confidence=confidence)
+        self.metadata = dict(metadata)  # the writer's: it writes the block when it closes
+        self.writer = DocumentWriter(
+            self.root / "doc", name, layout=layout, metadata=self.metadata, confidence=confidence
+        )
         self.failed_pages: list[int] = []  # 0-based, pages of tasks that failed on every attempt
         self.error: str | None = None  # the last error of a failed task
         self.attempts = 0  # the most attempts any task took
         self.problem_pages: list[tuple[int, str]] = []  # 0-based page, its first problem (parsed pages)
         self._ready: dict[int, list[Page] | str] = {}  # finished tasks not yet written (str: failed, its error)
+        self._runtimes: dict[int, dict[str, Any]] = {}  # completed task -> the runtime its pages ran under
         self._next = 0  # the first task not yet written
         self._lock = threading.Lock()
 
@@ -125,7 +137,9 @@ class DocumentAssembly:
         folder.mkdir(parents=True)
         return folder
 
-    def complete(self, task: int, pages: list[Page], staged: Path, attempt: int) -> bool:
+    def complete(
+        self, task: int, pages: list[Page], staged: Path, attempt: int, runtime: dict[str, Any] | None = None
+    ) -> bool:
         """Take a completed task: its files (``staged``) move into the document, its pages are
         written once every earlier task is.
 
@@ -134,6 +148,8 @@ class DocumentAssembly:
             pages: its pages in order, without their images (their files are in ``staged``).
             staged: the attempt's folder (``staging``); removed.
             attempt: the attempt that completed (1 = first).
+            runtime: the runtime its pages ran under (the actor's result metadata's ``runtime``);
+                None: not known, left out of ``runtimes``.
 
         Returns:
             True when this was the document's last task (call ``finish``).
@@ -141,6 +157,8 @@ class DocumentAssembly:
         with self._lock:
             _move_files(staged, self.writer.out)
             shutil.rmtree(staged)
+            if runtime is not None:
+                self._runtimes[task] = runtime
             return self._take(task, pages, attempt)
 
     def fail(self, task: int, error: str, attempt: int) -> bool:
@@ -180,6 +198,20 @@ class DocumentAssembly:
         return f"page {index + 1}: {problem}" + (f" (and {more} more page(s))" if more else "")
 
     @property
+    def runtimes(self) -> list[dict[str, Any]]:
+        """The runtimes the completed tasks' pages ran under when they are more than one, each as
+        ``{"pages": [0-based page, ...], "runtime": {...}}``, in the order of their first page;
+        ``[]`` when every page ran under one runtime (or none is known)."""
+        groups: list[dict[str, Any]] = []
+        for task, runtime in sorted(self._runtimes.items()):
+            group = next((g for g in groups if g["runtime"] == runtime), None)
+            if group is None:
+                group = {"pages": [], "runtime": runtime}
+                groups.append(group)
+            group["pages"].extend(self.tasks[task])
+        return groups if len(groups) > 1 else []
+
+    @property
     def all_failed(self) -> bool:
         """Every task failed (nothing parsed: the document gets no outputs)."""
         return bool(self.tasks) and len(self.failed_pages) == sum(map(len, self.tasks))
@@ -193,6 +225,10 @@ class DocumentAssembly:
         Returns:
             ``(document status, pages written)``.
         """
+        if self._runtimes:  # the first parsed page's, not that of whichever result came in first
+            self.metadata["runtime"] = self._runtimes[min(self._runtimes)]
+        if runtimes := self.runtimes:
+            self.metadata["runtimes"] = runtimes
         self.writer.close(wall_s=wall_s)
         _publish(self.writer.out, self.output / self.name)
         shutil.rmtree(self.root, ignore_errors=True)

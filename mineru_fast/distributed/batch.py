@@ -8,18 +8,22 @@ The pipeline (``ray.data``, unordered, consumed by the driver as its rows comple
    node id), so that they read the local files the driver was given (the nodes share no file
    system); a URI input (``sources``) is read there too, from its store. Each opens its document
    (``worker.inspect_document``: its selected pages) and splits it into tasks of at most
-   ``pages_per_task`` pages (``assembly.split_pages``): one row per task (``_Task``), carrying the
-   document's bytes (a URI document: its ``Source``, read again by the actor that parses it), its
-   own pages and the document's selection as page-range text (never the whole document's page or
-   task lists, so the rows of a document grow linearly in its pages). They
-   reserve no CPU (``num_cpus=0``): the actors may hold every CPU of the cluster, and a task that
-   waited for one would wait for ever. An unreadable input gives one ``error`` row instead.
+   ``pages_per_task`` pages (``assembly.split_pages``): one row per task (``_Task``), carrying a
+   reference to the document, its ``Source``, never its bytes (a copy in each row: the rows of a
+   6.2 MB PDF of 10,000 pages held 1.9 GB), its own pages and the document's selection as
+   page-range text (never the whole document's page or task lists, so the rows of a document grow
+   linearly in its pages). They reserve no CPU (``num_cpus=0``): the actors may hold every CPU of
+   the cluster, and a task that waited for one would wait for ever. An unreadable input gives one
+   ``error`` row instead.
 3. ``map(_ParseTasks)`` on an actor pool (``ActorPoolStrategy``, ``actors`` actors of
    ``num_cpus=cores_per_actor``, one task in flight each): every actor holds one parser with that
    many threads (``worker.DocumentWorker``, pinned to one NUMA node where the machine has
    several: ``placement``) and turns one task row into one result row (``_Outcome``): the task's
-   pages with their image files, or its failure. Rows of one block each (``target_max_block_size``
-   of one byte), so every task is its own actor call and a long document runs on several actors.
+   pages with their image files, or its failure. The actor reads the document the row names
+   (``_document_bytes``: a local file through the ``_Ledger``, on the driver's node where the file
+   is; a URI from its store), checks it against the SHA-256 its inspection took, and keeps it for
+   its next task of the same document. Rows of one block each (``target_max_block_size`` of one
+   byte), so every task is its own actor call and a long document runs on several actors.
 
 The driver takes the result rows as they complete (``iter_rows``) and writes each document in page
 order (``assembly.DocumentAssembly``) under ``OUTPUT/.partial/<name>/``, renamed to
@@ -38,14 +42,24 @@ or, when every task of the document failed, the document is recorded as ``error`
 error. A task that Ray gives up on all the same (``max_errored_blocks=-1``: Ray Data logs its error
 and the run goes on) is failed by the driver when the dataset is exhausted, with the ledger's count
 of its attempts. An input that cannot be read (``InputError``) is recorded as ``error`` at once:
-retrying would not change it. ``resume`` skips documents whose outputs are complete. Progress: a
-line per document with pages/min and an ETA.
+retrying would not change it; for the same reason a task whose actor cannot read its document
+again, or finds it changed since its inspection (``SourceError``), fails at once. ``resume`` skips
+documents whose outputs are complete. Progress: a line per document with pages/min and an ETA.
+
+Numerics. Each result row carries its actor's result metadata, whose ``runtime`` names what the
+actor runs (ISA class, precision, INT8 kernels), and the actors of one batch can differ (a node of
+another CPU class; an actor restarted after its block-wise INT8 kernel failed to load runs
+per-channel INT8). A document whose pages ran under more than one runtime is written all the same,
+and the mix is recorded (``assembly``): the outputs' ``metadata.runtimes`` and the manifest's
+``runtimes`` list each runtime with its pages, and the driver logs the document, whatever
+``quiet`` says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import pickle
 import shutil
@@ -66,7 +80,7 @@ from mineru_fast.distributed.manifest import Manifest, Record
 from mineru_fast.distributed.reaper import MARKER_ENV
 from mineru_fast.distributed.sources import Source, list_sources
 from mineru_fast.distributed.worker import DocumentWorker, inspect_document
-from mineru_fast.errors import MineruFastError
+from mineru_fast.errors import MineruFastError, SourceError
 from mineru_fast.inputs.paths import output_clashes
 from mineru_fast.options import ParserOptions
 from mineru_fast.protocol.traces import Trace, load_trace
@@ -213,10 +227,12 @@ class _Task:
         pages: the task's pages as 1-based page-range text (``page_spec``); ``""`` when the
             selection holds no page (one task then, which parses nothing: the metadata block).
         selection: the document's selected pages, as page-range text.
-        data: the document's bytes, or the ``Source`` of a URI document (read by the actor).
+        source: the document, read by the actor (``_document_bytes``); its bytes never travel in
+            the row.
         trace: replayed outputs of the whole document (tests, benchmarks) or None.
         info: the document's ``InputInfo`` without its ``pages`` (they are ``selection``); the
-            actor's parser makes the metadata block of it.
+            actor's parser makes the metadata block of it, and checks the bytes it reads against
+            its ``sha256``.
         started: ``time.time()`` when its inspection began, on the driver's node.
     """
 
@@ -224,7 +240,7 @@ class _Task:
     index: int
     pages: str
     selection: str
-    data: bytes | Source
+    source: Source
     trace: Trace | None
     info: InputInfo
     started: float
@@ -241,7 +257,8 @@ class _Outcome:
             could not be inspected: ``error``; nothing else of it comes).
         index / selection: as ``_Task`` (``error``: none).
         metadata: the result's metadata block, its ``input.pages`` left empty (the driver fills
-            them in from ``selection``); ``error``: None.
+            them in from ``selection``), its ``runtime`` that of the actor (the driver compares the
+            tasks' runtimes: ``DocumentAssembly.runtimes``); ``error``: None.
         attempts: the attempts the task took (``error``: 1).
         started: as ``_Task``.
         actor: where the actor runs (``DocumentWorker.describe``), for the driver's log.
@@ -288,8 +305,7 @@ def _inspect(
         return [_row(_Outcome(job.name, "error", error=f"{type(exc).__name__}: {exc}", started=started))]
     tasks = [page_spec(task) for task in split_pages(list(info.pages), per_task)] or [""]
     selection, info = page_spec(list(info.pages)), replace(info, pages=())
-    payload: bytes | Source = job.source if job.source.filesystem is not None else data
-    return [_row(_Task(job.name, i, task, selection, payload, trace, info, started)) for i, task in enumerate(tasks)]
+    return [_row(_Task(job.name, i, task, selection, job.source, trace, info, started)) for i, task in enumerate(tasks)]
 
 
 def _lost(attempt: int) -> str:
@@ -298,8 +314,9 @@ def _lost(attempt: int) -> str:
 
 
 class _Ledger:
-    """The attempts of every task (an asyncio Ray actor on the driver's node, no CPU), and the
-    actors' page events while the driver wants them (``on_event``).
+    """The attempts of every task (an asyncio Ray actor on the driver's node, no CPU), the actors'
+    page events while the driver wants them (``on_event``), and the local inputs, read on the
+    driver's node for actors on any node (``read``).
 
     A task is keyed by ``(document, task index)``. An attempt that began and reported no error is
     running, or, once another attempt begins or Ray gives up on the task, was cut short with its
@@ -328,6 +345,14 @@ class _Ledger:
         """The running attempt of ``key`` raised ``error``."""
         self.running.discard(key)
         self.errors[key] = error
+
+    async def read(self, source: Source) -> bytes:
+        """The bytes of a local input (read in a thread: the events go on meanwhile).
+
+        Raises:
+            SourceError: the file cannot be read.
+        """
+        return await asyncio.to_thread(source.read)
 
     def tasks(self, name: str) -> dict[int, tuple[int, str | None]]:
         """Each task of document ``name`` that began: ``index -> (attempts, last error or None)``."""
@@ -358,9 +383,32 @@ class _Ledger:
             self.changed.notify_all()
 
 
+def _document_bytes(task: _Task, ledger: Any) -> bytes:
+    """The bytes of a task's document: a local file read by ``ledger`` (``_Ledger.read``, on the
+    driver's node: the file is there only), a URI from its store, here.
+
+    Raises:
+        SourceError: the document cannot be read, or its bytes are not those its inspection read
+            (their SHA-256 differs from ``task.info.sha256``: the file changed meanwhile).
+    """
+    if task.source.filesystem is not None:
+        data = task.source.read()
+    else:
+        import ray
+
+        try:
+            data = ray.get(ledger.read.remote(task.source))
+        except ray.exceptions.RayTaskError as exc:  # the ledger's SourceError, without Ray's traceback
+            raise exc.cause from None
+    if task.info.sha256 is not None and hashlib.sha256(data).hexdigest() != task.info.sha256:
+        raise SourceError(f"{task.source.location} changed since it was inspected (its SHA-256 differs)")
+    return data
+
+
 class _ParseTasks:
     """The parse stage's actor (Ray Data builds the pool): one ``DocumentWorker``, pinned; a task
-    row in, its ``_Outcome`` row out (an inspection ``error`` row passes through).
+    row in, its ``_Outcome`` row out (an inspection ``error`` row passes through). It keeps the
+    bytes of the last document it read (``_document_bytes``) for its next task of that document.
 
     Args:
         model / options / threads: as ``DocumentWorker`` (``pin=True``).
@@ -381,6 +429,7 @@ class _ParseTasks:
         self.ledger, self.attempts, self.password, self.events = ledger, attempts, password, events
         self.actor = ray.get_runtime_context().current_actor
         self.where = self.worker.describe()
+        self.document: tuple[str, bytes] | None = None  # (name, bytes) of the last document read
 
     def __call__(self, batch: Any) -> Any:
         """A batch of task rows (``pyarrow``; one row, as ``map_batches`` is asked) to their outcomes."""
@@ -407,13 +456,26 @@ class _ParseTasks:
                 return replace(outcome, attempts=attempt)
             report = self._reporter(task, attempt)
             try:
-                result = self.worker.run_task(task.data, task.trace, pages, self.password, report)
+                result = self.worker.run_task(self._document(task), task.trace, pages, self.password, report)
+            except SourceError as exc:  # unreadable now, or changed since its inspection: final
+                return replace(outcome, kind="failed", error=_error(exc), attempts=attempt)
             except Exception as exc:  # tried again here, as long as attempts are left
                 ray.get(self.ledger.fail.remote(key, _error(exc)))
                 continue
             if "error" in result:  # unreadable input: final
                 return replace(outcome, kind="failed", error=result["error"], attempts=attempt)
             return replace(outcome, pages=result["pages"], files=result["files"], attempts=attempt)
+
+    def _document(self, task: _Task) -> bytes:
+        """The bytes of the task's document: those kept from the last task, if of the same document.
+
+        Raises:
+            SourceError: as ``_document_bytes``.
+        """
+        if self.document is None or self.document[0] != task.name:
+            self.document = None  # the last document's bytes go before the next one's come
+            self.document = (task.name, _document_bytes(task, self.ledger))
+        return self.document[1]
 
     def _reporter(self, task: _Task, attempt: int) -> Callable[[dict[str, Any]], None] | None:
         """What sends a page's event to the ledger (None: no driver wants events)."""
@@ -487,7 +549,8 @@ class _Runner:
             _write_files(staged, outcome.files)
             for _ in outcome.pages:
                 self.progress.page()
-            last = assembly.complete(outcome.index, outcome.pages, staged, outcome.attempts)
+            runtime = outcome.metadata["runtime"] if outcome.metadata is not None else None
+            last = assembly.complete(outcome.index, outcome.pages, staged, outcome.attempts, runtime)
         else:
             location = job.source.location
             self.log(f"{location}: pages {page_spec(assembly.tasks[outcome.index])} failed ({outcome.error})")
@@ -545,11 +608,24 @@ class _Runner:
             assembly.discard()
             record = Record(job.source.location, job.name, "error", 0, assembly.error, assembly.attempts, wall)
         else:
+            if runtimes := assembly.runtimes:
+                self.log(f"{job.source.location}: {_mix(runtimes)}")
             status, pages = assembly.finish(wall)
             failed = [p + 1 for p in assembly.failed_pages]
             error = f"pages {page_spec(assembly.failed_pages)} failed: {assembly.error}" if failed else assembly.problem
-            record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed)
+            ran = [{"pages": [p + 1 for p in r["pages"]], "runtime": r["runtime"]} for r in runtimes]
+            record = Record(job.source.location, job.name, status, pages, error, assembly.attempts, wall, failed, ran)
         self._close(document, record)
+
+
+def _mix(runtimes: list[dict[str, Any]]) -> str:
+    """The driver's line on a document whose pages ran under more than one runtime
+    (``DocumentAssembly.runtimes``): which pages, and what differs between the runtimes."""
+    keys = sorted({key for r in runtimes for key in r["runtime"]})
+    differ = [key for key in keys if len({repr(r["runtime"].get(key)) for r in runtimes}) > 1]
+    ranges = " / ".join(page_spec(r["pages"]) for r in runtimes)
+    return (f"mixed numerics: pages {ranges} ran under different runtimes ({', '.join(differ)} differ); "
+            "recorded in its metadata.runtimes and the manifest's runtimes")  # fmt: skip
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:

@@ -4,11 +4,13 @@ Fields: ``document`` (the input path as given), ``name`` (its output folder ``OU
 ``status`` (``success`` / ``partial`` / ``failure``: parsed, outputs written, as the document's
 status; ``error``: no outputs, the input was unreadable or every attempt failed), ``pages``,
 ``error`` (None, the last error, or for a parsed document with pages not in ``success`` the first
-such page's problem), ``attempts`` (the most any of its tasks took), ``wall_s`` and
+such page's problem), ``attempts`` (the most any of its tasks took), ``wall_s``,
 ``failed_pages`` (1-based pages whose task failed on every attempt; they are ``failure`` pages in
-the outputs, and the document is ``partial`` or ``failure``). Runs append; the last record of a
-document is its state. A resumed run skips the documents whose last record has outputs and whose
-``OUTPUT/<name>/<name>.json`` exists.
+the outputs, and the document is ``partial`` or ``failure``) and ``runtimes`` (``[]``, or when the
+document's pages ran under more than one runtime, i.e. numerics, each runtime with its pages as
+``{"pages": [1-based page, ...], "runtime": {...}}``, as the outputs' ``metadata.runtimes`` with
+0-based pages). Runs append; the last record of a document is its state. A resumed run skips the
+documents whose last record has outputs and whose ``OUTPUT/<name>/<name>.json`` exists.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["MANIFEST", "Record", "Manifest"]
 
@@ -36,6 +39,7 @@ class Record:
     attempts: int
     wall_s: float
     failed_pages: list[int] = field(default_factory=list)
+    runtimes: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Manifest:

@@ -3,7 +3,8 @@
 A local input is a file, a directory (its files with a document or image suffix, recursively:
 ``inputs.paths.expand_inputs``) or a glob (``*``, ``?``, ``[...]``, ``**``; quoted, so that the
 shell leaves it alone). A local file is read on the driver's machine (by a Ray Data inspection
-task placed there) and its bytes travel to the actors, so the nodes need no shared file system.
+task placed there, and for the actors by the batch's ledger actor there) and its bytes travel to
+the actors, so the nodes need no shared file system.
 
 A URI input (``scheme://...``) is opened with ``pyarrow.fs.FileSystem.from_uri``: whatever
 pyarrow supports (``file://``, ``s3://``, ``gs://``, ``hdfs://``, with their query options). It
