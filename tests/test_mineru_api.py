@@ -504,3 +504,132 @@ def test_mineru_routes_are_counted_by_route_template(client):
     assert any('route="/v1/parse/jobs/{job_id}"' in line and 'status="200"' in line for line in lines)
     assert any('route="/v1/uploads/{upload_id}/{step}"' in line for line in lines)
     assert not any("nope" in line for line in lines)  # ids never become labels
+
+
+def test_shown_file_names_drop_paths_control_characters_and_excess():
+    from mineru_fast.serve.mineru_api import shown_name
+
+    assert (
+        shown_name("report.pdf") == "report.pdf"
+        and shown_name("Bericht über 2024 (v2).pdf") == "Bericht über 2024 (v2).pdf"
+    )
+    assert shown_name("../../etc/passwd") == "passwd" and shown_name("C:\\Users\\me\\scan.png") == "scan.png"
+    assert shown_name("a\x1b[2Jb\r\n.pdf") == "a\ufffd[2Jb\ufffd\ufffd.pdf"  # no terminal escape, no line break
+    assert shown_name("invoice\u202efdp.exe") == "invoice\ufffdfdp.exe"  # no right-to-left override
+    for nothing in ("..", ".", "dir/", " ", "a/.."):
+        assert shown_name(nothing) == "document", nothing
+    long = shown_name("x" * 5000 + ".pdf")
+    assert len(long) == 200 and long.endswith("x….pdf")
+    assert shown_name("y" * 300) == "y" * 199 + "…"
+
+
+def test_task_file_names_are_answered_without_their_path(client, document):
+    """Uploaded file names were echoed raw in the task's ``files[0].name`` (and its outputs'
+    ``filename``): path parts a client would save under, control characters, any length."""
+    raw = client.post(
+        "/v1/tasks",
+        content=document,
+        params={"filename": f"../../etc/\x1b[2J/{REPLAYED}.pdf"},
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert raw.status_code == 202, raw.text
+    assert raw.json()["files"][0]["name"] == f"{REPLAYED}.pdf"
+    multipart = client.post("/v1/tasks", files={"files": (f"../uploads/{REPLAYED}.pdf", document, "application/pdf")})
+    assert multipart.status_code == 202, multipart.text
+    assert multipart.json()["files"][0]["name"] == f"{REPLAYED}.pdf"
+    for task in (raw.json(), multipart.json()):
+        state, _ = poll(client, task["status_url"])  # replayed: the stem still names the trace
+        assert state["status"] == "completed"
+
+
+def body_bytes_in_flight(server) -> float | None:
+    """The server's ``mineru_fast_request_body_bytes_in_flight`` gauge (None when it has none)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    values = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("mineru_fast_request_body_bytes_in_flight ")
+    ]
+    return values[0] if values else None
+
+
+def test_request_bodies_in_flight_stay_within_each_keys_share(server, client, document):
+    """Audit round 4, N7 (bounded attack, loopback): bodies were read whole before anything counted
+    them (100 concurrent 50 MiB bodies: 587 MB -> 5,185 MB of server memory). Alpha streams two
+    full-size bodies slowly, a raw ``/v1/tasks`` and a multipart ``/v1/document/parse``: they hold
+    6 MiB of its share (a quarter of 3 MiB x (1 worker + 8 queued) = 6.75 MiB). Alpha's third is
+    answered 429 from its headers, no byte of its body sent; beta's parse is served meanwhile; the
+    bytes are given back when the clients leave."""
+    import threading
+
+    def gauge_reaches(value: int) -> bool:
+        deadline = time.monotonic() + 60  # a bound on a hang
+        while body_bytes_in_flight(server) != value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return body_bytes_in_flight(server) == value
+
+    size = MAX_UPLOAD_MB * 2**20
+    port = int(server.url.rsplit(":", 1)[1])
+    part = '--b\r\nContent-Disposition: form-data; name="file"; filename="slow.pdf"\r\n\r\n'
+    requests = [  # (request line and content type, start of the body)
+        ("POST /v1/tasks?filename=slow.pdf HTTP/1.1\r\nContent-Type: application/octet-stream", "%PDF-1.4\n"),
+        ("POST /v1/document/parse HTTP/1.1\r\nContent-Type: multipart/form-data; boundary=b", part),
+    ]
+    stop = threading.Event()
+
+    def trickle(sock: socket.socket) -> None:  # 10 KiB/s: above --min-body-rate, no pause near --body-timeout
+        while not stop.wait(0.1):
+            try:
+                sock.sendall(b"x" * 1024)
+            except OSError:
+                return
+
+    attackers = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in requests]
+    threads = []
+    try:
+        for sock, (head, start) in zip(attackers, requests, strict=True):
+            sock.sendall(
+                f"{head}\r\nHost: 127.0.0.1\r\nX-API-Key: {ALPHA}\r\nContent-Length: {size}\r\n\r\n{start}".encode()
+            )
+            threads.append(threading.Thread(target=trickle, args=(sock,), daemon=True))
+            threads[-1].start()
+        assert gauge_reaches(2 * size)  # reserved from the headers, before the bytes
+
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(
+                f"POST /v1/file_parse?filename=third.pdf HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: {ALPHA}\r\n"
+                f"Content-Type: application/octet-stream\r\nContent-Length: {size}\r\n\r\n".encode()
+            )
+            reply = read_response_head(sock)  # no body sent: answered without waiting for it
+        assert reply.startswith(b"HTTP/1.1 429") and b"retry-after: 1\r\n" in reply.lower(), reply[:300]
+        assert client.get("/v1/health").status_code == 200  # a request without a body still goes through
+
+        answered = httpx.post(
+            f"{server.url}/v1/file_parse",
+            content=document,
+            params={"filename": f"{REPLAYED}.pdf"},
+            headers={"X-API-Key": BETA, "Content-Type": "application/octet-stream"},
+            timeout=300,
+        )
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["files"][0]["content"]["markdown"]
+        assert body_bytes_in_flight(server) == 2 * size  # beta's body given back, alpha's still held
+    finally:
+        stop.set()
+        for sock in attackers:
+            sock.close()
+        for thread in threads:
+            thread.join(10)
+    assert gauge_reaches(0)
+
+
+def test_declared_and_inline_file_names_are_kept_as_shown_names(client, document):
+    """The names of ``POST /v1/uploads`` and of inline sources were kept and echoed raw too."""
+    declared = {"filename": "../../x/\x1b[2Jscan.pdf", "bytes": 10, "mime_type": "application/pdf"}
+    created = client.post("/v1/uploads", json=declared)
+    assert created.status_code == 200 and created.json()["filename"] == "\ufffd[2Jscan.pdf"
+    client.post(f"/v1/uploads/{created.json()['id']}/cancel")
+    inline = {"type": "inline", "data": base64.b64encode(document).decode(), "name": f"../../{REPLAYED}.pdf"}
+    submitted = client.post("/v1/parse/jobs", json={"files": [{"source": inline}], "output_formats": ["markdown"]})
+    assert submitted.status_code == 202, submitted.text
+    assert submitted.json()["files"][0]["name"] == f"{REPLAYED}.pdf"

@@ -549,6 +549,24 @@ def test_a_render_bomb_page_fails_alone_with_render_timeout(client):
 
 
 @pytest.mark.slow
+def test_a_document_of_render_bombs_holds_its_worker_for_two_render_timeouts(client):
+    """Audit round 4, N2: 20 pages sharing one slow content stream held the only worker 20 x
+    ``--render-timeout``; two pages time out, the others fail at once unrendered, each reported."""
+    from samples import stroked_lines_pdf
+
+    bomb = stroked_lines_pdf([1_000_000] * 5)
+    response = client.post("/v1/document/parse", **upload(bomb, replay=5))
+    assert response.status_code == 200, response.text
+    pages = response.json()["pages"]
+    assert [p["status"] for p in pages] == ["failure"] * 5
+    assert {p["errors"][0]["code"] for p in pages} == {"render_timeout"}
+    messages = [p["errors"][0]["message"] for p in pages]
+    assert all("took longer than 10 s to render" in m for m in messages[:2])
+    assert all("not rendered: 2 pages of this document took longer" in m for m in messages[2:])
+    assert client.post("/v1/document/parse", **upload(pdf_bytes(1), replay=1)).json()["status"] == "success"
+
+
+@pytest.mark.slow
 def test_burst_beyond_queue_gets_429_while_accepted_jobs_complete(server, client):
     blocker = client.post("/v1/jobs", **upload(pdf_bytes(4), replay=4)).json()  # keeps the one worker busy
     assert wait_for(lambda: client.get(blocker["status_url"]).json()["status"] == "running", 300)
@@ -668,3 +686,26 @@ def test_the_replaced_pixel_budget_flag_names_its_replacement(capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["serve", "--pixel-budget", "600"])
     assert stopped.value.code == 2 and "--pixel-budget was replaced by --decode-budget-mb" in capsys.readouterr().err
+
+
+def test_the_body_buffer_defaults_to_one_upload_per_job_and_is_set_from_the_command_line():
+    import argparse
+
+    from mineru_fast.cli.serve import add_serve_command, config_from_args
+    from mineru_fast.serve.config import ServeConfig
+
+    mib = 1024 * 1024
+    default = ServeConfig()  # 50 MiB x (4 workers + 8 queued)
+    assert (default.max_body_buffer_bytes, default.key_body_buffer_bytes) == (600 * mib, 150 * mib)
+    small = ServeConfig(max_upload_mb=3, workers=1, queue_size=2)  # a quarter is under one upload
+    assert (small.max_body_buffer_bytes, small.key_body_buffer_bytes) == (9 * mib, 3 * mib)
+    tight = ServeConfig(max_body_buffer_mb=2)  # under one upload: a key may hold it all
+    assert (tight.max_body_buffer_bytes, tight.key_body_buffer_bytes) == (2 * mib, 2 * mib)
+    for value in (float("nan"), float("inf"), -1.0, 0.0):
+        with pytest.raises(ValueError, match="max_body_buffer_mb"):
+            ServeConfig(max_body_buffer_mb=value)
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--max-body-buffer-mb", "100"])
+    assert config_from_args(args).max_body_buffer_bytes == 100 * mib
+    assert config_from_args(parser.parse_args(["serve"])).max_body_buffer_mb is None

@@ -222,6 +222,181 @@ def test_connection_cap_stays_below_the_open_file_limit(monkeypatch):
     assert connection_limits(1000) == (1000, 2048)
 
 
+def test_body_budget_bounds_all_bodies_in_flight_and_each_keys_share():
+    from mineru_fast.serve.security import BodyBudget, BodyRefused
+
+    budget = BodyBudget(capacity=100, key_share=40)
+
+    def refusal(key, size) -> tuple:
+        with pytest.raises(BodyRefused) as info:
+            budget.reserve(key, size)
+        return info.value.status, info.value.code, info.value.headers
+
+    budget.reserve("alpha", 30)
+    assert refusal("alpha", 11) == (429, "upload_buffer_quota", {"Retry-After": "1"})  # 41 > its share of 40
+    assert refusal("alpha", 41)[:2] == (413, "payload_too_large")  # more than it may ever hold
+    budget.reserve("beta", 40)  # another key's share is its own
+    budget.reserve(None, 30)  # requests without a key share only the whole
+    assert budget.used == 100
+    assert refusal(None, 1) == (503, "upload_buffer_full", {"Retry-After": "1"})
+    assert refusal("gamma", 1)[0] == 503
+    assert refusal(None, 101)[:2] == (413, "payload_too_large")
+    assert budget.used == 100  # a refusal reserves nothing
+    budget.release("alpha", 30)
+    budget.reserve("alpha", 10)
+    budget.release("alpha", 10)
+    budget.release("beta", 40)
+    budget.release(None, 30)
+    assert budget.used == 0
+    budget.reserve("alpha", 40)  # its whole share again: nothing of the earlier reservations is left
+    budget.release("alpha", 40)
+
+
+def test_guard_refuses_a_body_over_the_budget_before_reading_it():
+    """Audit round 4, N7: bodies were read whole before anything counted them (100 PUTs of 50 MiB
+    at once took the server from 587 MB to 5,185 MB). A request whose declared body would pass the
+    budget of bodies in flight is answered 503 before a byte of it is read; a body without a
+    Content-Length is counted chunk by chunk and cut off (503) at the chunk that would pass it."""
+    import asyncio
+
+    from mineru_fast.serve.security import BodyBudget, GuardMiddleware, KeyRing, RateLimiter
+
+    budget = BodyBudget(capacity=100, key_share=100)
+    holding, release = asyncio.Event(), asyncio.Event()
+    read: dict[str, bytes] = {}
+
+    async def app(scope, receive, send):  # reads the whole body, then holds it until released
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        read[scope["path"]] = body
+        if scope["path"] == "/v1/holder":
+            holding.set()
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = GuardMiddleware(
+        app, KeyRing([]), RateLimiter(0, 1), max_body=1000, body_timeout=5, min_body_rate=1, budget=budget
+    )
+
+    async def request(path: str, chunks: list[bytes], declared: int | None) -> tuple[list[dict], int]:
+        """The messages answered and how many chunks the application took."""
+        headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+        scope = {"type": "http", "path": path, "method": "POST", "headers": headers, "state": {}}
+        taken = 0
+        answered: list[dict] = []
+
+        async def receive():
+            nonlocal taken
+            taken += 1
+            return {"type": "http.request", "body": chunks[taken - 1], "more_body": taken < len(chunks)}
+
+        async def send(message):
+            answered.append(message)
+
+        await guard(scope, receive, send)
+        return answered, taken
+
+    def head(answered: list[dict]) -> tuple[int, dict]:
+        return answered[0]["status"], {k.decode(): v.decode() for k, v in answered[0]["headers"]}
+
+    async def scenario() -> None:
+        holder = asyncio.create_task(request("/v1/holder", [b"h" * 60], 60))
+        await asyncio.wait_for(holding.wait(), 10)
+        assert budget.used == 60
+        answered, taken = await request("/v1/over", [b"x" * 50], 50)  # 60 + 50 > 100
+        status, headers = head(answered)
+        assert (status, taken) == (503, 0) and headers["retry-after"] == "1" and headers["connection"] == "close"
+        assert json.loads(answered[1]["body"])["error"]["code"] == "upload_buffer_full"
+        answered, taken = await request("/v1/alone", [b"x" * 101], 101)  # over the budget alone
+        assert (head(answered)[0], taken) == (413, 0)
+        answered, taken = await request("/v1/streamed", [b"s" * 20] * 4, None)  # no Content-Length: 60 + 20 + 20 + 20
+        status, headers = head(answered)
+        assert (status, taken) == (503, 3) and headers["retry-after"] == "1" and "/v1/streamed" not in read
+        assert budget.used == 60  # what the cut-off body reserved is given back
+        answered, taken = await request("/v1/fits", [b"f" * 40], 40)
+        assert (head(answered)[0], taken, read["/v1/fits"]) == (200, 1, b"f" * 40)
+        release.set()
+        answered, _ = await holder
+        assert head(answered)[0] == 200 and read["/v1/holder"] == b"h" * 60
+        assert budget.used == 0
+
+    asyncio.run(scenario())
+
+
+async def _plain_app(scope, receive, send) -> None:
+    """An ASGI application answering every request ``200 ok`` (for the connection tests)."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection; ``b"reset"`` when it resets it."""
+    sock.settimeout(30)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        return b"reset"
+    return data
+
+
+def test_connections_over_the_cap_get_a_503_not_a_reset():
+    """Audit round 4, N13: 172 of 300 connections over --max-connections got a TCP reset, not the
+    documented 503: the server closed each with its request unread, and the kernel resets such a
+    connection, dropping the answer on the way. A refused connection now gets the 503 and the end
+    of the stream, and what it sends is read and dropped until the client closes (bounded)."""
+    import uvicorn
+
+    from mineru_fast.serve.connections import guarded_protocol
+
+    protocol = guarded_protocol(header_timeout=60, max_connections=4)
+    port = free_port()
+    config = uvicorn.Config(_plain_app, host="127.0.0.1", port=port, http=protocol, log_config=None, lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-cap-test", daemon=True)
+    thread.start()
+    held = []
+    try:
+        assert wait_for(lambda: server.started, 60)
+        held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]  # the cap, idle
+        assert wait_for(lambda: len(server.server_state.connections) == 4, 30)
+        request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+        def refused(_: int) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(request)
+                time.sleep(0.2)  # the answer waits unread while the server is done with the connection
+                return _answer(sock)
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(refused, range(40)))
+        assert [r[:12] for r in replies] == [b"HTTP/1.1 503"] * 40, {r[:12] for r in replies}
+        assert all(b"retry-after: 1\r\n" in r and b'"too_many_connections"' in r for r in replies)
+        assert wait_for(lambda: not protocol._lingering, 30)  # each closed once its client closed
+
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as silent:  # sends nothing, never closes
+            assert _answer(silent).startswith(b"HTTP/1.1 503")  # the answer, then the end at once
+            assert protocol._lingering
+            assert wait_for(lambda: not protocol._lingering, 30)  # dropped after its linger (2 s)
+        for sock in held:
+            sock.close()
+        assert wait_for(lambda: not server.server_state.connections, 30)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # refused ones held no slot
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert _answer(sock).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in held:
+            sock.close()
+        server.should_exit = True
+        thread.join(30)
+
+
 # -- the service in this process -------------------------------------------------------------------
 
 httpx = pytest.importorskip("httpx", reason="the serve tests need the serve extra: pip install 'mineru-fast[serve]'")
@@ -301,6 +476,39 @@ def test_health_answers_while_an_upload_is_inspected(app_server, monkeypatch):
         finally:
             release.set()
         assert submitted.result().status_code == 202
+
+
+def test_results_are_encoded_off_the_event_loop(app_server, monkeypatch):
+    """Audit round 4: the event loop stalled up to 867 ms while a large result was encoded as JSON
+    (every other request waited). Results are encoded in worker threads."""
+    from fastapi.responses import JSONResponse
+
+    encoded_in = []
+    render = JSONResponse.render
+
+    def recording_render(self, content):
+        if not isinstance(content, dict):
+            return render(self, content)
+        if isinstance(content.get("pages"), list) or "content" in (content.get("files") or [{}])[0]:
+            encoded_in.append(threading.current_thread().name)  # a result, not a status or an error
+        return render(self, content)
+
+    monkeypatch.setattr(JSONResponse, "render", recording_render)
+    page = image_bytes(text_page(size=(400, 300)), "PNG")
+    parsed = httpx.post(f"{app_server}/v1/document/parse", files={"file": ("p.png", page)}, timeout=300)
+    assert parsed.status_code == 200 and parsed.json()["pages"], parsed.text
+    job = httpx.post(f"{app_server}/v1/jobs", files={"file": ("p.png", page)}, timeout=60).json()
+    assert wait_for(lambda: httpx.get(f"{app_server}{job['status_url']}", timeout=30).json()["status"] == "done", 300)
+    assert httpx.get(f"{app_server}{job['result_url']}", timeout=60).json()["pages"]
+    task = httpx.post(
+        f"{app_server}/v1/file_parse",
+        content=page,
+        params={"filename": "p.png", "output_formats": ["markdown", "middle_json"]},
+        headers={"Content-Type": "application/octet-stream"},
+        timeout=300,
+    )
+    assert task.status_code == 200 and task.json()["files"][0]["content"]["middle_json"]["pages"], task.text
+    assert len(encoded_in) == 3 and "uvicorn-test" not in encoded_in, encoded_in  # the event loop's thread
 
 
 # -- a real server without API keys ----------------------------------------------------------------

@@ -44,6 +44,13 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--rate-limit", type=float, default=0.0, help="requests per minute per key (default: 0 = off)")
     v.add_argument("--rate-burst", type=int, default=10, help="requests a key may send at once (default: 10)")
     v.add_argument("--max-upload-mb", type=float, default=50.0, help="largest request body in MiB (default: 50)")
+    v.add_argument(
+        "--max-body-buffer-mb",
+        type=float,
+        metavar="MIB",
+        help="request bodies the requests in flight may hold at once, a quarter per API key; beyond it 503 "
+        "(default: --max-upload-mb x (--workers + --workers-queue))",
+    )
     v.add_argument("--result-ttl", type=float, default=600.0, help="seconds job results are kept (default: 600)")
     v.add_argument(
         "--drain-timeout",
@@ -170,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             rate_limit=args.rate_limit,
             rate_burst=args.rate_burst,
             max_upload_mb=args.max_upload_mb,
+            max_body_buffer_mb=args.max_body_buffer_mb,
             result_ttl=args.result_ttl,
             drain_timeout=args.drain_timeout,
             header_timeout=args.header_timeout,

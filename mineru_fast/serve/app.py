@@ -18,7 +18,9 @@ Uploads are checked from their headers (format sniffed from the content, page ra
 each page's size) before they are queued, so a broken document is answered ``422`` at once and
 never takes a worker; admission counts jobs (``--workers-queue``) and the memory their pages
 take decoded (``--decode-budget-mb``, shared with the chat images). Pixels are decoded only in
-the workers.
+the workers. Before any of that, the request bodies in flight are bounded in bytes
+(``--max-body-buffer-mb``, ``security.BodyBudget``; gauge
+``mineru_fast_request_body_bytes_in_flight``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Annotated
 from fastapi import FastAPI, File, Form, Header, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import Gauge
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,7 +52,7 @@ from mineru_fast.serve.jobs import AlreadySubmitted
 from mineru_fast.serve.metrics import CONTENT_TYPE_LATEST
 from mineru_fast.serve.mineru_api import add_mineru_routes
 from mineru_fast.serve.parsing import ParseRequest, parse_formats, trace_from_json
-from mineru_fast.serve.security import GuardMiddleware, KeyRing, RateLimiter, load_api_keys
+from mineru_fast.serve.security import BodyBudget, GuardMiddleware, KeyRing, RateLimiter, load_api_keys
 from mineru_fast.serve.service import Service
 from mineru_fast.serve.store import JobRecord, JobStore
 
@@ -133,6 +136,12 @@ def create_app(
     keyring = KeyRing(load_api_keys(config.api_key_file) if config.api_key_file else [])
     limiter = RateLimiter(config.rate_limit, config.rate_burst)
     service = Service(config, parser_factory, on_load_failure, job_store, replica)
+    body_budget = BodyBudget(config.max_body_buffer_bytes, config.key_body_buffer_bytes)
+    Gauge(
+        "mineru_fast_request_body_bytes_in_flight",
+        "Request-body bytes reserved by the requests in flight (--max-body-buffer-mb)",
+        registry=service.metrics.registry,
+    ).set_function(lambda: float(body_budget.used))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -157,6 +166,7 @@ def create_app(
         max_body=config.max_upload_bytes,
         body_timeout=config.body_timeout,
         min_body_rate=config.min_body_rate,
+        budget=body_budget,
     )
     allowed_hosts = config.host_allow_list()
     if allowed_hosts is not None:
@@ -330,7 +340,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         await wait_for_job(job, service)
         if job.status != "done" or job.result is None:
             raise job.error or ApiError(500, "internal_error", "the job ended without a result")
-        return JSONResponse({"request_id": request_id(request), **job.result})
+        # A result of many pages takes a large part of a second to encode: not on the event loop.
+        return await run_in_threadpool(JSONResponse, {"request_id": request_id(request), **job.result})
 
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(
@@ -378,4 +389,4 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         await run_in_threadpool(service.job_store.collect, record.id)
         if record.status != "done" or record.result is None:
             raise _outcome_error(record)
-        return JSONResponse({"job_id": record.id, **record.result})
+        return await run_in_threadpool(JSONResponse, {"job_id": record.id, **record.result})  # encoded off the loop

@@ -30,6 +30,13 @@ class ServeConfig:
         rate_limit: requests per minute per API key (per client address without keys); 0 = off.
         rate_burst: requests a key may make at once before the rate applies.
         max_upload_mb: largest request body in MiB, enforced while it streams in.
+        max_body_buffer_mb: MiB of request bodies the requests in flight may hold together, each
+            reserving its ``Content-Length`` before its body is read and keeping it until
+            answered (a synchronous parse until its result); one API key's requests a quarter of
+            it (at least ``max_upload_mb``). A request that would pass it is answered ``503``
+            (``429`` past its key's share) with ``Retry-After``, before its body is read; one
+            over it alone ``413``. None = the default: ``max_upload_mb`` per job the server may
+            hold (``workers`` plus ``queue_size``), as the uploads of MinerU's API.
         result_ttl: seconds a finished job's result is kept, then deleted.
         drain_timeout: seconds a SIGTERM waits for queued and running jobs to finish and their
             results to be fetched (new jobs are refused meanwhile) before the server stops; a
@@ -84,6 +91,7 @@ class ServeConfig:
     rate_limit: float = 0.0
     rate_burst: int = 10
     max_upload_mb: float = 50.0
+    max_body_buffer_mb: float | None = None
     result_ttl: float = 600.0
     drain_timeout: float = 300.0
     header_timeout: float = 10.0
@@ -109,7 +117,7 @@ class ServeConfig:
         for name in ("workers", "queue_size", "rate_burst", "max_pages", "max_connections", "max_chat_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        positive = (
+        positive: tuple[str, ...] = (
             "max_upload_mb",
             "result_ttl",
             "header_timeout",
@@ -120,6 +128,8 @@ class ServeConfig:
             "max_response_buffer_mb",
             "chat_keepalive",
         )
+        if self.max_body_buffer_mb is not None:
+            positive += ("max_body_buffer_mb",)
         for name in positive:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -160,3 +170,17 @@ class ServeConfig:
     def max_upload_bytes(self) -> int:
         """``max_upload_mb`` in bytes."""
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def max_body_buffer_bytes(self) -> int:
+        """``max_body_buffer_mb`` in bytes (its default when None)."""
+        if self.max_body_buffer_mb is None:
+            return self.max_upload_bytes * (self.workers + self.queue_size)
+        return int(self.max_body_buffer_mb * 1024 * 1024)
+
+    @property
+    def key_body_buffer_bytes(self) -> int:
+        """The bytes of request bodies one API key's requests in flight may hold together: a
+        quarter of ``max_body_buffer_bytes``, at least one full-size upload (at most all of it)."""
+        whole = self.max_body_buffer_bytes
+        return min(whole, max(self.max_upload_bytes, whole // 4))

@@ -6,11 +6,12 @@ on open connections, so clients trickling a byte now and then hold sockets forev
 process runs out of file descriptors (then every ``accept`` fails and asyncio logs each failure
 with a traceback). ``guarded_protocol`` gives uvicorn's h11 protocol a deadline for the request
 line and headers and a cap on open connections, which ``connection_limits`` keeps, with the
-listen backlog, below the process's open-file limit, and a write timeout and a cap on the
-response bytes its connections hold unread (clients that stop reading a large result held their
+listen backlog, below the process's open-file limit (a connection over the cap is answered
+``503``, then what it sends is read and dropped for a moment: closed with its request unread, the
+kernel reset it and the client lost the answer), and a write timeout and a cap on the response
+bytes its connections hold unread (clients that stop reading a large result held their
 connection slot, and its bytes, for good); ``RateLimitedLogFilter`` keeps one accept-error line
-per interval. The body's read timeout is the
-ASGI guard's (``security.GuardMiddleware``).
+per interval. The body's read timeout is the ASGI guard's (``security.GuardMiddleware``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ __all__ = ["GuardedH11Protocol", "guarded_protocol", "connection_limits", "RateL
 
 ACCEPT_ERROR_PREFIX = "socket.accept() out of system resource"  # asyncio's message on EMFILE/ENFILE
 _RESERVED_FDS = 32  # descriptors kept for the process itself (it uses about 10: logs, pipes, epoll)
+_LINGER_SECONDS = 2.0  # a refused connection is read (and its bytes dropped) this long at most ...
+_LINGER_BYTES = 1024 * 1024  # ... and this many bytes at most; then it is aborted
 
 
 def _reply(status: str, code: str, message: str, extra: bytes = b"") -> bytes:
@@ -104,8 +107,12 @@ class GuardedH11Protocol(H11Protocol):
     Attributes:
         header_timeout: seconds from the connection opening (or the previous response ending) to
             the end of the next request's headers; then ``408`` and close.
-        max_connections: open connections at most; one more is answered ``503`` and closed before
-            anything is read.
+        max_connections: open connections at most; one more is answered ``503`` at once, then
+            lingers: what it sends is read and dropped (so closing it does not reset it, which
+            loses the answer) until the client closes, for at most ``_LINGER_SECONDS`` and
+            ``_LINGER_BYTES``; a listen backlog (``config.backlog``) of refused connections
+            linger at once at most, more are closed at once. Lingering ones do not count
+            against the cap.
         write_timeout: seconds a paused connection may go without draining ``min_write_rate``
             bytes per second of its buffer.
         min_write_rate: bytes per second a paused connection must drain.
@@ -118,24 +125,43 @@ class GuardedH11Protocol(H11Protocol):
     min_write_rate: float = 1024.0
     max_buffered: int = 256 * 1024 * 1024
     _paused: ClassVar[dict[GuardedH11Protocol, int]] = {}  # paused connections, oldest first: unread bytes
+    _lingering: ClassVar[set[GuardedH11Protocol]] = set()  # refused connections still being read
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_timer: asyncio.TimerHandle | None = None  # a refused connection's: the end of its linger
         self._write_timer: asyncio.TimerHandle | None = None
+        self._dropped: int | None = None  # bytes read and dropped since refused; None = not refused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Count the connection; refuse it over the cap, else start the header deadline."""
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            logger.warning(_REFUSED, extra={"limit": self.max_connections})
-            transport.write(_BUSY_REPLY)
-            transport.close()
+            self._refuse()
             return
         self._arm_header_timer()
 
+    def _refuse(self) -> None:
+        """Answer ``503``, send the end of the stream, then linger (see ``max_connections``)."""
+        logger.warning(_REFUSED, extra={"limit": self.max_connections})
+        self.connections.discard(self)
+        self.transport.write(_BUSY_REPLY)
+        if len(self._lingering) >= self.config.backlog:
+            self.transport.close()
+            return
+        self._lingering.add(self)
+        self._dropped = 0
+        self.transport.write_eof()  # the client reads the answer, then the end: it closes, and so do we
+        self._header_timer = self.loop.call_later(_LINGER_SECONDS, self._abort)
+
     def data_received(self, data: bytes) -> None:
-        """Feed h11; once a request's headers are in, its deadline is met."""
+        """Feed h11; once a request's headers are in, its deadline is met. A refused connection's
+        bytes are dropped."""
+        if self._dropped is not None:
+            self._dropped += len(data)
+            if self._dropped > _LINGER_BYTES:
+                self._abort()
+            return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._disarm_header_timer()
@@ -150,6 +176,7 @@ class GuardedH11Protocol(H11Protocol):
         """Stop the deadlines, then uvicorn's own clean-up."""
         self._disarm_header_timer()
         self._unpause()
+        self._lingering.discard(self)
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -220,7 +247,8 @@ def connection_limits(requested: int) -> tuple[int, int]:
 
     asyncio accepts up to ``backlog`` connections in a row before any of them is seen (and
     refused over the cap), and a refused one frees its descriptor a loop turn later, so about three
-    backlogs of descriptors may be in flight beyond the capped connections. With ``F`` the soft
+    backlogs of descriptors may be in flight beyond the capped connections, and one more backlog of
+    refused connections lingers (``GuardedH11Protocol.max_connections``). With ``F`` the soft
     open-file limit and ``R`` = ``_RESERVED_FDS`` kept for the process itself: the cap is at most
     ``(F - R) / 2``, the backlog a quarter of what is left (at least 16, at most 2048).
 
@@ -246,8 +274,8 @@ def guarded_protocol(
     min_write_rate: float = GuardedH11Protocol.min_write_rate,
     max_buffered: int = GuardedH11Protocol.max_buffered,
 ) -> type[GuardedH11Protocol]:
-    """A ``GuardedH11Protocol`` subclass with these settings (and its own registry of paused
-    connections), for ``uvicorn.Config(http=...)``."""
+    """A ``GuardedH11Protocol`` subclass with these settings (and its own registries of paused
+    and lingering connections), for ``uvicorn.Config(http=...)``."""
     settings = {
         "header_timeout": header_timeout,
         "max_connections": max_connections,
@@ -255,5 +283,6 @@ def guarded_protocol(
         "min_write_rate": min_write_rate,
         "max_buffered": max_buffered,
         "_paused": {},
+        "_lingering": set(),
     }
     return type("GuardedH11Protocol", (GuardedH11Protocol,), settings)

@@ -18,6 +18,8 @@ Routes (``add_mineru_routes``):
   the query string), ``GET /v1/tasks/{task_id}``, ``GET /v1/tasks/{task_id}/result``
   (``?response_format=json`` inlines the outputs, ``zip`` answers the bundle); ``POST
   /v1/file_parse`` submits one and waits up to ``?wait_timeout=`` seconds (default 300) for it.
+  A document's name (declared with an upload, sent inline or with the request) is kept and
+  answered as ``shown_name`` makes it.
 
 Every job is one of the service's jobs (``admission.check_and_submit``: the same checks, queue,
 decode budget, ``Retry-After``, metrics and job store; ``GET /v1/jobs/{job_id}`` knows it too),
@@ -71,7 +73,7 @@ from mineru_fast.serve.store import JobRecord
 if TYPE_CHECKING:
     from mineru_fast.serve.service import Service
 
-__all__ = ["MineruDoor", "MineruJob", "MineruJobs", "add_mineru_routes", "page_spec", "needs_page_count"]
+__all__ = ["MineruDoor", "MineruJob", "MineruJobs", "add_mineru_routes", "page_spec", "needs_page_count", "shown_name"]
 
 Tier = Literal["flash", "basic", "standard", "advanced"]
 """MinerU 4's tiers (mineru 4.0.12 ``mineru.types.Tier``); mineru-fast builds ``standard`` and ``advanced``."""
@@ -86,6 +88,9 @@ _OUTPUT_KEYS = ("markdown", "middle_json", "structured_content", "html", "latex"
 _OUTPUT_SUFFIXES = {"markdown": ".md", "middle_json": ".middle.json", "structured_content": ".structured_content.json"}
 _OUTPUT_TYPES = {"markdown": "text/markdown; charset=utf-8", "zip": "application/zip"}
 _SEGMENT = re.compile(r"(r?[1-9][0-9]*)(?:\s*-\s*(r?[1-9][0-9]*))?")  # MinerU's page range part
+# Characters a file name must not carry into an answer: C0 and C1 controls, bidirectional formatting.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_MAX_NAME_CHARS = 200  # a name with the longest output suffix (.structured_content.json) stays within 255
 
 
 # -- request bodies (MinerU's models: unknown fields are refused) ------------------------------------
@@ -432,7 +437,7 @@ class MineruDoor:
                 data = base64.b64decode(source.data, validate=True)
             except (binascii.Error, ValueError):
                 raise ApiError(400, "invalid_request", "files.0.source.data is not valid base64") from None
-            return _Document(data, source.name)
+            return _Document(data, shown_name(source.name))
         kind = "fetches no URL" if isinstance(source, UrlSource) else "reads no path a client names"
         raise ApiError(
             400,
@@ -547,15 +552,21 @@ class MineruDoor:
                 "X-MinerU-Task-Id": record.id,
                 "X-MinerU-Task-Status": body["status"],
             }
-            return Response(base64.b64decode(bundle["zip"]["base64"]), media_type="application/zip", headers=headers)
-        content: dict[str, Any] = {}
-        for fmt in described.output_formats:
-            if fmt in ("middle_json", "structured_content"):
-                content[fmt] = json.loads(bundle[fmt]["content"])
-            elif fmt == "markdown":
-                content[fmt] = bundle[fmt]["content"]
-        body["files"][0]["content"] = content
-        return JSONResponse(body)
+            archive = await run_in_threadpool(base64.b64decode, bundle["zip"]["base64"])
+            return Response(archive, media_type="application/zip", headers=headers)
+
+        def inline() -> JSONResponse:
+            content: dict[str, Any] = {}
+            for fmt in described.output_formats:
+                if fmt in ("middle_json", "structured_content"):
+                    content[fmt] = json.loads(bundle[fmt]["content"])
+                elif fmt == "markdown":
+                    content[fmt] = bundle[fmt]["content"]
+            body["files"][0]["content"] = content
+            return JSONResponse(body)
+
+        # The outputs of many pages take a large part of a second to decode and encode: not on the event loop.
+        return await run_in_threadpool(inline)
 
     async def output(self, request: Request, file_id: str) -> tuple[JobRecord, MineruJob, str] | None:
         """The finished job and output a parse output's id names; None for another kind of id."""
@@ -619,7 +630,8 @@ class MineruDoor:
             data = await request.body()
             if options.sha256sum is not None and await run_in_threadpool(_sha256, data) != options.sha256sum:
                 raise ApiError(400, "file_hash_mismatch", "the SHA-256 of the body differs from sha256sum")
-            return await self.submit(request, _Document(data, options.filename), options.page_range, asked)
+            document = _Document(data, shown_name(options.filename))
+            return await self.submit(request, document, options.page_range, asked)
         if media_type == "multipart/form-data":
             if options.filename is not None or options.sha256sum is not None:
                 raise ApiError(400, "invalid_request", "filename and sha256sum go with a raw upload only")
@@ -631,7 +643,7 @@ class MineruDoor:
                 (upload,) = uploads
                 if not isinstance(upload, UploadFile) or not upload.filename:
                     raise ApiError(400, "invalid_request", "the 'files' field must be a named file")
-                document = _Document(await upload.read(), upload.filename)
+                document = _Document(await upload.read(), shown_name(upload.filename))
             return await self.submit(request, document, options.page_range, asked)
         raise ApiError(
             415, "unsupported_media_type", "send application/json, multipart/form-data or application/octet-stream"
@@ -644,6 +656,22 @@ def _one_file(count: int) -> None:
         raise ApiError(
             400, "too_many_files", f"{count} files in one request; this server parses one file per job (send one each)"
         )
+
+
+def shown_name(name: str) -> str:
+    """A file name a client sent, as answers show it (and as a client may save its outputs): its
+    last path part (after the last ``/`` or ``\\``), each control or bidirectional-formatting
+    character replaced by U+FFFD, at most ``_MAX_NAME_CHARS`` characters (the end cut to ``…``
+    before a suffix of at most 16 characters, which is kept); ``document`` for a name of nothing
+    but dots and spaces. Any other name is shown as sent."""
+    shown = _UNSHOWN.sub("\ufffd", re.split(r"[/\\]", name)[-1])
+    if not shown.strip(" ."):
+        return "document"
+    if len(shown) > _MAX_NAME_CHARS:
+        suffix = PurePath(shown).suffix
+        suffix = suffix if len(suffix) <= 16 else ""
+        shown = shown[: _MAX_NAME_CHARS - 1 - len(suffix)] + "…" + suffix
+    return shown
 
 
 def _not_cancellable() -> ApiError:
@@ -678,7 +706,13 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
             )
         lifetime = body.expires_after.seconds if body.expires_after else None
         upload = door.files.create_upload(
-            request.state.api_key, body.filename, body.size, body.mime_type, body.purpose, body.sha256sum, lifetime
+            request.state.api_key,
+            shown_name(body.filename),
+            body.size,
+            body.mime_type,
+            body.purpose,
+            body.sha256sum,
+            lifetime,
         )
         answer = _upload_body(upload)
         if upload.status == "pending":

@@ -24,7 +24,9 @@ is refused before its body is read: wrong or missing key -> ``401``, over the ra
 ``Retry-After``, a declared ``Content-Length`` over the limit -> ``413`` at once, a streamed
 body that passes the limit -> ``413`` as soon as it does, and a body that pauses longer than the
 read timeout, or that after that long still averages less than the minimum rate, -> ``408``
-(the connection is then closed, so the rest of the body is never read).
+(the connection is then closed, so the rest of the body is never read). The bodies of the
+requests in flight together hold at most a budget of bytes (``BodyBudget``), each API key at most
+a share of it: a request whose body would pass either is refused before that body is buffered.
 """
 
 from __future__ import annotations
@@ -47,7 +49,16 @@ from mineru_fast.serve.errors import error_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ApiKey", "load_api_keys", "KeyRing", "TokenBucket", "RateLimiter", "GuardMiddleware", "PROTECTED_PREFIX"]
+__all__ = [
+    "ApiKey",
+    "load_api_keys",
+    "KeyRing",
+    "TokenBucket",
+    "RateLimiter",
+    "BodyBudget",
+    "GuardMiddleware",
+    "PROTECTED_PREFIX",
+]
 
 PROTECTED_PREFIX = "/v1/"
 """Paths under this prefix need a key (when keys are configured) and count against rate limits."""
@@ -226,15 +237,79 @@ class RateLimiter:
 
 
 class BodyRefused(Exception):
-    """Raised into the application when a streamed body passes the size limit or stalls.
+    """Raised into the application when a streamed body passes the size limit or stalls, or by
+    ``BodyBudget.reserve``.
 
     Attributes:
         status / code / message: the answer sent instead of the application's.
+        headers: extra headers of that answer (``Retry-After``).
     """
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.headers = headers or {}
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1024 * 1024):g} MiB"
+
+
+class BodyBudget:
+    """The request-body bytes the requests in flight may hold, in all and per API key.
+
+    A request reserves its declared ``Content-Length`` before its body is read (a body sent
+    without one reserves each chunk as it arrives) and gives it back once its response is sent:
+    what its handler keeps of the body (an upload, the document of a synchronous parse) counts as
+    long as the request runs. Only the event loop calls it.
+
+    Args:
+        capacity: bytes the bodies of all requests in flight may hold together.
+        key_share: bytes those of one API key's requests may hold together, at most
+            ``capacity`` (requests without a key share ``capacity`` only).
+    """
+
+    def __init__(self, capacity: int, key_share: int) -> None:
+        self.capacity, self.key_share = capacity, key_share
+        self.used = 0
+        self._keys: dict[str, int] = {}
+
+    def reserve(self, key: str | None, size: int) -> None:
+        """Reserve ``size`` bytes (> 0) for a request of ``key`` (None: no API key).
+
+        Raises:
+            BodyRefused: 413 ``payload_too_large`` when ``size`` alone is over what the request
+                may hold; 429 ``upload_buffer_quota`` when it would take the key's requests past
+                ``key_share``, 503 ``upload_buffer_full`` when it would take all past
+                ``capacity`` (both with ``Retry-After``). Nothing is reserved then.
+        """
+        held = self._keys.get(key, 0) if key is not None else 0
+        limit = self.key_share if key is not None else self.capacity
+        if size > limit:
+            whose = "one API key's requests" if key is not None else "all requests"
+            message = f"the request body exceeds the {_mib(limit)} of request bodies {whose} may hold at once"
+            raise BodyRefused(413, "payload_too_large", message)
+        retry = {"Retry-After": "1"}
+        if held + size > limit:
+            message = (
+                f"this API key's requests in flight hold their share of {_mib(limit)} of request bodies; "
+                "retry once one has been answered"
+            )
+            raise BodyRefused(429, "upload_buffer_quota", message, retry)
+        if self.used + size > self.capacity:
+            message = f"the server holds its {_mib(self.capacity)} of request bodies in flight; retry in 1 s"
+            raise BodyRefused(503, "upload_buffer_full", message, retry)
+        self.used += size
+        if key is not None:
+            self._keys[key] = held + size
+
+    def release(self, key: str | None, size: int) -> None:
+        """Give back ``size`` bytes reserved for a request of ``key``."""
+        self.used -= size
+        if key is not None:
+            left = self._keys.pop(key) - size
+            if left:
+                self._keys[key] = left
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -269,7 +344,8 @@ async def send_error(
 
 
 class GuardMiddleware:
-    """ASGI middleware: API keys, rate limits and the upload-size limit, before the body is read.
+    """ASGI middleware: API keys, rate limits, the upload-size limit and the budget of body bytes
+    in flight, before the body is read.
 
     Sets ``scope["state"]["api_key"]`` to the key's name (or None) for the application.
 
@@ -282,6 +358,7 @@ class GuardMiddleware:
             before ``min_body_rate`` applies.
         min_body_rate: bytes per second the body must average from ``body_timeout`` seconds after
             its request began (a client trickling bytes just within the pause limit is cut off).
+        budget: the body bytes the requests in flight may hold (shared by the whole process).
     """
 
     def __init__(
@@ -292,9 +369,10 @@ class GuardMiddleware:
         max_body: int,
         body_timeout: float,
         min_body_rate: float,
+        budget: BodyBudget,
     ) -> None:
         self.app, self.keyring, self.limiter, self.max_body = app, keyring, limiter, max_body
-        self.body_timeout, self.min_body_rate = body_timeout, min_body_rate
+        self.body_timeout, self.min_body_rate, self.budget = body_timeout, min_body_rate, budget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -305,10 +383,18 @@ class GuardMiddleware:
         if scope["path"].startswith(PROTECTED_PREFIX) and not await self._admit(scope, send):
             return
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        size = int(declared) if declared is not None and declared.isdigit() else 0
+        if size > self.max_body:
             await self._too_large(send, scope)
             return
-        await self._call_limited(scope, receive, send)
+        if size:
+            try:
+                self.budget.reserve(state["api_key"], size)
+            except BodyRefused as refusal:
+                headers = {**refusal.headers, "Connection": "close"}  # the body is not read
+                await send_error(send, scope, refusal.status, refusal.code, refusal.message, headers)
+                return
+        await self._call_limited(scope, receive, send, size, streamed=declared is None)
 
     async def _admit(self, scope: Scope, send: Send) -> bool:
         """Key and rate checks; sends the refusal and returns False when the request is refused."""
@@ -345,7 +431,11 @@ class GuardMiddleware:
         message = self._too_large_message()
         await send_error(send, scope, 413, "payload_too_large", message, {"Connection": "close"})
 
-    async def _call_limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _call_limited(self, scope: Scope, receive: Receive, send: Send, held: int, streamed: bool) -> None:
+        """Run the application on a body read under the limits. ``held``: the bytes reserved for
+        the body already (its ``Content-Length``); a ``streamed`` body (none declared) reserves
+        each chunk as it comes. All are given back when the application returns."""
+        key = scope["state"]["api_key"]
         received = 0
         body_done = False
         refused: BodyRefused | None = None
@@ -354,7 +444,7 @@ class GuardMiddleware:
         begun = loop.time()
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done, refused
+            nonlocal received, body_done, refused, held
             if body_done:  # after the body only a disconnect can come: no timeout
                 return await receive()
             # The next chunk must come within the pause limit, and before the average rate since
@@ -373,11 +463,19 @@ class GuardMiddleware:
                 )
                 raise refused from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = len(message.get("body", b""))
+                received += chunk
                 body_done = not message.get("more_body", False)
                 if received > self.max_body:
                     refused = BodyRefused(413, "payload_too_large", self._too_large_message())
                     raise refused
+                if streamed and chunk:
+                    try:
+                        self.budget.reserve(key, chunk)
+                    except BodyRefused as refusal:
+                        refused = refusal
+                        raise
+                    held += chunk
             else:
                 body_done = True
             return message
@@ -397,10 +495,14 @@ class GuardMiddleware:
         except Exception:
             if refused is None:
                 raise
+        finally:
+            if held:
+                self.budget.release(key, held)
         if refused is not None:
             logger.info(
                 "upload refused",
                 extra={"request_id": scope["state"].get("request_id"), "bytes_in": received, "code": refused.code},
             )
             if not started:
-                await send_error(send, scope, refused.status, refused.code, refused.message, {"Connection": "close"})
+                headers = {**refused.headers, "Connection": "close"}
+                await send_error(send, scope, refused.status, refused.code, refused.message, headers)
