@@ -80,6 +80,25 @@ def claimed_pages_pdf(count: int) -> bytes:
     return raw_pdf(objects)
 
 
+def no_pages_pdf() -> bytes:
+    """A well-formed PDF whose page tree is empty (PDFium loads it; it has 0 pages)."""
+    return raw_pdf([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [] /Count 0 >>"])
+
+
+def encrypted_pdf(password: str) -> bytes:
+    """A one-page blank PDF encrypted with user ``password`` (pypdf, RC4 128-bit). Skips the
+    calling test when pypdf (the dev extra) is not installed."""
+    import pytest
+
+    pypdf = pytest.importorskip("pypdf", reason="pypdf (the dev extra) encrypts the PDF")
+    writer = pypdf.PdfWriter()
+    writer.add_blank_page(612, 792)
+    writer.encrypt(password)
+    buf = io.BytesIO()
+    writer.write(buf)
+    return buf.getvalue()
+
+
 def tiff_with_frame_size(frames: list[Image.Image], index: int, size: tuple[int, int], **kwargs: object) -> bytes:
     """A multi-frame TIFF of ``frames`` whose frame ``index`` header claims ``size`` (width, height).
 

@@ -6,6 +6,8 @@ long one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import CORPUS
 from fuzzing import check_parse, corpus_seeds, made_seeds, mutate
@@ -190,3 +192,73 @@ def test_a_document_of_slow_pages_holds_its_worker_for_two_render_timeouts_only(
         "(render_timeout option)"
         for i in range(3, 7)
     ]
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended)."""
+    try:
+        return _stat_fields(pid)[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, ... (``man 5 proc``, from field 3)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _until(condition, timeout: float) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; whether it held."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc (Linux)")
+def test_the_render_process_ends_with_the_process_that_started_it(tmp_path):
+    """Audit round 4, N10: after ``kill -9`` of ``serve``, its render process went on rendering its
+    page at 74-90 % CPU, and the forkserver stayed up with it (it lives while any process it
+    forked does). Both now end with the process that asked for the render, mid-page."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from samples import stroked_lines_pdf
+
+    bomb = tmp_path / "bomb.pdf"
+    bomb.write_bytes(stroked_lines_pdf([RENDER_BOMB_LINES]))  # minutes of rendering
+    script = (
+        "import threading\n"
+        "from mineru_fast.inputs.documents import open_document\n"
+        f"opened = open_document({str(bomb)!r}, render_timeout=600.0)\n"
+        "threading.Thread(target=opened.render, args=(0,), daemon=True).start()\n"
+        "while opened._renderer is None or opened._renderer._process.pid is None:\n"
+        "    threading.Event().wait(0.01)\n"
+        "print(opened._renderer._process.pid, flush=True)\n"
+        "threading.Event().wait()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = forkserver = None
+    try:
+        child = int(server.stdout.readline())
+        forkserver = int(_stat_fields(child)[1])  # the render process's parent
+        assert forkserver != server.pid
+        ticks = os.sysconf("SC_CLK_TCK")
+        # Rendering: 0.3 s of CPU spent (opening the 64 KB file takes milliseconds).
+        assert _until(lambda: sum(map(int, _stat_fields(child)[11:13])) >= 0.3 * ticks, 60)
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        assert _until(lambda: not _running(child), 30), "the render process outlived its parent"
+        assert _until(lambda: not _running(forkserver), 30), "the forkserver outlived its parent"
+    finally:
+        server.kill()
+        server.wait(10)
+        for pid in (child, forkserver):
+            if pid is not None and _running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -374,3 +374,45 @@ def test_documents_mineru_4_reads_natively_are_refused_with_the_tool_that_reads_
             open_document(tmp_path / name)
         assert isinstance(info.value, UnsupportedFormat) and info.value.code == "native_document"
     assert native_kind("notes.bin", bytes(range(256))) is None
+
+
+def test_a_pdf_of_no_pages_is_corrupt_whatever_the_document_before_it():
+    """Audit round 4, N11: PDFium keeps one last error per process, and pypdfium2 refuses a PDF of
+    no pages (which loads) with that error: after a wrong password, a 0-page PDF was answered
+    ``password_required``; after a damaged PDF, "not a readable PDF (... Data format error)"."""
+    from samples import encrypted_pdf, no_pages_pdf
+
+    locked, damaged = encrypted_pdf("1234"), pdf_bytes(1)[:400]
+    earlier = [
+        (locked, "nope", PasswordRequired, "the password is wrong"),
+        (locked, None, PasswordRequired, "it is encrypted"),
+        (damaged, None, CorruptDocument, r"not a readable PDF \(.*Data format error"),
+    ]
+    for data, password, error, message in earlier:
+        with pytest.raises(error, match=message):
+            open_document(data, password=password)
+        with pytest.raises(CorruptDocument) as info:
+            open_document(no_pages_pdf())
+        assert (info.value.code, str(info.value)) == ("corrupt_document", "document: the PDF has no pages")
+    with open_document(locked, password="1234") as opened:
+        assert opened.page_count == 1
+
+
+def test_an_animation_is_read_as_its_first_frame_with_a_warning(caplog):
+    """Audit round 4, N14: the frames of an animated GIF or WebP after the first were dropped
+    without a word. Its first frame is the page, and the document's warnings (logged too) say the
+    others are dropped; a still image has none."""
+    frames = [Image.new("RGB", (60, 40), colour) for colour in ("red", "green", "blue")]
+    for fmt, options in (("GIF", {}), ("WEBP", {"lossless": True}), ("PNG", {})):  # PNG: APNG
+        data = image_bytes(frames[0], fmt, save_all=True, append_images=frames[1:], **options)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mineru_fast.inputs.documents"), open_document(data) as doc:
+            assert (doc.format, doc.page_count, doc.page_indices) == (fmt, 1, [0])
+            assert doc.render(0).getpixel((5, 5)) == (255, 0, 0)
+        assert doc.warnings == [
+            f"document: an animated {fmt}: only its first frame is read; the other frames are dropped "
+            "(save them as a multi-page TIFF or PDF to read each as a page)"
+        ]
+        assert [r.getMessage() for r in caplog.records] == doc.warnings
+        with open_document(image_bytes(frames[1], fmt, **options)) as still:
+            assert still.warnings == [] and still.render(0).getpixel((5, 5)) == (0, 128, 0)

@@ -235,3 +235,103 @@ def test_invisible_text_is_left_out_of_a_block_and_white_text_sends_it_to_the_im
     first_line = block_text(text, (0.0, 0.0, 1.0, 0.12))  # the visible line and the invisible one over it
     assert (first_line.text, first_line.suspicious) == ("Visible words here", False)
     assert block_text(text, (0.0, 0.0, 1.0, 1.0)).suspicious  # holds the white line: read from the image
+
+
+def _counted_line_checks(monkeypatch) -> list[int]:
+    """Counts the item-to-line comparisons of line grouping (``assemble._vertical_overlap``)."""
+    from mineru_fast.inputs.pdftext import assemble
+
+    compared, overlap = [0], assemble._vertical_overlap
+
+    def counted(a, b):
+        compared[0] += 1
+        return overlap(a, b)
+
+    monkeypatch.setattr(assemble, "_vertical_overlap", counted)
+    return compared
+
+
+def _numbered_lines(count: int, glyph: tuple[float, float]) -> PageText:
+    """``count`` short lines "0000", "0001", ... in the top 40 % of the page, then one glyph "W"
+    right of them whose box spans ``glyph`` (top, bottom), normalized."""
+    pitch = 0.4 / count
+    chars = []
+    for line in range(count):
+        top = 0.03 + line * pitch
+        for k, ch in enumerate(f"{line:04d}"):
+            chars.append(PdfChar(ch, (0.1 + 0.01 * k, top, 0.109 + 0.01 * k, top + 0.8 * pitch)))
+    chars.append(PdfChar("W", (0.2, glyph[0], 0.3, glyph[1])))
+    return PageText(chars, (612, 792), char_count=len(chars))
+
+
+def test_one_tall_glyph_leaves_line_grouping_linear(monkeypatch):
+    """Audit round 4, N6: bands of lines were retired against the page's tallest item, so one
+    700-pt glyph kept every line in reach of every character (8,000 short lines: 44 s instead of
+    0.5 s; here 1.8 M comparisons). Each character is now compared with the lines reaching below
+    its own top; the text is the same."""
+    compared = _counted_line_checks(monkeypatch)
+    page = _numbered_lines(1000, (0.03 + 999 * 0.4 / 1000, 0.98))  # from the last line's top down the page
+    text = block_text(page, (0.0, 0.0, 1.0, 1.0)).text
+    assert text == " ".join(f"{line:04d}" for line in range(1000)) + " W"  # on the last line, right of it
+    assert compared[0] == 3 * 1000 + 1  # a line's first character starts it, the others meet it once; the glyph too
+    compared[0] = 0
+    middle = _numbered_lines(1000, (0.0, 0.46))  # the audit's case: the glyph's centre among the lines
+    assembled = block_text(middle, (0.0, 0.0, 1.0, 1.0))
+    assert assembled.chars == 4001 and not assembled.suspicious
+    assert compared[0] == 3 * 500 + 1 + 4 * 500  # the lines below its centre join its line: was 1.1 M
+
+
+def _plain_lines(items: list) -> list[list]:
+    """The line-grouping rule without any sweep: each item, in order of its centre's y, joins the
+    first band of all whose tallest member it overlaps most, by half its height or more."""
+    from mineru_fast.inputs.pdftext.assemble import _vertical_overlap
+
+    bands: list[tuple[tuple, list]] = []
+    for item in sorted(items, key=lambda i: (i.bbox[1] + i.bbox[3]) / 2):
+        overlaps = [_vertical_overlap(ref, item.bbox) for ref, _ in bands]
+        best = max(range(len(bands)), key=overlaps.__getitem__, default=None)
+        if best is not None and overlaps[best] >= 0.5:
+            ref, members = bands[best]
+            members.append(item)
+            if item.bbox[3] - item.bbox[1] > ref[3] - ref[1]:
+                bands[best] = (item.bbox, members)
+        else:
+            bands.append((item.bbox, [item]))
+    bands.sort(key=lambda band: (band[0][1] + band[0][3]) / 2)
+    return [sorted(members, key=lambda i: i.bbox[0]) for _, members in bands]
+
+
+def test_line_grouping_is_the_plain_rule_for_any_heights():
+    """The sweep finds the same lines as comparing each item with every line (the text of normal
+    pages is unchanged): random items of text, script, zero, drop-cap and page heights."""
+    import random
+
+    from mineru_fast.inputs.pdftext.assemble import _Item, _lines
+
+    rng = random.Random(0)
+    for _ in range(300):
+        items = []
+        for k in range(rng.randint(1, 200)):
+            y, x = rng.random(), rng.random()
+            height = rng.choice([0.01, 0.012, 0.02, 0.006, 0.0, rng.random() * 0.3, rng.random()])
+            items.append(_Item(str(k), (x, y, x + 0.01, y + height)))
+        lines = _lines(items, True, 10**9)
+        assert lines is not None
+        assert [[i.text for i in line] for line in lines] == [[i.text for i in line] for line in _plain_lines(items)]
+
+
+def test_boxes_stacked_against_the_sweep_are_read_from_the_image_in_bounded_work(monkeypatch):
+    """600 page-tall glyphs, each starting one line lower, each join their own line: every glyph
+    is compared with all the glyphs before it (180,000 checks for 1,200 characters). The block
+    stops at ``MAX_LINE_CHECKS`` checks per character and is read from its image."""
+    from mineru_fast.inputs.pdftext.assemble import MAX_LINE_CHECKS
+
+    compared = _counted_line_checks(monkeypatch)
+    pitch, chars = 0.05 / 600, []
+    for line in range(600):
+        top = 0.1 + line * pitch
+        chars.append(PdfChar("a", (0.1, top, 0.11, top + 0.8 * pitch)))
+        chars.append(PdfChar("B", (0.2 + 0.001 * line, top - 0.1 * pitch, 0.201 + 0.001 * line, top + 0.5)))
+    page = PageText(chars, (612, 792), char_count=len(chars))
+    assert block_text(page, (0.0, 0.0, 1.0, 1.0)) == BlockText("", (), 1200, True, tuple(range(1200)))
+    assert compared[0] == MAX_LINE_CHECKS * 1200

@@ -60,6 +60,7 @@ def test_parse_result_validates_against_the_shipped_schema(parser, two_pages, va
         "sha256": hashlib.sha256(data).hexdigest(),
         "page_count": 2,
         "pages": [0, 1],
+        "warnings": [],
     }
     assert meta["model"] == {
         "model_id": None,
@@ -229,3 +230,21 @@ def test_cli_writes_metadata_and_the_confidence_extension(tiny_model, validator,
         "text": {**result["pages"][0]["blocks"][1]["confidence"], "low_confidence": True},
         "image": None,
     }
+
+
+def test_an_animations_dropped_frames_are_said_in_the_result(parser, validator):
+    """Audit round 4, N14: the result of an animated GIF says its later frames were not read
+    (``metadata.input.warnings``); they were dropped without a word."""
+    from PIL import Image
+    from samples import image_bytes
+
+    frames = [Image.new("RGB", (600, 400), colour) for colour in ("white", "gray")]
+    document = parser.parse(
+        image_bytes(frames[0], "GIF", save_all=True, append_images=frames[1:]), replay=sample_trace(1)
+    )
+    result = json.loads(json.dumps(document.to_dict()))
+    validator.validate(result)
+    assert result["metadata"]["input"]["warnings"] == [
+        "document: an animated GIF: only its first frame is read; the other frames are dropped "
+        "(save them as a multi-page TIFF or PDF to read each as a page)"
+    ]

@@ -2,9 +2,10 @@
 
 PDFs are rendered with pypdfium2 (200 DPI, long side capped, page ``/Rotate`` honoured, so boxes
 refer to the page as displayed); images are decoded with Pillow (EXIF orientation applied; CMYK,
-16-bit, palette and alpha converted to RGB on white; each frame of a multi-frame TIFF is a page),
-and only the formats of ``IMAGE_FORMATS``. The format is detected from the content, never from the
-file name. Pages are produced lazily, one at a time, so a long PDF never sits in memory as images.
+16-bit, palette and alpha converted to RGB on white; each frame of a multi-frame TIFF is a page, an
+animated GIF, WebP or PNG is its first frame, with a warning), and only the formats of
+``IMAGE_FORMATS``. The format is detected from the content, never from the file name. Pages are
+produced lazily, one at a time, so a long PDF never sits in memory as images.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import io
 import logging
 import math
 import multiprocessing
+import os
 import re
 import threading
 import warnings
@@ -60,6 +62,10 @@ rarer formats' decoders are attack surface the product does not need."""
 _PDFIUM_PASSWORD_ERROR = 4  # FPDF_ERR_PASSWORD
 _PDFIUM_LOCK = threading.Lock()  # PDFium is not thread-safe
 _MULTI_FRAME_FORMATS = {"TIFF", "MPO", "DCX"}  # multi-page formats: each frame is a page
+# Other formats with frames hold animations (GIF, WebP, APNG): the first frame is the page, and a
+# warning says the others are dropped. Frames of an animation are drawn over the ones before them,
+# so Pillow reaches frame N of a GIF by decoding frames 0..N-1: as pages they could be neither
+# counted nor measured from headers alone, as TIFF frames are.
 MAX_PAGE_RANGE_CHARS = 4096
 MAX_RENDER_TIMEOUTS = 2
 """Pages of one document that may time out rendering (``render_timeout``) before its other pages
@@ -212,7 +218,8 @@ class OpenedDocument:
         page_indices: 0-based indices of the selected pages, ascending.
         sha256: hex SHA-256 of the file's bytes; None for a PIL image source.
         warnings: what the page selection changed (a range clamped to the document, see
-            ``parse_page_range``); also logged.
+            ``parse_page_range``) and what is not read (the frames of an animation after its
+            first); also logged.
     """
 
     name: str
@@ -440,16 +447,32 @@ def _render_worker(conn: Connection, data: bytes, password: str | None) -> None:
     the pipe closes, answering ``("ok", (width, height), rgb_bytes)`` or ``("error", message)``.
     It ends quietly when the parent is gone (a pipe closed under it) and ignores Ctrl-C meant for
     the server: either printed a traceback into the server's JSON log at shutdown. The parent ends
-    this process when it closes the renderer."""
+    this process when it closes the renderer; should the parent end otherwise (``kill -9``), this
+    process ends at once, even inside a render (``_end_with_parent``)."""
     import signal
 
     import pypdfium2 as pdfium
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_end_with_parent, args=(parent,), name="parent-watch", daemon=True).start()
     try:
         _render_requests(conn, pdfium, data, password)
     except (EOFError, OSError):  # the parent closed the pipe or ended
         return
+
+
+def _end_with_parent(parent: multiprocessing.process.BaseProcess) -> None:
+    """End this process as soon as ``parent`` (the process that started it) has ended.
+
+    The pipe to the parent is only read between pages, and PDFium cannot be interrupted: killed
+    with -9, ``serve`` left its render process rendering at full CPU until the page was done, and
+    the forkserver up with it (a forkserver lives while any process it started does). The parent
+    is the process that asked for this one, not the forkserver that forked it: multiprocessing's
+    parent sentinel ends (EOF) when that process does, however it ends."""
+    parent.join()
+    os._exit(1)
 
 
 def _render_requests(conn: Connection, pdfium, data: bytes, password: str | None) -> None:  # noqa: ANN001
@@ -563,7 +586,10 @@ def _open_pdf(
             pdf = pdfium.PdfDocument(data, password=password)
             page_count = len(pdf)
         except pdfium.PdfiumError as exc:
-            if getattr(exc, "err_code", None) == _PDFIUM_PASSWORD_ERROR:
+            code = _load_error(data, password)
+            if code is None:  # it loads: pypdfium2 refused it for having no pages
+                raise CorruptDocument(f"{name}: the PDF has no pages") from exc
+            if code == _PDFIUM_PASSWORD_ERROR:
                 hint = "the password is wrong" if password else "it is encrypted"
                 raise PasswordRequired(
                     f"{name}: {hint}; pass the password with --password (CLI), password= (Python)"
@@ -582,16 +608,40 @@ def _open_pdf(
     return OpenedDocument(name, "pdf", page_count, indices, warnings=notes, _pdf=pdf, **limits)
 
 
+def _load_error(data: bytes, password: str | None) -> int | None:
+    """PDFium's error code for loading ``data`` (``FPDF_ERR_*``), or None when it loads. The
+    caller holds the PDFium lock.
+
+    The code is read right after a load that failed, which sets it: PDFium keeps one last error
+    per process and a load that succeeds leaves it as it was, so the code pypdfium2 attaches when
+    it refuses a PDF of no pages (which loads) is whatever an earlier document left, e.g. the
+    wrong password of the previous request."""
+    import pypdfium2.raw as pdfium_c
+
+    secret = None if password is None else (password + "\0").encode("utf-8")
+    handle = pdfium_c.FPDF_LoadMemDocument64(data, len(data), secret)
+    if handle:
+        pdfium_c.FPDF_CloseDocument(handle)
+        return None
+    return pdfium_c.FPDF_GetLastError()
+
+
 def _open_image(
     name: str, image: Image.Image, pages: str | None, limits: PageLimits, max_pages: int, owned: bool = True
 ) -> OpenedDocument:
+    notes: list[str] = []
     try:
         frames = _count_frames(name, image) if image.format in _MULTI_FRAME_FORMATS else 1
+        if image.format not in _MULTI_FRAME_FORMATS and getattr(image, "is_animated", False):  # from headers
+            dropped = "the other frames are dropped (save them as a multi-page TIFF or PDF to read each as a page)"
+            _note(notes, f"{name}: an animated {image.format}: only its first frame is read; {dropped}")
     except InputError:
         raise
     except Exception as exc:  # a damaged frame chain
         raise CorruptDocument(f"{name}: cannot read the image's frames: {_describe(exc)}") from exc
-    opened = OpenedDocument(name, image.format or "image", frames, [], _image=image, _owns_image=owned, **limits)
+    opened = OpenedDocument(
+        name, image.format or "image", frames, [], warnings=notes, _image=image, _owns_image=owned, **limits
+    )
     try:
         opened.page_indices = parse_page_range(pages, frames, max_pages=max_pages, notes=opened.warnings)
         opened._check_pixels(image.size, 0)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA_PATH", "PACKAGE", "InputInfo", "head_dict", "load_schema"]
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: input.warnings
 """Version of the result layout (``schema/document.schema.json``): the major part changes when a
 field is removed or changes meaning, the minor part when fields are added."""
 
@@ -41,6 +41,8 @@ class InputInfo:
         sha256: hex SHA-256 of the input bytes; None for in-memory images (no bytes).
         page_count: pages (frames) in the whole document.
         pages: 0-based indices of the pages parsed.
+        warnings: what opening it changed or left out (a page range clamped to the document, the
+            frames of an animation after the first), one line each.
     """
 
     name: str
@@ -48,12 +50,18 @@ class InputInfo:
     sha256: str | None
     page_count: int
     pages: tuple[int, ...]
+    warnings: tuple[str, ...] = ()
 
     @classmethod
     def from_opened(cls, opened: Any) -> InputInfo:
         """From an ``inputs.OpenedDocument`` (or anything with its attributes)."""
         return cls(
-            opened.name, opened.format, getattr(opened, "sha256", None), opened.page_count, tuple(opened.page_indices)
+            opened.name,
+            opened.format,
+            getattr(opened, "sha256", None),
+            opened.page_count,
+            tuple(opened.page_indices),
+            tuple(getattr(opened, "warnings", ())),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +71,7 @@ class InputInfo:
             "sha256": self.sha256,
             "page_count": self.page_count,
             "pages": list(self.pages),
+            "warnings": list(self.warnings),
         }
 
 

@@ -27,6 +27,7 @@ right); text on a rotated baseline keeps PDFium's content order and its line bre
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import unicodedata
@@ -67,6 +68,7 @@ _SCRIPT_SIZE = 0.8  # a character this much smaller than the line's body text ma
 _SCRIPT_SHIFT = 0.1  # ... when its centre is off the body's centre by this share of the body height
 PRIVATE_USE_SUSPICIOUS = (2, 2, 0.05)  # MinerU: >= 2 private-use chars and a run of 2 or 5 % of the text
 JOIN_CONTEXT = 1024  # characters before a line end that joining looks at (a URL over a line end: less)
+MAX_LINE_CHECKS = 32  # line checks per character of a block (born-digital pages: 1 to 6; see ``block_text``)
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,47 @@ def _vertical_overlap(a: Box, b: Box) -> float:
     return max(0.0, min(a[3], b[3]) - max(a[1], b[1])) / smaller if smaller > 0 else 0.0
 
 
-def _lines(items: list[_Item], horizontal: bool) -> list[list[_Item]]:
+class _Reach:
+    """How far down each line band's reference box reaches (its bottom y), by band creation
+    index, kept as a max-tree: the next band at or after an index that reaches below a given y is
+    found in O(log bands), however tall the page's other items are."""
+
+    def __init__(self, capacity: int) -> None:
+        self._size = 1 << max(capacity - 1, 0).bit_length()
+        self._max = [-math.inf] * (2 * self._size)
+
+    def set(self, band: int, bottom: float) -> None:
+        i = band + self._size
+        self._max[i] = bottom if bottom > -math.inf else -math.inf  # NaN: reaches nothing
+        while i > 1:
+            i >>= 1
+            reach = max(self._max[2 * i], self._max[2 * i + 1])
+            if self._max[i] == reach:  # nothing above changes either
+                return
+            self._max[i] = reach
+
+    def next_below(self, start: int, y: float) -> int | None:
+        """The first band ``>= start`` whose reference box reaches below ``y``, or None."""
+        if start >= self._size:
+            return None
+        tree, i = self._max, start + self._size
+        while not tree[i] > y:  # on to the next subtree to the right
+            while i & 1:
+                i >>= 1
+            if i == 0:
+                return None
+            i += 1
+        while i < self._size:
+            i = 2 * i if tree[2 * i] > y else 2 * i + 1
+        return i - self._size
+
+
+def _lines(items: list[_Item], horizontal: bool, budget: int) -> list[list[_Item]] | None:
     """Group items into lines: horizontal text by vertical overlap (an item joins the line whose
-    tallest item it overlaps by half its height or more), other text by PDFium's line breaks."""
+    tallest item it overlaps by half its height or more), other text by PDFium's line breaks.
+
+    Returns None when horizontal grouping would compare items with lines more than ``budget``
+    times (boxes laid out against the sweep below, see ``MAX_LINE_CHECKS``)."""
     if not horizontal:
         lines: list[list[_Item]] = [[]]
         for item in items:
@@ -161,25 +201,35 @@ def _lines(items: list[_Item], horizontal: bool) -> list[list[_Item]]:
             else:
                 lines[-1].append(item)
         return [line for line in lines if line]
-    # Items come in order of their centre's y; an item can only overlap a band whose reference box
-    # reaches below its top, and no later item's top lies above (centre - tallest item / 2): bands
-    # above that are retired, so each item is compared with the few bands around it (linear in the
-    # characters), and the first best band is the same as among all bands (retired ones overlap 0).
+    # An interval sweep: items come in order of their centre's y, so every band's reference box
+    # has its centre at or above the item's, and only bands whose box reaches below the item's own
+    # top can overlap it; those are visited in creation order (``_Reach``), the others never (one
+    # tall glyph no longer keeps every band of the page in reach). An overlap is at most 1: the
+    # first band reaching it is the first best among all bands, as the others overlap 0.
     rows = sorted((i for i in items if i.text not in ("\r", "\n")), key=lambda i: _center(i.bbox)[1])
-    tallest = max((i.bbox[3] - i.bbox[1] for i in rows), default=0.0)
     bands: list[tuple[Box, list[_Item]]] = []  # (box of the tallest member, members)
-    active: list[int] = []  # indices of the bands later items may still join, in creation order
+    reach = _Reach(len(rows))
     for item in rows:
-        top = _center(item.bbox)[1] - tallest / 2
-        active = [k for k in active if bands[k][0][3] > top]
-        best = max(active, key=lambda k: _vertical_overlap(bands[k][0], item.bbox), default=None)
-        if best is not None and _vertical_overlap(bands[best][0], item.bbox) >= 0.5:
+        top, best, best_overlap = item.bbox[1], None, 0.0
+        k = reach.next_below(0, top)
+        while k is not None:
+            budget -= 1
+            if budget < 0:
+                return None
+            overlap = _vertical_overlap(bands[k][0], item.bbox)
+            if best is None or overlap > best_overlap:
+                best, best_overlap = k, overlap
+            if overlap == 1.0:
+                break
+            k = reach.next_below(k + 1, top)
+        if best is not None and best_overlap >= 0.5:
             ref, members = bands[best]
             members.append(item)
             if item.bbox[3] - item.bbox[1] > ref[3] - ref[1]:
                 bands[best] = (item.bbox, members)
+                reach.set(best, item.bbox[3])
         else:
-            active.append(len(bands))
+            reach.set(len(bands), item.bbox[3])
             bands.append((item.bbox, [item]))
     bands.sort(key=lambda band: _center(band[0])[1])
     return [sorted(members, key=lambda i: i.bbox[0]) for _, members in bands]
@@ -338,7 +388,10 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
         30 degrees off the block's dominant direction (watermarks, rotated labels) are left out,
         and so are hidden ones (``PdfChar.hidden``: invisible or clip-only text). A block holding
         white text (``PdfChar.white``: hidden on a white page, or the words of a dark banner) is
-        ``suspicious``: read from its image, neither trusted nor dropped.
+        ``suspicious``: read from its image, neither trusted nor dropped. So is a block whose
+        character boxes would take line grouping more than ``MAX_LINE_CHECKS`` checks per
+        character (tall boxes stacked against its sweep; born-digital pages take 1 to 6): its
+        text is then empty, and the work on any block stays bounded per character.
     """
     indices = [i for i in page.indices_in(bbox) if i not in skip and not page.chars[i].hidden]
     angles = [page.chars[i].angle for i in indices if not page.chars[i].text.isspace()]
@@ -360,7 +413,9 @@ def block_text(page: PageText, bbox: Box, formulas: Sequence[Box | None] = (), s
         return BlockText("", (), 0, False)
     items = [_Item(c.text, c.bbox, generated=c.generated) for c in _compose_diacritics(kept)]
     items += [_Item(f"\\(\x00{k}\x00\\)", f) for k, f in placed.items()]
-    lines = _lines(items, horizontal)
+    lines = _lines(items, horizontal, MAX_LINE_CHECKS * len(items))
+    if lines is None:
+        return BlockText("", (), len(visible), True, tuple(used))
     if horizontal:
         for line in lines:
             _mark_scripts(line)
