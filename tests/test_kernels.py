@@ -310,6 +310,39 @@ def test_a_cpu_without_vnni_keeps_onednn(monkeypatch):
         kernels.int8_gemv_status.cache_clear()
 
 
+def test_a_built_library_damaged_on_disk_is_built_again_not_loaded(monkeypatch, tmp_path, caplog):
+    """Issue 48: the kernels' build artefact is verified like the prepared cache: a library whose
+    bytes are not those its build recorded (or without a record) is never loaded."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    seen = []
+
+    def recording_load(name, sources, **kwargs):
+        seen.append(kwargs["build_directory"])
+        raise RuntimeError("stop here")
+
+    fake_vnni(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", recording_load)
+    build = kernels._build_directory()
+    build.mkdir(parents=True)
+    library = build / f"{kernels.NAME}.so"
+    for record in ("0" * 64, None):
+        library.write_bytes(b"\x7fELF damaged")
+        if record is not None:
+            (build / f"{kernels.NAME}.so.sha256").write_text(record + "\n")
+        kernels.int8_gemv_status.cache_clear()
+        try:
+            with caplog.at_level("WARNING", logger=kernels.__name__):
+                status = kernels.int8_gemv_status()
+        finally:
+            kernels.int8_gemv_status.cache_clear()
+        assert status.reason == "own INT8 GEMV not built (RuntimeError: stop here)"  # built again, not loaded
+        assert not library.exists() and "does not match the digest recorded" in caplog.text
+        (build / "failed.txt").unlink()
+        caplog.clear()
+    assert len(seen) == 2
+
+
 def test_a_build_in_progress_is_waited_for_within_a_bound(tmp_path):
     """Processes started together must all get the kernels (their numerics differ from the
     fallback's): one that finds the build lock held waits until it is released, within a bound."""

@@ -15,8 +15,9 @@ needed; about 30 s), into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``,
 change of either builds anew and installs of the same code share one build. One process at a time
 builds or loads it, holding an ``flock`` on ``build.flock`` there (the kernel releases it when its
 holder dies, even by SIGKILL, so a killed build never blocks the next start); the build runs in a
-private folder and only a finished library is renamed into place, so a killed build leaves
-nothing half-written that a later start would load. A process that finds the lock held waits for
+private folder and only a finished library is renamed into place, its SHA-256 recorded beside it,
+so a killed build leaves nothing half-written that a later start would load, and a library
+damaged on disk (or without its record) is built again, never loaded. A process that finds the lock held waits for
 it, up to ``BUILD_WAIT_S``: processes started together (``launch`` instances, Ray actors) then all
 run the kernels, and so the same numerics (the block kernel's differ from its fallback's). A build
 that fails records its reason in ``failed.txt`` beside it, and later starts report that reason
@@ -148,9 +149,27 @@ def _compile(build: Path) -> None:
             is_python_module=False,
         )
         (built,) = staging.glob(f"{NAME}*.so")  # PyTorch adds _v1.. to a name built again in one process
+        _digest_path(build / f"{NAME}.so").write_text(_sha256(built) + "\n", encoding="utf-8")
         built.replace(build / f"{NAME}.so")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(library: Path) -> bool:
+    """Whether the built library's bytes are those whose SHA-256 its build recorded beside it (a
+    library without a record, or damaged on disk, is not loaded: it is built again)."""
+    try:
+        return _digest_path(library).read_text(encoding="utf-8").strip() == _sha256(library)
+    except OSError:
+        return False
 
 
 def _build_failure(exc: Exception) -> str:
@@ -196,6 +215,9 @@ def int8_gemv_status() -> KernelStatus:
                 logger.warning("%s; oneDNN for now", reason)
                 return KernelStatus(None, reason)
             library = build / f"{NAME}.so"
+            if library.exists() and not _verified(library):
+                logger.warning("%s does not match the digest recorded when it was built; building it again", library)
+                library.unlink()
             if library.exists():
                 torch.ops.load_library(str(library))
             elif failed.exists():
