@@ -15,10 +15,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from samples import pdf_bytes, text_page
-from serve_helpers import running_server
+from serve_helpers import assert_error, running_server
 
 from mineru_fast.protocol.spec import SYSTEM_PROMPT, SamplingParams, prompt_for
-from mineru_fast.serve.chat import ChatImageDecoder, ChatRequest, to_generation_request
+from mineru_fast.serve.chat import (
+    MAX_PRIORITY,
+    ChatImageDecoder,
+    ChatRequest,
+    check_prompt_length,
+    plan_request,
+    prompt_tokens,
+    to_generation_request,
+)
 from mineru_fast.serve.errors import ApiError
 from mineru_fast.serve.jobs import CostBudget
 
@@ -150,6 +158,51 @@ def test_values_the_engine_cannot_take_are_422(change):
         ChatRequest.model_validate({**mineru_body(CROP, "\nText Recognition:"), **change})
 
 
+def test_priority_is_bounded():
+    """From 0, the parse jobs' own (it used to take any integer: a negative one put a client's
+    requests before the parse jobs' and every other key's), to ``MAX_PRIORITY`` (int32's largest)."""
+    body = mineru_body(CROP, "\nText Recognition:")
+    for priority in (0, 7, MAX_PRIORITY):
+        assert ChatRequest.model_validate({**body, "priority": priority}).priority == priority
+    for priority in (-1, -(2**70), MAX_PRIORITY + 1):
+        with pytest.raises(ValidationError, match="priority"):
+            ChatRequest.model_validate({**body, "priority": priority})
+
+
+def test_prompt_tokens_are_what_the_engine_encodes_and_a_longer_prompt_is_refused(tiny_model):
+    """Counted from the image's header, not its pixels: the same length as the engine's encoding
+    (image first or text first, control tokens typed as text, a long side over ``max_side``, an
+    image scaled up to the model's minimum), and ``check_prompt_length`` refuses one token over."""
+    from mineru_fast.engine.preprocess import Preprocessor
+
+    preprocessor = Preprocessor(tiny_model)
+    decoder = unbounded_decoder()
+    cases = [
+        (CROP, prompt_for("text"), False),
+        (CROP, CONTROL * 3, True),
+        (text_page(size=(4000, 90), lines=1), " a" * 300, False),
+        (text_page(size=(20, 30), lines=0), "", False),
+    ]
+    for image, prompt, text_first in cases:
+        body = mineru_body(image, prompt, max_tokens=64)
+        if text_first:
+            body["messages"][1]["content"].reverse()
+        plan = plan_request(ChatRequest.model_validate(body), 4096)
+        size = decoder.reserve(plan.image_data)
+        decoded = decoder.decode(plan.image_data)
+        assert size == decoded.size
+        length = len(preprocessor.encode(plan.request(decoded)).input_ids)
+        assert prompt_tokens(plan, preprocessor, size) == length
+        check_prompt_length(plan, preprocessor, size, length + 64)  # fits exactly
+        with pytest.raises(ApiError) as info:
+            check_prompt_length(plan, preprocessor, size, length + 63)
+        assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
+        assert f"the prompt has {length} tokens" in info.value.message
+    with pytest.raises(ApiError) as info:  # an edge ratio the image processor refuses, found before decoding
+        prompt_tokens(plan, preprocessor, (3000, 10))
+    assert (info.value.status, info.value.code) == (400, "bad_image")
+
+
 MAX_CHAT = 2
 
 
@@ -164,12 +217,33 @@ def server(tiny_model, tmp_path_factory):
         yield s
 
 
+def metric(server, name: str) -> float:
+    """The value of the server's metric sample ``name`` (without labels)."""
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def chat_in_flight(server) -> float:
     """The server's ``mineru_fast_chat_requests_in_flight`` gauge."""
-    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("mineru_fast_chat_requests_in_flight "):
-            return float(line.split()[1])
-    raise AssertionError("no chat in-flight gauge in /metrics")
+    return metric(server, "mineru_fast_chat_requests_in_flight")
+
+
+def test_a_prompt_longer_than_the_engine_holds_is_refused_before_it_is_queued(server):
+    """N12: 11,000 tokens of prompt text and ``max_tokens`` 12 do not fit the engine's sequence
+    (2,048 image + 64 + 8,192 tokens): ``400 context_length_exceeded`` at admission, no generation
+    started (it used to wait for a place, be refused by the engine, and, once ``chat_keepalive``
+    had passed, come as a ``200`` with the error in its body)."""
+    started = metric(server, "mineru_fast_chat_generations_started_total")
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=mineru_body(CROP, " a" * 11000, max_tokens=12))
+    error = assert_error(response, 400, "context_length_exceeded")
+    assert error["message"].startswith("the prompt has 11") and "max_tokens is 12" in error["message"]
+    assert metric(server, "mineru_fast_chat_generations_started_total") == started
+    assert chat_in_flight(server) == 0
+    fits = httpx.post(f"{server.url}/v1/chat/completions", json=mineru_body(CROP, " a" * 100, max_tokens=12))
+    assert fits.status_code == 200, fits.text
+    assert metric(server, "mineru_fast_chat_generations_started_total") == started + 1
 
 
 def test_control_tokens_in_chat_text_are_text_and_every_slot_comes_back(server):

@@ -5,8 +5,11 @@ one generation, and a client that leaves freeing what it held."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -153,7 +156,90 @@ def test_admission_queues_beyond_its_places_joins_twins_and_cancels_only_orphans
     asyncio.run(scenario())
 
 
+def test_orphans_are_dropped_while_queued_yield_to_waiting_requests_and_count_against_the_bound():
+    """N8: a request whose client gave up must not delay one that waits. Its generation, queued, is
+    dropped at once (its budget given back, nothing decoded); running, it runs on through the grace
+    only while no generation with a waiter waits, for a place or for its first token (the engine's
+    slots are fewer than the places), and it counts against ``max_requests`` until it has ended.
+    (Orphans used to stay queued or running for the whole grace, counted nowhere.)"""
+
+    async def scenario() -> None:
+        registry = CollectorRegistry()
+        admission = ChatAdmission(places=2, max_requests=3, orphan_grace=3600.0, registry=registry)
+        handles: dict[str, RequestHandle] = {}
+        released: list[str] = []
+
+        def start(key: str):
+            async def run(generation):
+                handles[key] = RequestHandle(GenerationRequest(CROP, "", SamplingParams()))
+                return handles[key]
+
+            return admission.start(key, 0, lambda: released.append(key), run)
+
+        def sample(name: str, **labels: str) -> float:
+            return registry.get_sample_value(f"mineru_fast_chat_{name}", labels) or 0.0
+
+        async def settle() -> None:
+            for _ in range(20):
+                await asyncio.sleep(0)
+
+        async def end(generation, key: str) -> None:
+            handles[key].set_result(GenerationResult("", [3], "cancelled"))
+            await asyncio.wait_for(generation.done.wait(), 10)
+            await settle()
+
+        a, b, c = start("a"), start("b"), start("c")
+        await settle()
+        assert sorted(handles) == ["a", "b"] and sample("queued") == 1
+        admission.leave(c)  # its client gave up while it waited for a place
+        assert "c" not in admission.generations and sample("queued") == 0
+        assert sample("orphans_cancelled_total", when="queued") == 1
+        await asyncio.wait_for(c.done.wait(), 10)
+        assert released == ["c"] and "c" not in handles  # its budget back, never decoded nor submitted
+        handles["a"].push_token(5)
+        handles["b"].push_token(5)
+        await settle()
+        admission.leave(a)  # nobody waits: it runs on through the grace
+        await settle()
+        assert not handles["a"].cancel_requested and sample("orphans") == 1
+        admission.enter()
+        admission.enter()
+        with pytest.raises(ApiError) as full:  # two requests and the orphan make max_requests
+            admission.enter()
+        assert (full.value.status, full.value.code) == (429, "too_many_chat_requests")
+        d = start("d")  # waits for a place: the orphan yields its own
+        assert handles["a"].cancel_requested and sample("orphans_cancelled_total", when="yielded") == 1
+        await settle()
+        assert "d" not in handles  # the place is taken once the orphan has ended
+        await end(a, "a")
+        assert "d" in handles and sample("orphans") == 0
+        admission.enter()  # the ended orphan no longer counts
+        admission.leave(b)  # d waits for its first token: this orphan yields at once too
+        assert handles["b"].cancel_requested and sample("orphans_cancelled_total", when="yielded") == 2
+        await end(b, "b")
+        handles["d"].set_result(GenerationResult("x", [1], "stop"))
+        await asyncio.wait_for(d.done.wait(), 10)
+        assert d.result is not None and d.result.text == "x" and released == ["c", "a", "b", "d"]
+        assert sample("orphans_cancelled_total", when="grace") == 0 and admission.started._value.get() == 3
+
+    asyncio.run(scenario())
+
+
 # -- end to end on a real server ---------------------------------------------------------------------
+
+
+KEYS = {"alice": "alice-secret-1", "bob": "bob-secret-22", "mallory": "mallory-secret-333"}
+LONG = 4096  # tokens: minutes of the tiny model's decoding (about 23 a second), never reached in a test
+
+
+def key_file(folder) -> str:
+    path = folder / "keys.txt"
+    path.write_text("".join(f"{name}:{secret}\n" for name, secret in KEYS.items()), encoding="utf-8")
+    return str(path)
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +247,11 @@ def server(tiny_model, tmp_path_factory):
     # One slot (two engine places): more requests than places queue. Text answers of random weights
     # run to their bound (the tiny model repeats a newline), so a text request is long enough to
     # disconnect from; a keep-alive of 0.05 s makes every answer that waits at all a streamed one.
-    args = ["--slots", "1", "--max-new-tokens", "layout=24,text=256,table=24,equation=24"]
-    args += ["--chat-keepalive", "0.05", "--chat-orphan-grace", "0"]
-    with running_server(tiny_model, tmp_path_factory.mktemp("chat_stream"), *args) as s:
+    # API keys: twins are shared within a key only.
+    folder = tmp_path_factory.mktemp("chat_stream")
+    args = ["--slots", "1", "--max-new-tokens", f"layout=24,text={LONG},table=24,equation=24"]
+    args += ["--chat-keepalive", "0.05", "--chat-orphan-grace", "0", "--api-key-file", key_file(folder)]
+    with running_server(tiny_model, folder, *args) as s:
         yield s
 
 
@@ -186,8 +274,26 @@ def wait_for_metric(server, name: str, value: float, bound_s: float = 120.0) -> 
         time.sleep(0.1)
 
 
-def post(server, body: dict, **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300, **kwargs)
+def post(server, body: dict, key: str = "alice") -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth(key), timeout=300)
+
+
+def stream(server, body: dict, key: str = "alice"):
+    """``httpx.stream`` of a chat request with ``stream`` set (a context manager)."""
+    url = f"{server.url}/v1/chat/completions"
+    return httpx.stream("POST", url, json={**body, "stream": True}, headers=auth(key), timeout=300)
+
+
+def first_token(response: httpx.Response) -> Iterator[str]:
+    """Read a streamed answer up to its first token (its generation runs; the lines before are its
+    role chunk and keep-alives). Returns its line iterator: a client that is to stay holds it, as
+    httpx closes the connection once the iterator is dropped."""
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            return lines
+    raise AssertionError("the stream ended before a token came")
 
 
 def test_a_streamed_answer_comes_in_token_chunks_that_join_to_the_answer(server):
@@ -212,12 +318,9 @@ def test_a_streamed_answer_comes_in_token_chunks_that_join_to_the_answer(server)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request_and_generation(server):
-    body = mineru_body(CROP, prompt_for("text"), max_tokens=256, stream=True)
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if '"content": "\\n' in line:  # the first token came: it is generating
-                break
+    body = mineru_body(CROP, prompt_for("text"), max_tokens=256)
+    with stream(server, body) as response:
+        first_token(response)
     wait_for_metric(server, "mineru_fast_chat_requests_in_flight", 0)
     wait_for_metric(server, "mineru_fast_chat_generations_in_flight", 0)
     assert metrics(server)['mineru_fast_chat_requests_total{status="499"}'] >= 1
@@ -261,3 +364,64 @@ def test_more_requests_than_engine_places_queue_and_are_all_answered(server):
     samples = metrics(server)
     assert not any('status="429"' in name for name in samples if name.startswith("mineru_fast_requests"))
     wait_for_metric(server, "mineru_fast_chat_generations_in_flight", 0)
+
+
+def test_twins_are_shared_within_an_api_key_only(server):
+    """The same body from two keys runs twice (it used to join the other key's generation, so one
+    key's client was answered from another's); a re-send with the first key joins its own."""
+    body = mineru_body(text_page(size=(260, 100), lines=2), prompt_for("text"), max_tokens=LONG)
+    before = metrics(server)
+    with contextlib.ExitStack() as streams:
+        held = [first_token(streams.enter_context(stream(server, body, "alice")))]  # generating, for minutes
+        for key in ("bob", "alice"):  # the role chunk comes once the request has been admitted
+            held.append(streams.enter_context(stream(server, body, key)).iter_lines())
+            assert next(held[-1]).startswith("data: {")
+        after = metrics(server)
+        del held
+    started = after["mineru_fast_chat_generations_started_total"] - before["mineru_fast_chat_generations_started_total"]
+    joins = after["mineru_fast_chat_twin_joins_total"] - before.get("mineru_fast_chat_twin_joins_total", 0)
+    assert (started, joins) == (2, 1)
+    wait_for_metric(server, "mineru_fast_chat_generations_in_flight", 0)
+
+
+def test_orphans_of_a_key_whose_clients_gave_up_never_delay_another_keys_request(tiny_model, tmp_path):
+    """N8 end to end, one slot (two places), a grace of 600 s. One key's two requests hold the
+    places (one generating, one waiting for the slot) and four more wait for a place; then every
+    client gives up. The four are dropped at once, the two run on as orphans, and another key's
+    request makes both yield and is answered, where they would otherwise have run for minutes
+    (4,096 tokens each) before it."""
+    args = ["--slots", "1", "--max-new-tokens", f"layout=24,text={LONG},table=24,equation=24"]
+    args += ["--chat-keepalive", "0.05", "--chat-orphan-grace", "600", "--api-key-file", key_file(tmp_path)]
+    page = text_page(size=(240, 90), lines=1)
+    bodies = [mineru_body(page, f"{prompt_for('text')} {n}", max_tokens=LONG) for n in range(6)]
+    with running_server(tiny_model, tmp_path, *args) as s:
+        with stream(s, bodies[0], "mallory") as generating:
+            held = [first_token(generating)]
+            with stream(s, bodies[1], "mallory") as second:
+                held.append(second.iter_lines())
+                assert next(held[-1]).startswith("data: {")  # admitted: it has the other place
+                with contextlib.ExitStack() as waiting:
+                    queued = [waiting.enter_context(stream(s, body, "mallory")).iter_lines() for body in bodies[2:]]
+                    assert all(next(lines).startswith("data: {") for lines in queued)
+                    wait_for_metric(s, "mineru_fast_chat_queued", 4)
+                    del queued
+                wait_for_metric(s, "mineru_fast_chat_requests_in_flight", 2)  # the four clients are gone
+                samples = metrics(s)
+                assert (
+                    samples["mineru_fast_chat_queued"] == 0 and samples["mineru_fast_chat_generations_in_flight"] == 2
+                )
+                assert samples['mineru_fast_chat_orphans_cancelled_total{when="queued"}'] == 4
+                del held[1]
+            wait_for_metric(s, "mineru_fast_chat_requests_in_flight", 1)
+            del held
+        wait_for_metric(s, "mineru_fast_chat_requests_in_flight", 0)
+        samples = metrics(s)
+        assert samples["mineru_fast_chat_orphans"] == 2 and samples["mineru_fast_chat_generations_in_flight"] == 2
+        answer = post(s, mineru_body(CROP, prompt_for("text"), max_tokens=8), key="bob")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        samples = metrics(s)
+        assert samples['mineru_fast_chat_orphans_cancelled_total{when="yielded"}'] == 2
+        assert samples["mineru_fast_chat_orphans"] == 0 and samples["mineru_fast_chat_generations_in_flight"] == 0
+        assert samples['mineru_fast_chat_requests_total{status="499"}'] == 6
+        assert samples['mineru_fast_chat_requests_total{status="200"}'] == 1

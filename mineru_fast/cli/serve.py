@@ -124,7 +124,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="a chat generation whose clients all left runs this long for a re-send to join it (default: 10)",
+        help="a running chat generation whose clients all left runs this long for a re-send to join it, "
+        "while no other request waits (default: 10)",
     )
     v.add_argument(
         "--chat-replay", type=Path, metavar="FILE", help="recorded chat answers to replay (tests, benchmarks)"

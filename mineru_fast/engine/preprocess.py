@@ -142,6 +142,20 @@ class Preprocessor:
         forced = self.forced_ids(request.forced_text) if request.forced_text is not None else None
         return EncodedRequest(torch.tensor(ids, dtype=torch.long), pixel_values, grid, forced)
 
+    def prompt_length(self, request: GenerationRequest, image_size: tuple[int, int]) -> int:
+        """The number of prompt ids ``encode`` makes for ``request`` were its image ``image_size``
+        (width, height in pixels), without processing any image (``request.image`` is not read).
+
+        Raises:
+            ValueError: the image processor refuses that size (e.g. an edge ratio above 200).
+        """
+        width, height = self.image_processor.target_size(*image_size)
+        window = self.image_processor.patch_size * self.merge_size  # the pixels of one image token
+        pieces = self._template_pieces(request)
+        controls = sum(len(p) for p in pieces if isinstance(p, list))
+        texts = self.plain_text_ids([p for p in pieces if isinstance(p, str)])
+        return controls + sum(len(ids) for ids in texts) + width * height // window**2
+
     def _template_pieces(self, request: GenerationRequest) -> list[str | list[int] | None]:
         """``chat_prompt(request)`` as control-token ids (lists), the place of the image pads
         (None) and the text between them (strings, to be tokenized as plain text)."""

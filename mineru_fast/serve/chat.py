@@ -56,6 +56,7 @@ from mineru_fast.serve.errors import ApiError, error_body
 from mineru_fast.serve.jobs import CostBudget
 
 if TYPE_CHECKING:
+    from mineru_fast.engine.preprocess import Preprocessor
     from mineru_fast.pipeline.parser import DocumentParser
     from mineru_fast.serve.service import Service
 
@@ -65,6 +66,8 @@ __all__ = [
     "ChatImageDecoder",
     "ChatReplay",
     "plan_request",
+    "prompt_tokens",
+    "check_prompt_length",
     "to_generation_request",
     "completion_body",
     "chunk_body",
@@ -93,6 +96,9 @@ class _Message(BaseModel):
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings per request (OpenAI's bound) and characters in one
 _Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# ``priority`` from 0, the parse jobs' own (lower goes first: no request is put before them and before
+# every other key's requests), to int32's largest (MinerU's client sends a page's index).
+MAX_PRIORITY = 2**31 - 1
 
 
 class ChatRequest(BaseModel):
@@ -114,7 +120,7 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=1)
-    priority: int = 0
+    priority: int = Field(default=0, ge=0, le=MAX_PRIORITY)
     vllm_xargs: dict[str, Any] | None = None
     stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = None
 
@@ -173,8 +179,11 @@ class ChatImageDecoder:
         self.reserve(data)
         return self.decode(data)
 
-    def reserve(self, data: bytes) -> None:
+    def reserve(self, data: bytes) -> tuple[int, int]:
         """Take the image's cost from the budget (headers read, nothing decoded).
+
+        Returns:
+            ``(width, height)`` in pixels of the image ``decode`` will return.
 
         Raises:
             ApiError: 400 ``bad_image`` for a PDF or more than one frame, 413 ``image_too_large`` when it
@@ -190,11 +199,14 @@ class ChatImageDecoder:
                 if opened.page_count != 1:
                     raise ApiError(400, "bad_image", f"the image must have one frame, it has {opened.page_count}")
                 peak, kept = opened.page_cost(0)
+                width, height = opened.page_size(0)
+                scale = min(1.0, opened.max_side / max(width, height))  # as ``render`` caps the long side
         except InputError as exc:
             raise ApiError(422, "bad_image", f"the image cannot be used: {exc}") from exc
         model_input = ENGINE_BYTES_PER_PIXEL * min(kept // RGB_BYTES_PER_PIXEL, self.model_max_pixels)
         self._take(peak + model_input)
         self._decode_extra = peak - kept
+        return max(1, round(width * scale)), max(1, round(height * scale))
 
     def decode(self, data: bytes) -> Image.Image:
         """The RGB image in ``data`` (long side at most ``inputs.DEFAULT_MAX_SIDE``), once reserved.
@@ -373,6 +385,42 @@ def plan_request(body: ChatRequest, max_new_tokens: int) -> ChatPlan:
     )
 
 
+_TEMPLATE_ONLY = Image.new("RGB", (1, 1))  # the image of a request whose template alone is read
+
+
+def prompt_tokens(plan: ChatPlan, preprocessor: Preprocessor, size: tuple[int, int]) -> int:
+    """The prompt's length in tokens as the engine encodes it (``Preprocessor.encode``), the image
+    not decoded: the chat template's text, control tokens typed in it counted as characters, and
+    the image tokens of a ``size`` (width, height in pixels) image.
+
+    Raises:
+        ApiError: 400 ``bad_image`` when the image processor refuses that size (its edge ratio).
+    """
+    try:
+        return preprocessor.prompt_length(plan.request(_TEMPLATE_ONLY), size)
+    except ValueError as exc:
+        raise ApiError(400, "bad_image", f"the image cannot be used: {exc}") from None
+
+
+def check_prompt_length(plan: ChatPlan, preprocessor: Preprocessor, size: tuple[int, int], max_seq_len: int) -> None:
+    """Refuse a request whose prompt (``prompt_tokens``, the image ``size`` pixels) and
+    ``max_tokens`` together are more than ``max_seq_len``, the tokens one engine sequence holds.
+    The engine refuses it too, but only once it has waited for a place (past ``chat_keepalive``,
+    in the body of a ``200``).
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded`` (OpenAI's code); as ``prompt_tokens``.
+    """
+    prompt, bound = prompt_tokens(plan, preprocessor, size), plan.sampling.max_new_tokens
+    if prompt + bound > max_seq_len:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"the prompt has {prompt} tokens (the image's included) and max_tokens is {bound}: more than "
+            f"the {max_seq_len} tokens this server holds per request; send a shorter prompt or max_tokens",
+        )
+
+
 def to_generation_request(body: ChatRequest, max_new_tokens: int, decode: ChatImageDecoder) -> GenerationRequest:
     """The engine request of a chat request: ``plan_request``, then its image decoded (last, once
     the rest is checked) within the service's budget by ``decode``.
@@ -543,14 +591,17 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
 
     Requests skip the job queue (as on a vLLM server): each generation is one engine request,
     batched with the parse jobs' requests, admitted by ``ChatAdmission`` (the decode budget bounds
-    the queue: ``429`` only when it is full; at most ``max_chat_requests`` requests in flight; twins
-    share a generation; twice the engine's slots in the engine at once). An answer not ready within
-    ``chat_keepalive`` seconds is sent as a stream: ``200`` and its headers at once, a space (JSON
-    allows leading whitespace) every ``chat_keepalive`` seconds, then the JSON body, so a client's
-    read timeout (MinerU's ``http_timeout``) counts from the last byte, not from the request; an
-    error after that is the body ``{"object": "error", "error": {...}, "status": N}``. ``stream``
-    answers are server-sent events as tokens come (``: keepalive`` comments while queued). A
-    client that disconnects, or a handler cancelled, leaves its generation (``ChatAdmission.leave``).
+    the queue: ``429`` only when it is full; at most ``max_chat_requests`` requests in flight,
+    orphaned generations included; twins of one API key share a generation; twice the engine's
+    slots in the engine at once). A prompt that does not fit the engine's sequence length with its
+    ``max_tokens`` is refused ``400 context_length_exceeded`` before it is queued. An answer not
+    ready within ``chat_keepalive`` seconds is sent as a stream: ``200`` and its headers at once, a
+    space (JSON allows leading whitespace) every ``chat_keepalive`` seconds, then the JSON body, so
+    a client's read timeout (MinerU's ``http_timeout``) counts from the last byte, not from the
+    request; an error after that is the body ``{"object": "error", "error": {...}, "status": N}``.
+    ``stream`` answers are server-sent events as tokens come (``: keepalive`` comments while
+    queued). A client that disconnects, or a handler cancelled, leaves its generation
+    (``ChatAdmission.leave``).
     Keys, limits, metrics and errors are the service's.
     """
     config = service.config
@@ -563,23 +614,35 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
     replay = ChatReplay(config.chat_replay) if config.chat_replay is not None else None
     decoding = asyncio.Semaphore(config.workers)  # images decoded at once (CPU), each within the budget
 
-    def planned(body: ChatRequest, bound: int) -> tuple[ChatPlan, str]:
+    def planned(body: ChatRequest, bound: int, owner: str | None) -> tuple[ChatPlan, str]:
         plan = plan_request(body, bound)
         plan = replay.forced(plan) if replay is not None else plan
-        return plan, plan.key
+        return plan, f"{owner or ''}:{plan.key}"  # twins within one API key (a key's name has no ':')
 
-    async def admit(body: ChatRequest, parser: DocumentParser) -> ChatGeneration:
-        """The generation this request waits for: a twin's, or a new one admitted in the budget."""
+    async def admit(body: ChatRequest, parser: DocumentParser, owner: str | None) -> ChatGeneration:
+        """The generation this request of API key ``owner`` waits for: a twin's, or a new one
+        admitted in the budget once its prompt is known to fit the engine."""
         options = parser.options
         bound = max(options.sampling(task).max_new_tokens for task in ("layout", "text", "table", "equation"))
-        plan, key = await run_in_threadpool(planned, body, bound)
+        plan, key = await run_in_threadpool(planned, body, bound, owner)
         generation = admission.join(key)
         if generation is not None:
             return generation
         pre = parser.engine.preprocessor
         model_pixels = pre.image_processor.max_pixels
         decoder = ChatImageDecoder(service.require_ready().budget, options.max_image_pixels, model_pixels)
-        await run_in_threadpool(decoder.reserve, plan.image_data)
+        max_seq_len = getattr(parser.engine, "max_seq_len", None)  # the fast engine's; the reference one has none
+
+        def reserve() -> None:
+            size = decoder.reserve(plan.image_data)
+            if max_seq_len is not None:
+                try:
+                    check_prompt_length(plan, pre, size, max_seq_len)
+                except ApiError:
+                    decoder.release()
+                    raise
+
+        await run_in_threadpool(reserve)
         generation = admission.join(key)  # a twin may have started while the header was read
         if generation is not None:
             decoder.release()
@@ -606,7 +669,7 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
         parser = service.require_parser()
         admission.enter()
         try:
-            generation = await admit(body, parser)
+            generation = await admit(body, parser, request.state.api_key)
         except ApiError as exc:
             admission.exit(exc.status)
             raise

@@ -8,12 +8,15 @@ image's headers) is reserved in the service's decode budget, or it is refused ``
 engine places (lower ``priority`` first, then arrival order) and only then has its image decoded
 and submitted, so a queue of requests holds their bodies and reservations, not decoded pixels.
 
-Requests whose generation-defining inputs are equal (``ChatPlan.key``: the image bytes, prompts,
-sampling, bounds, stop strings) while one of them is queued or running are *twins*: the later ones
-join the first one's ``ChatGeneration`` instead of decoding it again (a client's re-send after a
-timeout, the same crop twice in a document), and every waiter gets the same tokens. A generation
-is cancelled only once no waiter is left, after ``orphan_grace`` seconds (time for a re-send to
-join it).
+Requests of one API key whose generation-defining inputs are equal (``ChatPlan.key``: the image
+bytes, prompts, sampling, bounds, stop strings) while one of them is queued or running are *twins*:
+the later ones join the first one's ``ChatGeneration`` instead of decoding it again (a client's
+re-send after a timeout, the same crop twice in a document), and every waiter gets the same tokens.
+A generation whose last waiter has gone is an *orphan*: dropped at once while it still waits for a
+place; once it has one, it keeps running for ``orphan_grace`` seconds (time for a re-send to join
+it) only while no generation with a waiter waits (for a place, or for its first token: the
+engine's slots are fewer than the places), and it counts against ``max_requests`` until it has
+ended. Orphans therefore run on idle capacity only, and at most one per place.
 
 Everything here runs on the event loop's thread; the engine's thread only calls the token waker,
 through ``loop.call_soon_threadsafe``.
@@ -47,7 +50,7 @@ class ChatGeneration:
     """One engine generation and the chat requests waiting for it.
 
     Attributes:
-        key: the twin key (``ChatPlan.key``).
+        key: the twin key (the API key's name and ``ChatPlan.key``).
         priority: the first request's priority (lower first).
         release: gives back the generation's budget reservation (called once, when it ends).
         waiters: requests waiting for it now.
@@ -55,6 +58,7 @@ class ChatGeneration:
         result: the engine's result once done (None on ``error``).
         error: why it ended without a result.
         done: set when it ended (``result`` or ``error`` set).
+        generating: the engine has reported a token (or it ended).
     """
 
     key: str
@@ -66,6 +70,7 @@ class ChatGeneration:
     error: ApiError | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
+    generating: bool = False
     placed: asyncio.Event = field(default_factory=asyncio.Event)
     wakers: set[asyncio.Event] = field(default_factory=set)
     _wake_pending: bool = False
@@ -73,6 +78,7 @@ class ChatGeneration:
     def wake(self) -> None:
         """Tell every streaming waiter that tokens came (or the generation ended)."""
         self._wake_pending = False
+        self.generating = True
         for waker in self.wakers:
             waker.set()
 
@@ -99,9 +105,10 @@ class ChatAdmission:
 
     Args:
         places: generations in the engine at once (submitted, not yet finished).
-        max_requests: chat requests in flight at once (waiting or answered), an outer bound; beyond
-            it ``429 too_many_chat_requests``.
-        orphan_grace: seconds a generation without waiters keeps running before it is cancelled.
+        max_requests: chat requests in flight at once (waiting or answered) plus orphans still
+            running, an outer bound; beyond it ``429 too_many_chat_requests``.
+        orphan_grace: seconds a running generation without waiters keeps running before it is
+            cancelled (sooner when a generation with a waiter waits).
         registry: where the door's metrics go.
     """
 
@@ -109,6 +116,7 @@ class ChatAdmission:
         self.places, self.max_requests, self.orphan_grace = places, max_requests, orphan_grace
         self.in_flight = 0  # requests
         self._holders: set[ChatGeneration] = set()  # generations holding a place
+        self._orphans: set[ChatGeneration] = set()  # holders without waiters, until they end
         self.generations: dict[str, ChatGeneration] = {}  # queued or running, by key
         self._queue: list[tuple[int, int, ChatGeneration]] = []
         self._order = itertools.count()
@@ -121,13 +129,23 @@ class ChatAdmission:
             lambda: float(len(self.generations))
         )
         Gauge("mineru_fast_chat_queued", "Chat generations waiting for an engine place", registry=r).set_function(
-            lambda: float(sum(1 for _, _, g in self._queue if not g.cancelled))
+            lambda: float(len(self._queue))
+        )
+        Gauge("mineru_fast_chat_orphans", "Chat generations running with no request waiting", registry=r).set_function(
+            lambda: float(len(self._orphans))
         )
         self.outcomes = Counter(
             "mineru_fast_chat_requests", "Chat completions by the status they were answered", ["status"], registry=r
         )
         self.started = Counter("mineru_fast_chat_generations_started", "Chat generations submitted", registry=r)
         self.joins = Counter("mineru_fast_chat_twin_joins", "Chat requests that joined a running twin", registry=r)
+        self.orphans_cancelled = Counter(
+            "mineru_fast_chat_orphans_cancelled",
+            "Chat generations cancelled once no request waited, by when: queued (at once), "
+            "yielded (a generation with a waiter waited), grace (orphan_grace passed)",
+            ["when"],
+            registry=r,
+        )
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -135,9 +153,10 @@ class ChatAdmission:
         """Count a request in.
 
         Raises:
-            ApiError: 429 ``too_many_chat_requests`` beyond ``max_requests``.
+            ApiError: 429 ``too_many_chat_requests`` once the requests in flight and the orphans
+                still running number ``max_requests``.
         """
-        if self.in_flight >= self.max_requests:
+        if self.in_flight + len(self._orphans) >= self.max_requests:
             raise ApiError(429, "too_many_chat_requests", "too many chat requests in flight", {"Retry-After": "1"})
         self.in_flight += 1
 
@@ -154,6 +173,7 @@ class ChatAdmission:
         if generation is None or generation.cancelled:
             return None
         generation.waiters += 1
+        self._orphans.discard(generation)
         self.joins.inc()
         return generation
 
@@ -161,30 +181,42 @@ class ChatAdmission:
         """A new generation of ``key`` with one waiter: queued for a place, then ``run``."""
         generation = ChatGeneration(key, priority, release, waiters=1)
         self.generations[key] = generation
+        heapq.heappush(self._queue, (generation.priority, next(self._order), generation))
+        self._grant()
         task = asyncio.get_running_loop().create_task(self._run(generation, run))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return generation
 
     def leave(self, generation: ChatGeneration) -> None:
-        """One waiter less; the last one gone, the generation is cancelled after ``orphan_grace``
-        seconds unless a twin joined meanwhile."""
+        """One waiter less. The last one gone, a queued generation is dropped at once; a running one
+        is cancelled after ``orphan_grace`` seconds unless a twin joined meanwhile, or as soon as a
+        generation with a waiter waits."""
         generation.waiters -= 1
         if generation.waiters > 0 or generation.done.is_set():
             return
+        if not generation.placed.is_set():
+            self._queue = [entry for entry in self._queue if entry[2] is not generation]
+            heapq.heapify(self._queue)
+            self._cancel_orphan(generation, "queued")
+            return
+        self._orphans.add(generation)
+        self._grant()
 
         def cancel_if_orphaned() -> None:
-            if generation.waiters == 0 and not generation.done.is_set():
-                generation.cancel()
-                if self.generations.get(generation.key) is generation:
-                    del self.generations[generation.key]
+            if generation.waiters == 0 and not generation.done.is_set() and not generation.cancelled:
+                self._cancel_orphan(generation, "grace")
 
         asyncio.get_running_loop().call_later(self.orphan_grace, cancel_if_orphaned)
 
+    def _cancel_orphan(self, generation: ChatGeneration, when: str) -> None:
+        generation.cancel()
+        self.orphans_cancelled.labels(when=when).inc()
+        if self.generations.get(generation.key) is generation:
+            del self.generations[generation.key]
+
     async def _run(self, generation: ChatGeneration, run: Runner) -> None:
         try:
-            heapq.heappush(self._queue, (generation.priority, next(self._order), generation))
-            self._grant()
             await generation.placed.wait()
             handle = None if generation.cancelled else await run(generation)
             if handle is None:
@@ -201,6 +233,7 @@ class ChatAdmission:
             logger.exception("chat generation failed")
             generation.error = ApiError(500, "internal_error", "the server failed to run the request; see its logs")
         finally:
+            self._orphans.discard(generation)
             if generation in self._holders:
                 self._holders.discard(generation)
                 self._grant()
@@ -211,10 +244,13 @@ class ChatAdmission:
             generation.wake()
 
     def _grant(self) -> None:
-        """Give free places to the queue's first generations (cancelled ones are dropped)."""
+        """Give free places to the queue's first generations. While a generation with a waiter
+        waits, for a place or for its first token, running orphans yield (cancelled: their places
+        and engine slots are taken once they have ended)."""
         while self._queue and len(self._holders) < self.places:
             _, _, generation = heapq.heappop(self._queue)
-            if generation.cancelled:
-                continue
             self._holders.add(generation)
             generation.placed.set()
+        if self._queue or any(holder.waiters and not holder.generating for holder in self._holders):
+            for orphan in [orphan for orphan in self._orphans if not orphan.cancelled]:
+                self._cancel_orphan(orphan, "yielded")

@@ -74,8 +74,10 @@ class ServeConfig:
         chat_keepalive: seconds a chat answer may take before it is sent as a stream: ``200`` at
             once, then a space (JSON) or a ``: keepalive`` comment (SSE) every this many seconds
             until the answer, so a client's read timeout never fires on a queued request.
-        chat_orphan_grace: seconds a chat generation keeps running once every request waiting
-            for it has gone, so a client's re-send of the same body joins it; then it is cancelled.
+        chat_orphan_grace: seconds a running chat generation keeps going once every request
+            waiting for it has gone (an orphan), so a client's re-send of the same body joins it,
+            while no other request waits for a place or a first token; then it is cancelled. A
+            queued orphan is dropped at once; orphans count against ``max_chat_requests``.
         chat_replay: a file of recorded chat answers to replay (``chat.ChatReplay``; tests and
             benchmarks); None = decode.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
