@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -685,6 +686,13 @@ def add_mineru_routes(app: FastAPI, service: Service) -> None:
     its uploads are ``app.state.mineru_files`` (see ``MineruDoor``)."""
     door = MineruDoor(service)
     app.state.mineru_files = door.files
+    registry = service.metrics.registry
+    Gauge(
+        "mineru_fast_upload_bytes_held", "Bytes the v1 upload store holds (sent uploads, files)", registry=registry
+    ).set_function(lambda: float(door.files.held_bytes()))
+    Gauge("mineru_fast_upload_records", "Uploads and files the v1 upload store keeps", registry=registry).set_function(
+        lambda: float(door.files.records())
+    )
 
     # -- health --------------------------------------------------------------------------------------
     @app.get("/v1/health")

@@ -285,6 +285,12 @@ class FileStore:
             self._expire_locked()
             return self._held_locked(owner)
 
+    def records(self) -> int:
+        """Uploads and files kept now (expired ones dropped first)."""
+        with self._lock:
+            self._expire_locked()
+            return self._records_locked()
+
     def _owned(self, owner: str | None | EllipsisType) -> tuple[list[Upload], list[SourceFile]]:
         """The uploads and files of ``owner`` (all of them for ``...``)."""
         uploads, files = list(self._uploads.values()), list(self._files.values())
