@@ -21,8 +21,9 @@ with SIGTERM and times the drain. It prints one JSON report and exits 1 when a c
     python benchmarks/soak.py [--minutes 30] [--clients 4] [--model DIR] [--shared ../shared]
                               [--rss-growth-mb 150] [--health-p99-ms 1000] [--report soak.json]
 
-The RSS bound is on the growth after warm-up (the first fifth of the run): the largest sample of
-the rest against the median of the warm-up's last samples.
+The RSS bound is on the drift after warm-up: the median of the last fifth of the run's samples
+against the median of the second fifth (a leak moves it; a hostile file's decode, the 39-megapixel
+PNG's ~0.5 GB inside the decode budget, is a peak of one sample, reported as the largest).
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ class Soak:
     def client(self, key: str, timeout: float = 300) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": KEYS[key]}, timeout=timeout)
 
+    def send(self, http: httpx.Client, method: str, url: str, **kwargs) -> httpx.Response:
+        """A request, sent again after its ``Retry-After`` (at most 10 s, 5 tries) while it is
+        answered ``429``, as MinerU's client does: a full queue is an answer to wait on, not a failure."""
+        for _ in range(5):
+            response = http.request(method, url, **kwargs)
+            if response.status_code != 429:
+                return response
+            self.counts["retried_429"] += 1
+            time.sleep(min(10.0, float(response.headers.get("Retry-After", "1"))))
+        return response
+
     def check(self, kind: str, response: httpx.Response, ok: tuple[int, ...] = (200,)) -> None:
         self.counts[f"{kind}:{response.status_code}"] += 1
         if response.status_code not in ok:
@@ -112,7 +124,7 @@ class Soak:
     def parse(self, http: httpx.Client, rng: random.Random) -> None:
         name = rng.choice(sorted(self.corpus))
         files = {"file": (name, self.corpus[name])}
-        response = http.post("/v1/document/parse", files=files, data={"pages": "1-2"})
+        response = self.send(http, "POST", "/v1/document/parse", files=files, data={"pages": "1-2"})
         code = response.json().get("error", {}).get("code") if response.status_code >= 400 else None
         seen = (response.status_code, code)
         with self.lock:
@@ -129,7 +141,7 @@ class Soak:
         return {"model": "mineru", "messages": [{"role": "user", "content": user}], "max_tokens": 16, "stream": stream}
 
     def chat(self, http: httpx.Client, rng: random.Random) -> None:
-        self.check("chat", http.post("/v1/chat/completions", json=self.chat_body(False)))
+        self.check("chat", self.send(http, "POST", "/v1/chat/completions", json=self.chat_body(False)))
 
     def chat_stream(self, http: httpx.Client, rng: random.Random) -> None:
         with http.stream("POST", "/v1/chat/completions", json=self.chat_body(True)) as response:
@@ -149,27 +161,29 @@ class Soak:
         data = self.pdf + f"% {rng.random()}\n".encode()  # bytes of its own: each upload is PUT
         declared = {"filename": "soak.pdf", "bytes": len(data), "mime_type": "application/pdf"}
         declared["sha256sum"] = hashlib.sha256(data).hexdigest()
-        created = http.post("/v1/uploads", json=declared)
+        created = self.send(http, "POST", "/v1/uploads", json=declared)
         self.check("upload", created)
         if created.status_code != 200:
             return
         body = created.json()
         if body["status"] != "completed":
-            self.check("upload_put", http.put(body["upload_url"], content=data, headers=body["upload_headers"]))
-            done = http.post(f"/v1/uploads/{body['id']}/complete")
+            self.check(
+                "upload_put", self.send(http, "PUT", body["upload_url"], content=data, headers=body["upload_headers"])
+            )
+            done = self.send(http, "POST", f"/v1/uploads/{body['id']}/complete")
             self.check("upload_complete", done)
             if done.status_code != 200:
                 return
             body = done.json()
         file_id = body["file"]["id"]
         source = {"source": {"type": "file_id", "file_id": file_id}}
-        job = http.post("/v1/parse/jobs", json={"files": [source], "output_formats": ["markdown"]})
+        job = self.send(http, "POST", "/v1/parse/jobs", json={"files": [source], "output_formats": ["markdown"]})
         self.check("parse_job", job, (202,))
         if job.status_code != 202:
             return
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            state = http.get(f"/v1/parse/jobs/{job.json()['job_id']}").json()
+            state = self.send(http, "GET", f"/v1/parse/jobs/{job.json()['job_id']}").json()
             if state["status"] not in ("queued", "running"):
                 self.counts[f"parse_job:{state['status']}"] += 1
                 if state["status"] != "completed":
@@ -180,7 +194,9 @@ class Soak:
 
     def task_raw(self, http: httpx.Client, rng: random.Random) -> None:
         headers = {"Content-Type": "application/octet-stream"}
-        response = http.post("/v1/tasks", content=self.pdf, params={"filename": "raw.pdf"}, headers=headers)
+        response = self.send(
+            http, "POST", "/v1/tasks", content=self.pdf, params={"filename": "raw.pdf"}, headers=headers
+        )
         self.check("task_raw", response, (200, 202))
 
     def put_cut(self, http: httpx.Client, rng: random.Random) -> None:
@@ -309,21 +325,22 @@ def main() -> int:
     drain_s = time.monotonic() - began
     if code != 0:
         soak.fail(f"drain: exit code {code}")
-    warm = [s for s in samples if s[0] >= args.minutes / 5]
-    warmup_tail = [s[1] for s in samples if s[0] < args.minutes / 5][-5:] or [samples[0][1]]
-    growth = max(s[1] for s in warm) - statistics.median(warmup_tail) if warm else 0.0
+    fifth = args.minutes / 5
+    second = [s[1] for s in samples if fifth <= s[0] < 2 * fifth] or [samples[0][1]]
+    last = [s[1] for s in samples if s[0] >= 4 * fifth] or [samples[-1][1]]
+    growth = statistics.median(last) - statistics.median(second)
     health_ms = sorted(s[2] for s in samples)
     p99 = health_ms[min(len(health_ms) - 1, int(0.99 * len(health_ms)))]
     if growth > args.rss_growth_mb:
-        soak.fail(f"RSS grew {growth:.0f} MB after warm-up (bound {args.rss_growth_mb:g})")
+        soak.fail(f"RSS drifted {growth:.0f} MB after warm-up (bound {args.rss_growth_mb:g})")
     if p99 > args.health_p99_ms:
         soak.fail(f"/health p99 {p99:.0f} ms (bound {args.health_p99_ms:g})")
     report = {
         "minutes": args.minutes, "clients": args.clients, "requests": sum(soak.counts.values()),
         "counts": dict(sorted(soak.counts.items())), "expected_by_file": {k: list(v) for k, v in soak.expected.items()},
-        "rss_mb": {"start": samples[0][1], "warmup_median": statistics.median(warmup_tail),
-                   "max_after_warmup": max((s[1] for s in warm), default=None), "end": samples[-1][1],
-                   "growth_after_warmup": growth},
+        "rss_mb": {"start": samples[0][1], "median_second_fifth": statistics.median(second),
+                   "median_last_fifth": statistics.median(last), "max": max(s[1] for s in samples),
+                   "end": samples[-1][1], "drift_after_warmup": growth},
         "health_ms": {"p50": statistics.median(health_ms), "p99": p99, "max": health_ms[-1]},
         "gauges_after": state, "drain_s": drain_s, "exit_code": code, "failures": soak.failures,
         "server_log": str(work / "server.log"),
