@@ -213,6 +213,15 @@ def test_without_the_kernel_gemv_is_onednn(monkeypatch):
         kernels.int8_gemv_status.cache_clear()
 
 
+def a_start() -> kernels.KernelStatus:
+    """``int8_gemv_status`` as a new process would find it (the cached status cleared before and after)."""
+    kernels.int8_gemv_status.cache_clear()
+    try:
+        return kernels.int8_gemv_status()
+    finally:
+        kernels.int8_gemv_status.cache_clear()
+
+
 def fake_vnni(monkeypatch, extensions: Path) -> None:
     """A CPU class with AVX-512 VNNI and an empty extension folder, whatever this machine is."""
     monkeypatch.delenv(kernels.OWN_KERNELS_ENV, raising=False)
@@ -234,13 +243,7 @@ def test_a_failed_build_leaves_onednn_with_the_reason_and_is_not_retried(monkeyp
 
     fake_vnni(monkeypatch, tmp_path)
     monkeypatch.setattr(cpp_extension, "load", failing_compiler)
-    kernels.int8_gemv_status.cache_clear()
-    try:
-        first = kernels.int8_gemv_status()
-        kernels.int8_gemv_status.cache_clear()  # the next start
-        second = kernels.int8_gemv_status()
-    finally:
-        kernels.int8_gemv_status.cache_clear()
+    first, second = a_start(), a_start()  # a start, then the next one
     assert first.op is None and first.reason == (
         "own INT8 GEMV not built (RuntimeError: int8_block.cpp:12:3: error: 'x' was not declared)"
     )
@@ -289,11 +292,7 @@ kernels.int8_gemv_status()
     fake_vnni(monkeypatch, tmp_path)
     monkeypatch.setattr(kernels, "BUILD_WAIT_S", 30.0)  # on 44d1b50 the killed build's lock was waited for
     monkeypatch.setattr(cpp_extension, "load", recording_load)
-    kernels.int8_gemv_status.cache_clear()
-    try:
-        status = kernels.int8_gemv_status()
-    finally:
-        kernels.int8_gemv_status.cache_clear()
+    status = a_start()
     assert status.reason == "own INT8 GEMV not built (RuntimeError: stop here)"  # built again, not waited for
     assert len(seen) == 1 and Path(seen[0]).parent == build
     assert [p.name for p in build.iterdir() if p.name.startswith(".staging-")] == []  # the killed build's folder too
@@ -330,12 +329,8 @@ def test_a_built_library_damaged_on_disk_is_built_again_not_loaded(monkeypatch, 
         library.write_bytes(b"\x7fELF damaged")
         if record is not None:
             (build / f"{kernels.NAME}.so.sha256").write_text(record + "\n")
-        kernels.int8_gemv_status.cache_clear()
-        try:
-            with caplog.at_level("WARNING", logger=kernels.__name__):
-                status = kernels.int8_gemv_status()
-        finally:
-            kernels.int8_gemv_status.cache_clear()
+        with caplog.at_level("WARNING", logger=kernels.__name__):
+            status = a_start()
         assert status.reason == "own INT8 GEMV not built (RuntimeError: stop here)"  # built again, not loaded
         assert not library.exists() and "does not match the digest recorded" in caplog.text
         (build / "failed.txt").unlink()
@@ -382,12 +377,8 @@ def test_the_build_goes_to_torch_extensions_dir_and_a_first_build_is_announced(m
 
     fake_vnni(monkeypatch, tmp_path)
     monkeypatch.setattr(cpp_extension, "load", recording_load)
-    kernels.int8_gemv_status.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger=kernels.__name__):
-            status = kernels.int8_gemv_status()
-    finally:
-        kernels.int8_gemv_status.cache_clear()
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        status = a_start()
     staging = Path(seen["build_directory"])
     build = staging.parent
     assert status.op is None and build.parent.parent == tmp_path and build.name.startswith(kernels.NAME + "-")
