@@ -59,7 +59,7 @@ def _kernels(name: str, k: int, n: int, m: int, native_bf16: bool) -> dict:
     import torch
     from torch import nn
 
-    from mineru_fast.engine.kernels import int8_gemv_status
+    from mineru_fast.engine.kernels import kernel_status
     from mineru_fast.engine.quantize import BlockInt8Linear, GemvInt8Linear, Int8DynamicConfig, quantize_
 
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def _kernels(name: str, k: int, n: int, m: int, native_bf16: bool) -> dict:
         scale = w.abs().amax(1) / 127
         q = torch.round(w / scale[:, None]).to(torch.int8)
         out["weight_only"] = lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale).add_(linear.bias)
-    if name.startswith("lm.") and int8_gemv_status().block_op is not None:
+    if name.startswith("lm.") and kernel_status().block is not None:
         out["gemv"], out["block"] = GemvInt8Linear(linear), BlockInt8Linear(linear)
     return out
 

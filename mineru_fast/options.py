@@ -65,10 +65,10 @@ class ParserOptions:
         vision_quant / lm_quant / lm_head_quant: ``"none"``, ``"int8-dynamic"`` (int8 weights per
             output channel, activations per token or per tensor: ``int8_kernel``),
             ``"int8-block"`` (int8 weights and activations with one scale per 32 consecutive
-            input values, llama.cpp's Q8_0 granularity, on the own AVX-512 VNNI kernel; where it
-            is not built, those layers run ``"int8-dynamic"`` instead and ``engine.numerics``'
-            ``lm_int8_block`` says why), ``"int8-weight-only"`` or ``"bf16-weights"`` (bfloat16
-            storage, upcast per call: exact for bfloat16 checkpoints) for the vision linears, the
+            input values, llama.cpp's Q8_0 granularity, on the own kernel: the same arithmetic on
+            every CPU, its instruction-set path in ``engine.numerics``' ``lm_int8_block``),
+            ``"int8-weight-only"`` or ``"bf16-weights"`` (bfloat16 storage, upcast per call:
+            exact for bfloat16 checkpoints) for the vision linears, the
             LM linears and the LM head (fast engine only). Defaults: vision ``"int8-dynamic"``,
             LM and head ``"int8-block"``. On a trained Qwen2 LM of MinerU2.5's shape with real
             document text (benchmarks/README.md, "Numerics on a trained language model", 943

@@ -482,8 +482,8 @@ def test_a_document_whose_tasks_ran_under_different_runtimes_records_the_mix(tmp
     from mineru_fast.results.metadata import PACKAGE, SCHEMA_VERSION
 
     block = {"isa_class": "avx512_vnni", "engine": "fast", "precision": "fp32", "int8_kernel": "onednn",
-             "int8_reason": "x", "lm_int8_block": "own AVX-512 VNNI block-wise INT8 kernel"}  # fmt: skip
-    fallback = {**block, "lm_int8_block": "per-channel int8-dynamic instead: kernel not built"}
+             "int8_reason": "x", "lm_int8_block": "own block-wise INT8 kernel, avx512_vnni path"}  # fmt: skip
+    fallback = {**block, "lm_int8_block": "own kernels not loaded (ImportError: x): block-wise INT8 in PyTorch"}
 
     def done(name: str, index: int, pages: list[int], runtime: dict) -> _Outcome:
         source = {"name": name, "format": "pdf", "sha256": None, "page_count": 5, "pages": []}

@@ -54,7 +54,6 @@ def tiny_profile(tmp_path):
 @pytest.mark.slow
 def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsys):
     from mineru_fast.bench.run import main
-    from mineru_fast.engine.kernels import int8_gemv_status
     from mineru_fast.runtime.cpu import isa_class, read_topology
 
     assert main(str(tiny_model), True, 1, None, 2, tmp_path, plot=False, profile=tiny_profile) == 0
@@ -63,16 +62,15 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     cls = isa_class(read_topology().isa)
     baseline = "reference bf16" if cls.native_bf16 else "reference fp32"  # never emulated bf16
     # the shipped preset (vision on per-token oneDNN INT8 where nothing else is recorded, the LM on
-    # 32-value blocks where the own kernel is built), the LM's per-channel A/B and the other kernel
-    block = int8_gemv_status().block_op is not None
-    ab = ["  LM INT8 per channel / per token"] if block else []
-    assert [r["label"] for r in rows] == [baseline, "+ continuous batching", *ab, "  INT8 per tensor, torch.ao"]
+    # 32-value blocks), the LM's per-channel A/B and the other kernel
+    ab = "  LM INT8 per channel / per token"
+    assert [r["label"] for r in rows] == [baseline, "+ continuous batching", ab, "  INT8 per tensor, torch.ao"]
     assert rows[0]["pages"] == ["tiny"] and "data data data data" in rows[0]["markdown"]
-    assert [r["candidate"] for r in rows] == [None, "int8-onednn", *[None] * len(ab), "int8-torch_ao"]
+    assert [r["candidate"] for r in rows] == [None, "int8-onednn", None, "int8-torch_ao"]
     assert rows[1]["numerics"]["int8_kernel"] == "onednn" and rows[-1]["numerics"]["int8_kernel"] == "torch_ao"
     assert "lm_int8_block" in rows[1]["numerics"]
-    if block:  # the A/B row: per-channel INT8, its decode rows on the own GEMV
-        assert "lm_int8_block" not in rows[2]["numerics"] and "lm_decode_kernel" in rows[2]["numerics"]
+    # the A/B row: per-channel INT8, its decode rows on the own GEMV where the CPU has one
+    assert "lm_int8_block" not in rows[2]["numerics"] and "lm_decode_kernel" in rows[2]["numerics"]
     assert results["header"]["isa_class"] == cls.name
     check = results["auto_check"]
     assert check["auto_picks"] == "int8-onednn" and set(check["measured_s_per_page"]) == {
@@ -108,8 +106,7 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     # the rows ran on the warm cache; the shipped preset's memory table: its embedding is mapped
     memory = rows[1]["memory"]
     assert memory["prepared_from"] == "cache" and memory["embedding"]["mapped"]
-    head = "lm head (BlockInt8Linear)" if block else "lm head (OneDnnInt8Linear)"
-    assert memory["kv"]["reserved"] > 0 and memory["rss"] > 0 and head in memory["weights"]
+    assert memory["kv"]["reserved"] > 0 and memory["rss"] > 0 and "lm head (BlockInt8Linear)" in memory["weights"]
     assert "Memory of '+ continuous batching' after its pages" in out
 
 

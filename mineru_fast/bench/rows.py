@@ -62,12 +62,6 @@ class Row:
         kernel = self.overrides.get("int8_kernel")
         if kernel and kernel == choose_int8_kernel("auto", _topology()).value:
             return f"int8_kernel=auto runs {kernel} on this class: see '+ continuous batching'"
-        if self.overrides.get("lm_quant") == "int8-dynamic" and not kernel:
-            from mineru_fast.engine.kernels import int8_gemv_status
-
-            kernels = int8_gemv_status()
-            if kernels.block_op is None:  # the fast preset's LM is then per-channel INT8 itself
-                return f"the shipped row's LM is per-channel INT8 here ({kernels.reason}): see '+ continuous batching'"
         if self.overrides.get("backend") == "ipex":
             from mineru_fast.engine.backends import ipex_status
 

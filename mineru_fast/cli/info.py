@@ -87,7 +87,7 @@ def collect(topology: Topology | None = None) -> dict:
                 "reason": preset.reason,
             },
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
-            "lm_quant_fast": _fast_lm_quant(topology),
+            "lm_quant_fast": _fast_lm_quant(),
         },
         "prepared_cache": prepared_cache_summary(),
         "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
@@ -96,17 +96,13 @@ def collect(topology: Topology | None = None) -> dict:
     }
 
 
-def _fast_lm_quant(topology: Topology) -> dict[str, str]:
-    """What the fast preset's ``lm_quant="int8-block"`` runs on ``topology``, without building the kernel."""
-    from mineru_fast.engine.kernels import not_planned
+def _fast_lm_quant() -> dict[str, str]:
+    """What runs the fast preset's ``lm_quant="int8-block"`` here: the own kernel's path (the same
+    arithmetic on every path), or why its PyTorch form runs."""
+    from mineru_fast.engine.kernels import kernel_status
 
-    reason = not_planned(topology)
-    if reason is None:
-        return {
-            "quant": "int8-block",
-            "reason": "32-value INT8 scales on the own AVX-512 VNNI kernel (built on first use)",
-        }
-    return {"quant": "int8-dynamic", "reason": f"per-channel INT8 instead of 32-value blocks: {reason}"}
+    status = kernel_status()
+    return {"quant": "int8-block", "path": status.path or "pytorch", "reason": status.reason}
 
 
 def render(info: dict) -> str:

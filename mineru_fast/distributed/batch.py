@@ -48,8 +48,9 @@ documents whose outputs are complete. Progress: a line per document with pages/m
 
 Numerics. Each result row carries its actor's result metadata, whose ``runtime`` names what the
 actor runs (ISA class, precision, INT8 kernels), and the actors of one batch can differ (a node of
-another CPU class; an actor restarted after its block-wise INT8 kernel failed to load runs
-per-channel INT8). A document whose pages ran under more than one runtime is written all the same,
+another CPU class runs oneDNN's vision INT8 on other instructions, and the language model's block
+kernel on another path, whose arithmetic is the same). A document whose pages ran under more than
+one runtime is written all the same,
 and the mix is recorded (``assembly``): the outputs' ``metadata.runtimes`` and the manifest's
 ``runtimes`` list each runtime with its pages, and the driver logs the document, whatever
 ``quiet`` says.

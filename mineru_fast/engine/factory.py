@@ -2,8 +2,8 @@
 
 The built engine carries ``engine.numerics``: ``numerics.describe(options)`` (ISA class, precision,
 native or emulated bfloat16, INT8 kernel and why) for result metadata; where a part asks for
-block-wise INT8 (the fast preset's language model), ``lm_int8_block``: the own kernel that runs
-it, or why it is not built and the per-channel ``int8-dynamic`` layers that run instead; and,
+block-wise INT8 (the fast preset's language model), ``lm_int8_block``: the own kernel's
+instruction-set path that runs it, or why the PyTorch form of the same arithmetic runs; and,
 where the language model's per-channel INT8 is oneDNN's, ``lm_decode_kernel``: whether its
 decode rows run on the own GEMV (``engine.kernels``; the same numerics) or why not.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mineru_fast.engine.base import DTYPES
 from mineru_fast.engine.interface import Engine
-from mineru_fast.engine.kernels import int8_gemv_status
+from mineru_fast.engine.kernels import kernel_status
 from mineru_fast.engine.memory import pin_mmap_threshold
 from mineru_fast.engine.numerics import describe, warn_if_emulated_bf16
 from mineru_fast.engine.quantize import Bf16WeightsConfig, Int8BlockConfig, Int8DynamicConfig, Int8WeightOnlyConfig
@@ -72,13 +72,8 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
     configs = {**QUANT_CONFIGS, "int8-dynamic": Int8DynamicConfig(numerics["int8_kernel"] or "auto")}
     choice = choose_backend(options.backend)
     quants = {part: getattr(options, f"{part}_quant") for part in ("vision", "lm", "lm_head")}
-    if "int8-block" in quants.values():
-        status = int8_gemv_status()
-        if status.block_op is not None:
-            numerics["lm_int8_block"] = "own AVX-512 VNNI block-wise INT8 kernel (32-value scales), every row count"
-        else:  # the PyTorch form of its arithmetic is far slower than per-channel INT8 on oneDNN
-            numerics["lm_int8_block"] = f"per-channel int8-dynamic instead: {status.reason}"
-            quants = {part: "int8-dynamic" if q == "int8-block" else q for part, q in quants.items()}
+    if "int8-block" in quants.values():  # the same arithmetic on every machine: only its speed varies
+        numerics["lm_int8_block"] = kernel_status().reason
     int8_parts = {part: q in ("int8-dynamic", "int8-block") for part, q in quants.items()}
     ipex_int8 = choice.backend == "ipex" and choice.int8 == "ipex"
     if ipex_int8 and any(int8_parts.values()):
@@ -92,9 +87,9 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
     if options.int8_kernel == "auto" and numerics["int8_kernel"] == "onednn" and lm_per_channel and not ipex_int8:
         # The language model's decode rows on the own GEMV (oneDNN's numerics, bit for bit);
         # vision, all GEMMs of many rows, stays on oneDNN's prepacked kernel.
-        status = int8_gemv_status()
+        status = kernel_status()
         numerics["lm_decode_kernel"] = status.reason
-        if status.op is not None:
+        if status.gemv is not None:
             lm_configs = {**configs, "int8-dynamic": Int8DynamicConfig("gemv")}
 
     def quant(part: str) -> object | None:  # IPEX's INT8 starts from the float layer

@@ -1,239 +1,269 @@
-"""The engine's own compiled kernels: the per-token INT8 linear of decode steps (``csrc/int8_gemv.cpp``)
-and the block-wise INT8 linear of the language model (``csrc/int8_block.cpp``).
+"""The engine's own compiled kernels, built when the package is installed: the block-wise INT8 linear
+of the language model (``int8-block``, the fast preset's) and the per-token INT8 GEMV of decode rows
+(``int8-dynamic`` on the ``gemv`` backend).
 
-A decode step multiplies a few rows (one per live sequence) by every language-model weight, so it
-is bound by reading the weights once. oneDNN's prepacked INT8 GEMM, built for many rows, took
-about 1.5 times the time a weight read takes on one row, plus ~50 us of overhead a call (see
-``benchmarks/decode_step.py`` and benchmarks/README.md). The kernel
-here streams plain ``[out, in]`` int8 rows through AVX-512 VNNI dot products, 1 to 16 rows of
-activations at a time, and quantizes the activations itself; its arithmetic is the oneDNN path's
-(``quantize.OneDnnInt8Linear``) operation for operation, so its outputs are bit-identical to it.
+The C++ sources are in ``csrc/`` (``csrc/kernels.h`` states the block kernel's arithmetic), built by
+``setup.py`` into the extension module ``mineru_fast.engine._kernels`` (CPython's limited API, no
+PyTorch headers: tensors cross as raw pointers, so one build serves every PyTorch release). Every
+instruction-set path is compiled in, and the fastest one the CPU class allows runs:
 
-It is compiled once per machine with PyTorch's C++ extension builder (a C++ compiler and ninja are
-needed; about 30 s), into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), in a folder named by the digest of the source and the flags, so a
-change of either builds anew and installs of the same code share one build. One process at a time
-builds or loads it, holding an ``flock`` on ``build.flock`` there (the kernel releases it when its
-holder dies, even by SIGKILL, so a killed build never blocks the next start); the build runs in a
-private folder and only a finished library is renamed into place, its SHA-256 recorded beside it,
-so a killed build leaves nothing half-written that a later start would load, and a library
-damaged on disk (or without its record) is built again, never loaded. A process that finds the lock held waits for
-it, up to ``BUILD_WAIT_S``: processes started together (``launch`` instances, Ray actors) then all
-run the kernels, and so the same numerics (the block kernel's differ from its fallback's). A build
-that fails records its reason in ``failed.txt`` beside it, and later starts report that reason
-without building again, until the file is removed (or the sources change). The kernels are used
-only where the CPU class has AVX-512 VNNI (``cpu.isa_class``, caps included); elsewhere, when the
-build fails, or with ``MINERU_FAST_OWN_KERNELS=0``, the engine keeps oneDNN, with the reason
-reported by ``int8_gemv_status``.
+- ``avx512_vnni``: ``vpdpbusd`` on 16 outputs at a time (AVX-512 VNNI CPUs: Ice Lake and later
+  Xeons, AMD Zen 4 and later);
+- ``avx2``: ``vpmaddubsw`` + ``vpmaddwd`` (AVX2 + FMA CPUs: Haswell and later, AMD Zen 1 to 3);
+- ``portable``: plain C++ (any CPU).
 
-The block-wise linear (``quantize.BlockInt8Linear``) gives weights and activations one scale per
-32 consecutive input values, the granularity of llama.cpp's Q8_0, for any number of rows: it is
-the fast preset's language model (benchmarks/README.md, "Numerics on a trained language model").
-Both kernels are built together, as one extension.
+All three give the same bits for the block kernel (the same integers, the same float steps in the
+same order; tested), and so do this module's PyTorch form of that arithmetic
+(``quantize.block_int8_reference``), which runs only where the extension cannot be loaded or with
+``MINERU_FAST_OWN_KERNELS=0``: a layer's quantization never changes with the machine. The CPU class
+is ``runtime.cpu.isa_class`` (so the ISA caps ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` that
+simulate an older CPU lower the path too), and ``MINERU_FAST_KERNEL_PATH`` picks a lower path by
+name. The GEMV exists on the ``avx512_vnni`` path only; elsewhere ``torch._int_mm`` gives its
+outputs (the same numerics, see ``quantize.GemvInt8Linear``).
+
+A development checkout (where ``csrc/`` sits beside this file) checks that the module was built from
+the sources there (``SOURCE_DIGEST``, written by ``setup.py``): a stale build is not used, and the
+status says to run ``pip install -e .`` again.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
 import os
-import shutil
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-from mineru_fast.runtime.cpu import Topology, isa_class, read_topology
+from mineru_fast.runtime.cpu import ISA_CLASSES, Topology, isa_class, read_topology
 
 logger = logging.getLogger(__name__)
 
 OWN_KERNELS_ENV = "MINERU_FAST_OWN_KERNELS"
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int8_gemv.cpp", "int8_block.cpp"))
-# -ffp-contract=off: no multiply-add is fused unless the source says so (std::fma), where the
-# PyTorch operator it mirrors fuses it; that is what keeps the outputs bit-identical to oneDNN's path.
-# -fopenmp: ATen's parallel_for is inlined here and splits the rows over PyTorch's OpenMP threads
-# only when this file is compiled with OpenMP (without it, one thread does all the work).
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
-NAME = "mineru_fast_int8_gemv"
-BUILD_WAIT_S = 180.0  # longest wait for another process's build or load (a build takes ~30 s on 2 busy cores)
-LOCK_POLL_S = 0.2
-MAX_ROWS = 16  # rows of activations per call (csrc/int8_gemv.cpp's kMaxRows)
+PATH_ENV = "MINERU_FAST_KERNEL_PATH"
+PATHS = ("avx512_vnni", "avx2", "portable")  # fastest first; ids 2, 1, 0 in csrc/module.cpp
+_PATH_ID = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+_PATH_CLASS = {"avx512_vnni": "avx512_vnni", "avx2": "avx2", "portable": "baseline"}  # lowest ISA class of each
+CSRC = Path(__file__).parent / "csrc"
+MAX_ROWS = 16  # rows of activations per GEMV call (csrc/kernels.h's kGemvMaxRows)
+
+BlockLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
+GemvLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class KernelStatus:
-    """Whether the INT8 GEMV kernel is in use here, and why not when it is not.
+    """Which own kernels run here, and why not when they do not.
 
     Attributes:
-        op: the kernel, ``torch.ops.mineru_fast.int8_linear_rows(x [M, K] float32, weight [N, K]
-            int8, weight_sum [N] int32, weight_scale [N] float32, bias [N] float32 or None)
-            -> [M, N] float32`` for 1 <= M <= ``MAX_ROWS``, or None.
-        reason: one line: what runs, or why the kernel does not.
-        block_op: the block-wise kernel, ``torch.ops.mineru_fast.int8_block_linear(x [M, K]
-            float32, weight [N/16, K/4, 16, 4] uint8, weight_scale [N/16, K/32, 16] float32, bias
-            [N] float32 or None, n_size N) -> [M, N] float32`` for any M (layout:
-            ``quantize.BlockInt8Linear``), or None (built with ``op``: both or neither).
+        path: the block kernel's instruction-set path (one of ``PATHS``), or None when the
+            extension is not used (then ``block`` is None and ``quantize.block_int8_reference``, the
+            same arithmetic in PyTorch, runs).
+        reason: one line: what runs, or why the compiled kernels do not.
+        block: ``block(x [M, K] float32 contiguous, weight [N'/16, K'/4, 16, 4] uint8, weight_scale
+            [N'/16, K'/32, 16] float32, bias [N] float32 or None, n_size N) -> [M, N] float32`` for any
+            M (layout: ``quantize.BlockInt8Linear``; checked by ``check_block_weight``), or None.
+        gemv: ``gemv(x [M, K] float32 contiguous, weight [N, K] int8, weight_sum [N] int32,
+            weight_scale [N] float32, bias [N] float32 or None) -> [M, N] float32`` for
+            1 <= M <= ``MAX_ROWS`` (AVX-512 VNNI only), or None.
     """
 
-    op: Callable[..., torch.Tensor] | None
+    path: str | None
     reason: str
-    block_op: Callable[..., torch.Tensor] | None = None
+    block: BlockLinear | None = None
+    gemv: GemvLinear | None = None
 
 
-def _build_directory() -> Path:
-    """Where this source, built with these flags for this Python and PyTorch, lives: one folder per
-    content, so installs of the same code share one build and different code never shares one."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    content = b"".join(source.read_bytes() for source in SOURCES) + repr((CFLAGS, LDFLAGS)).encode()
-    digest = hashlib.sha256(content).hexdigest()[:12]
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag / f"{NAME}-{digest}"
-
-
-@contextmanager
-def _build_lock(build: Path, wait_s: float | None = None) -> Iterator[bool]:
-    """Hold the exclusive ``flock`` of ``build/build.flock`` while the body runs; yields whether it
-    was had within ``wait_s`` (default ``BUILD_WAIT_S``; polled every ``LOCK_POLL_S``). The lock
-    dies with its holder."""
-    build.mkdir(parents=True, exist_ok=True)
-    with open(build / "build.flock", "a+b") as handle:
-        deadline = time.monotonic() + (BUILD_WAIT_S if wait_s is None else wait_s)
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(LOCK_POLL_S)
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _compile(build: Path) -> None:
-    """Build and load the extension in a private folder under ``build`` (the sources copied there:
-    PyTorch's build file names their paths, so two checkouts of the same code share one build),
-    then rename the library into ``build``; what a killed build left is removed first. The caller
-    holds the build lock.
-
-    Raises:
-        Exception: whatever PyTorch's builder raises (no compiler or ninja, a failed compile).
-    """
-    from torch.utils.cpp_extension import load  # imports setuptools: only here
-
-    for left in build.glob(".staging-*"):  # a killed build's: no live build holds the lock
-        shutil.rmtree(left, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=build))
-    try:
-        sources = [staging / source.name for source in SOURCES]
-        for source, copy in zip(SOURCES, sources, strict=True):
-            copy.write_bytes(source.read_bytes())
-        load(
-            NAME,
-            [str(source) for source in sources],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(staging),
-            is_python_module=False,
-        )
-        (built,) = staging.glob(f"{NAME}*.so")  # PyTorch adds _v1.. to a name built again in one process
-        _digest_path(build / f"{NAME}.so").write_text(_sha256(built) + "\n", encoding="utf-8")
-        built.replace(build / f"{NAME}.so")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _digest_path(library: Path) -> Path:
-    return library.with_name(library.name + ".sha256")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _verified(library: Path) -> bool:
-    """Whether the built library's bytes are those whose SHA-256 its build recorded beside it (a
-    library without a record, or damaged on disk, is not loaded: it is built again)."""
-    try:
-        return _digest_path(library).read_text(encoding="utf-8").strip() == _sha256(library)
-    except OSError:
-        return False
-
-
-def _build_failure(exc: Exception) -> str:
-    """One line on a failed build or load: the error's type and the compiler's first error line
-    (PyTorch's message ends with a generic one), else its last line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    detail = next((line for line in lines if "error:" in line), lines[-1] if lines else "")
-    return f"own INT8 GEMV not built ({type(exc).__name__}: {detail[:200]})"
+def source_digest(csrc: Path | None = None) -> str:
+    """SHA-256 of the kernel sources in ``csrc`` (default ``CSRC``; names and bytes, in name order),
+    as ``setup.py`` records it in the module it builds."""
+    digest = hashlib.sha256()
+    for path in sorted((csrc or CSRC).iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _disabled() -> bool:
     return os.environ.get(OWN_KERNELS_ENV, "").strip().lower() in ("0", "off", "false", "no")
 
 
-def not_planned(topology: Topology | None = None) -> str | None:
-    """Why the own kernels are not used on ``topology`` (default: this machine) whatever the build
-    (turned off, or a CPU class without AVX-512 VNNI), or None: they are built on first use
-    (``int8_gemv_status``), which can still fail. Builds nothing."""
-    if _disabled():
-        return f"own INT8 GEMV off ({OWN_KERNELS_ENV}=0)"
-    cls = isa_class((topology or read_topology()).isa)
-    if not cls.vnni:
-        return f"own INT8 GEMV needs AVX-512 VNNI; this CPU class is {cls.name}"
-    return None
+def allowed_paths(topology: Topology | None = None) -> tuple[str, ...]:
+    """The paths (of ``PATHS``, fastest first) the CPU class of ``topology`` (default: this machine,
+    caps included) allows, lowered further by ``MINERU_FAST_KERNEL_PATH``.
+
+    Raises:
+        ValueError: ``MINERU_FAST_KERNEL_PATH`` names no path.
+    """
+    rank = ISA_CLASSES.index
+    cls = rank(isa_class((topology or read_topology()).isa).name)
+    paths = tuple(p for p in PATHS if rank(_PATH_CLASS[p]) <= cls)
+    chosen = os.environ.get(PATH_ENV, "").strip().lower()
+    if chosen in ("", "auto"):
+        return paths
+    if chosen not in PATHS:
+        raise ValueError(f"{PATH_ENV}={chosen!r}: one of auto, {', '.join(PATHS)}")
+    return paths[paths.index(chosen) :] if chosen in paths else ()
+
+
+def _load_module() -> ModuleType:
+    """The built extension, checked against the sources of a development checkout.
+
+    Raises:
+        ImportError: not built (or built for another platform), or built from other sources.
+    """
+    from mineru_fast.engine import _kernels  # type: ignore[attr-defined]  # built by setup.py
+
+    if CSRC.is_dir() and _kernels.SOURCE_DIGEST != source_digest(CSRC):
+        raise ImportError(f"built from other sources than {CSRC}: run `pip install -e .` again to rebuild it")
+    return _kernels
+
+
+def check_block_weight(
+    weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, n_size: int
+) -> None:
+    """Check a block-wise layer's tensors against the kernel's layout before it ever reads them.
+
+    Raises:
+        ValueError: a dtype, a shape or a memory layout the kernel cannot read.
+    """
+    if weight.dtype != torch.uint8 or weight.dim() != 4 or weight.shape[2:] != (16, 4) or not weight.is_contiguous():
+        raise ValueError(f"weight: [N/16, K/4, 16, 4] contiguous uint8, got {weight.dtype} {tuple(weight.shape)}")
+    tiles, groups = weight.shape[:2]
+    if groups % 8 or not (tiles - 1) * 16 < n_size <= tiles * 16:
+        raise ValueError(f"weight {tuple(weight.shape)} does not hold {n_size} outputs in 32-value blocks")
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (tiles, groups // 8, 16):
+        raise ValueError(f"weight_scale: [{tiles}, {groups // 8}, 16] float32, got {tuple(weight_scale.shape)}")
+    if not weight_scale.is_contiguous():
+        raise ValueError("weight_scale: contiguous")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n_size,) or not bias.is_contiguous()):
+        raise ValueError(f"bias: [{n_size}] contiguous float32")
+
+
+def _check_rows(x: torch.Tensor, k_size: int) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k_size or not x.is_contiguous():
+        raise ValueError(f"x: [M, {k_size}] contiguous float32, got {x.dtype} {tuple(x.shape)}")
+
+
+def block_kernel(path: str) -> BlockLinear:
+    """The block kernel on one instruction-set path, whatever the CPU class would choose (tests and
+    benchmarks compare the paths; ``kernel_status().block`` is what the engine runs).
+
+    Raises:
+        ImportError: the extension is not built (or stale).
+        ValueError: ``path`` is not one of ``PATHS``, or this CPU cannot run it.
+    """
+    module = _load_module()
+    if path not in module.cpu_paths():
+        raise ValueError(f"the {path!r} path does not run on this CPU (it runs {', '.join(module.cpu_paths())})")
+    return _block_linear(module, path)
+
+
+def _block_linear(module: ModuleType, path: str) -> BlockLinear:
+    path_id = _PATH_ID[path]
+
+    def block(
+        x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, n_size: int
+    ) -> torch.Tensor:
+        tiles, groups = weight.shape[:2]
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"x: [M, K] contiguous float32, got {x.dtype} {tuple(x.shape)}")
+        y = torch.empty(x.shape[0], n_size)
+        module.block_linear(
+            path_id,
+            torch.get_num_threads(),
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            weight.data_ptr(),
+            tiles,
+            groups * 4,
+            weight_scale.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            n_size,
+            y.data_ptr(),
+        )
+        return y
+
+    return block
+
+
+def _gemv_linear(module: ModuleType) -> GemvLinear:
+    def gemv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_sum: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n_size, k_size = weight.shape
+        _check_rows(x, k_size)
+        y = torch.empty(x.shape[0], n_size)
+        module.gemv_linear(
+            torch.get_num_threads(),
+            x.data_ptr(),
+            x.shape[0],
+            k_size,
+            weight.data_ptr(),
+            weight_sum.data_ptr(),
+            weight_scale.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            n_size,
+            y.data_ptr(),
+        )
+        return y
+
+    return gemv
+
+
+def check_gemv_weight(
+    weight: torch.Tensor, weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Check a GEMV layer's tensors (``[N, K]`` int8, ``[N]`` int32, ``[N]`` float32, ``[N]`` float32
+    or None, all contiguous) before the kernel ever reads them.
+
+    Raises:
+        ValueError: a dtype, a shape or a memory layout the kernel cannot read.
+    """
+    if weight.dtype != torch.int8 or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"weight: [N, K] contiguous int8, got {weight.dtype} {tuple(weight.shape)}")
+    n = weight.shape[0]
+    for name, tensor, dtype in (("weight_sum", weight_sum, torch.int32), ("weight_scale", weight_scale, torch.float32)):
+        if tensor.dtype != dtype or tuple(tensor.shape) != (n,) or not tensor.is_contiguous():
+            raise ValueError(f"{name}: [{n}] contiguous {dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias: [{n}] contiguous float32")
 
 
 @functools.cache
-def int8_gemv_status() -> KernelStatus:
-    """Build (first time on this machine) and load the kernels, or say why they are not used.
+def kernel_status() -> KernelStatus:
+    """Load the kernels and choose their path, or say why they are not used (cached per process).
 
-    Never raises: a missing compiler, a failed build or a CPU without AVX-512 VNNI gives a status
-    without an op (logged once).
+    Never raises: an extension that is missing, stale or does not load gives a status without
+    kernels (logged once); the block-wise layers then run the same arithmetic in PyTorch.
     """
-    reason = not_planned()
-    if reason is not None:
+    if _disabled():
+        reason = f"own kernels off ({OWN_KERNELS_ENV}=0): block-wise INT8 in PyTorch (the same arithmetic, slow)"
         return KernelStatus(None, reason)
-    build = _build_directory()
-    failed = build / "failed.txt"
     try:
-        with _build_lock(build) as held:
-            if not held:
-                reason = f"own INT8 GEMV still being built by another process after {BUILD_WAIT_S:.0f} s ({build})"
-                logger.warning("%s; oneDNN for now", reason)
-                return KernelStatus(None, reason)
-            library = build / f"{NAME}.so"
-            if library.exists() and not _verified(library):
-                logger.warning("%s does not match the digest recorded when it was built; building it again", library)
-                library.unlink()
-            if library.exists():
-                torch.ops.load_library(str(library))
-            elif failed.exists():
-                reason = f"{failed.read_text(encoding='utf-8').strip()}; remove {failed} to build again"
-                logger.warning("%s; decode uses oneDNN", reason)
-                return KernelStatus(None, reason)
-            else:
-                logger.warning("compiling the own INT8 GEMV once for this machine (~30 s) into %s", build)
-                try:
-                    _compile(build)
-                except Exception as exc:
-                    failed.write_text(_build_failure(exc) + "\n", encoding="utf-8")
-                    raise
-        op, block_op = torch.ops.mineru_fast.int8_linear_rows, torch.ops.mineru_fast.int8_block_linear
-    except Exception as exc:  # a compiler or ninja missing, a failed build or load: oneDNN stays
-        reason = _build_failure(exc)
-        logger.warning("%s; decode uses oneDNN", reason)
+        paths = allowed_paths()
+        module = _load_module()
+    except (ImportError, OSError, ValueError) as exc:
+        reason = (
+            f"own kernels not loaded ({type(exc).__name__}: {exc}): "
+            "block-wise INT8 in PyTorch (the same arithmetic, slow)"
+        )
+        logger.warning("%s", reason)
         return KernelStatus(None, reason)
-    return KernelStatus(op, f"own AVX-512 VNNI INT8 GEMV for 1-{MAX_ROWS} rows, torch._int_mm above", block_op)
+    runnable = [p for p in paths if p in module.cpu_paths()]
+    path = runnable[0] if runnable else "portable"
+    best = module.cpu_paths()[0]
+    lowered = "" if path == best else f" (this CPU runs {best}: lowered by its ISA class's caps or {PATH_ENV})"
+    gemv = _gemv_linear(module) if path == "avx512_vnni" else None
+    rows = f"own INT8 GEMV for 1-{MAX_ROWS} decode rows" if gemv else "decode rows' GEMV on torch._int_mm"
+    reason = f"own block-wise INT8 kernel, {path} path{lowered}; {rows}"
+    return KernelStatus(path, reason, _block_linear(module, path), gemv)

@@ -45,7 +45,7 @@ quantized form through a handler registered for the config's type:
   and head. Finer scales than per channel / per token keep the language model closer to float32
   (on a trained Qwen2 of MinerU2.5's shape: 98.6 % top-1 agreement with fp32 over all forced
   steps against per-channel's 94.3 % and bf16's 98.5 %, benchmarks/README.md); the cost is a
-  float multiply-add per block and output, done by the own kernel (``csrc/int8_block.cpp``,
+  float multiply-add per block and output, done by the own kernel (``csrc/kernels.h``,
   ``BlockInt8Linear``) for decode rows and prefill chunks alike. Each row is computed alone, so a
   sequence's numerics do not depend on its batch neighbours.
 - ``Int8WeightOnlyConfig``: int8 weights dequantized at each call; halves weight memory versus
@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mineru_fast.engine.kernels import MAX_ROWS, int8_gemv_status
+from mineru_fast.engine.kernels import MAX_ROWS, check_block_weight, check_gemv_weight, kernel_status
 from mineru_fast.engine.memory import trim_heap
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "Bf16WeightsConfig",
     "BlockInt8Linear",
     "block_int8_reference",
+    "fma_float32",
     "OneDnnInt8Linear",
     "IntMmInt8Linear",
     "GemvInt8Linear",
@@ -462,7 +463,7 @@ class GemvInt8Linear(_PerTokenInt8Linear):
     (``engine.kernels``), which streams the weights once; more rows (prefill) run
     ``torch._int_mm`` on the same weights (a transposed view, no copy). Both give exactly the
     ``onednn`` backend's outputs (tested), so a sequence's tokens do not depend on which ran.
-    Needs ``kernels.int8_gemv_status().op`` (``resolve_int8_backend`` refuses ``gemv`` without it).
+    Needs ``kernels.kernel_status().gemv`` (``resolve_int8_backend`` refuses ``gemv`` without it).
 
     Input ``[..., in_features]`` of any float dtype; output in the input's dtype.
     """
@@ -483,7 +484,9 @@ class GemvInt8Linear(_PerTokenInt8Linear):
     def _set_weight(self, q: torch.Tensor, weight_sum: torch.Tensor) -> None:
         self.register_buffer("weight_q", q)
         self.register_buffer("weight_sum", weight_sum)
-        self._kernel = int8_gemv_status().op
+        self._kernel = kernel_status().gemv
+        if self._kernel is not None:
+            check_gemv_weight(q, weight_sum, self.weight_scale, self.bias)
 
     def _weight_state(self) -> dict[str, torch.Tensor]:
         # The sums are kept with the weight: summing the 494 M weights again cost ~1 s of every
@@ -542,19 +545,39 @@ def _blockwise_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
+def fma_float32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to float32 (a fused multiply-add), for float32 tensors that
+    broadcast together, whatever PyTorch's build fuses.
+
+    In float64 the product is exact (24 + 24 bits); the sum is rounded to odd there (an inexact
+    result with an even last bit moves one ulp toward the exact sum, from TwoSum's error term), and
+    float64 round-to-odd followed by rounding to float32 gives the correctly rounded result (53 >=
+    2 * 24 + 2 bits; Boldo and Melquiond, "Emulation of FMA and correctly rounded sums", 2008).
+    Finite inputs only are exact (non-finite ones give a non-finite result).
+    """
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    virtual = s - p
+    error = (p - (s - virtual)) + (cd - virtual)
+    inexact_even = (error != 0) & ((s.view(torch.int64) & 1) == 0)
+    toward = torch.where(error > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    return torch.where(inexact_even, torch.nextafter(s, toward), s).float()
+
+
 def block_int8_reference(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """``csrc/int8_block.cpp``'s arithmetic in PyTorch: the kernel's test oracle, and what a
-    ``BlockInt8Linear`` runs where the kernel is not built (the engine's factory then builds
-    per-channel ``int8-dynamic`` layers instead, which are far faster there).
+    """The block-wise INT8 linear's arithmetic (``csrc/kernels.h``) in PyTorch, bit for bit: the
+    kernels' test oracle, and what a ``BlockInt8Linear`` runs where the compiled kernels cannot be
+    loaded (``kernels.kernel_status``).
 
-    The same integers (activation blocks quantized as the kernel does: ``x * (127 / max|x_block|)``
-    rounded half to even; the products of 32 values summed exactly, in float32, whose 24-bit
-    mantissa holds every such sum: ``32 * 127 * 127 < 2**24``) and the same float steps per block
-    and output (the scale product, then a multiply-add into the running sum, blocks in order);
-    whether PyTorch's ``addcmul`` fuses that multiply-add as the kernel does depends on its build.
-    Slow: each call unpacks the weight, ``QUANTIZE_CHUNK_ROWS`` rows at a time.
+    The same integers (activation blocks quantized as the kernels do: ``x * (127 / max|x_block|)``
+    rounded half to even, saturated to -127..127 with NaN and values past int32 at -127; the
+    products of 32 values summed exactly, in float32, whose 24-bit mantissa holds every such sum:
+    ``32 * 127 * 127 < 2**24``) and the same float steps per block and output (the scale product,
+    then a fused multiply-add into the running sum, ``fma_float32``, blocks in order; then the
+    bias). Slow: each call unpacks the weight, ``QUANTIZE_CHUNK_ROWS`` rows at a time.
 
     Args:
         x: ``[M, K]`` float32.
@@ -573,7 +596,10 @@ def block_int8_reference(
     amax = xb.abs().amax(dim=2)  # [M, B]
     # 127 / amax as a division (a Python number over a tensor is its reciprocal times 127: another rounding)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    qx = torch.round(xb * inv[..., None]).transpose(0, 1)  # [B, M, 32]
+    v = xb * inv[..., None]
+    # the x86 conversion: NaN and values outside int32 become INT32_MIN, then saturated to -127
+    qx = torch.where(v.abs() < 2.0**31, torch.round(v), torch.full_like(v, -127.0)).clamp_(-127, 127)
+    qx = qx.transpose(0, 1)  # [B, M, 32]
     x_scale = amax / 127.0
     y = torch.empty(m, out_features)
     step = QUANTIZE_CHUNK_ROWS // TILE
@@ -585,7 +611,7 @@ def block_int8_reference(
         s = scale[t0:t1].permute(1, 0, 2).reshape(blocks, n)  # [B, n]
         acc = torch.zeros(m, n)
         for b in range(blocks):
-            acc = torch.addcmul(acc, dots[b], s[b] * x_scale[:, b : b + 1])
+            acc = fma_float32(dots[b], s[b] * x_scale[:, b : b + 1], acc)
         cols = slice(t0 * TILE, min(out_features, t1 * TILE))
         y[:, cols] = acc[:, : cols.stop - cols.start]
     return y if bias is None else y.add_(bias)
@@ -595,9 +621,10 @@ class BlockInt8Linear(nn.Module):
     """``y = x W^T + b`` with int8 weights and activations scaled per block of ``BLOCK`` input
     values (``Int8BlockConfig``; llama.cpp's Q8_0 granularity), any number of rows.
 
-    Runs the own AVX-512 VNNI kernel (``kernels.int8_gemv_status().block_op``, arithmetic in
-    ``csrc/int8_block.cpp``) where it is built, else ``block_int8_reference`` (the same
-    integers, much slower). Input ``[..., in_features]`` of any float dtype; output in its dtype.
+    Runs the own kernel (``kernels.kernel_status().block``: the fastest instruction-set path the
+    CPU allows, arithmetic in ``csrc/kernels.h``), else ``block_int8_reference`` (the same
+    arithmetic in PyTorch, bit for bit, much slower). Input ``[..., in_features]`` of any float
+    dtype; output in its dtype.
     Weight memory: one byte per weight plus a float32 scale per 32 (1.125 bytes per weight).
     """
 
@@ -608,15 +635,18 @@ class BlockInt8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         packed, scale = _blockwise_int8(linear.weight)
-        self._set(packed, scale, None if linear.bias is None else linear.bias.detach().float(), linear.in_features)
-        self.out_features = linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self._set(packed, scale, bias, linear.in_features, linear.out_features)
 
-    def _set(self, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+    def _set(
+        self, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int
+    ) -> None:
+        check_block_weight(packed, scale, bias, out_features)
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
-        self.in_features = in_features
-        self._kernel = int8_gemv_status().block_op
+        self.in_features, self.out_features = in_features, out_features
+        self._kernel = kernel_status().block
 
     def prepared_state(self) -> dict[str, torch.Tensor]:
         """``weight_packed``, ``weight_scale``, ``shape`` (``[out, in]`` int64) and, if any,
@@ -640,8 +670,7 @@ class BlockInt8Linear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         out_features, in_features = (int(v) for v in state["shape"])
-        layer._set(state["weight_packed"], state["weight_scale"], state.get("bias"), in_features)
-        layer.out_features = out_features
+        layer._set(state["weight_packed"], state["weight_scale"], state.get("bias"), in_features, out_features)
         return layer
 
     def extra_repr(self) -> str:
@@ -791,14 +820,14 @@ def _onednn_available() -> bool:
 def resolve_int8_backend(backend: str = "auto") -> str:
     """The kernel ``Int8DynamicConfig(backend)`` gets in this PyTorch: ``"auto"`` -> ``"onednn"``,
     else ``"int_mm"`` without oneDNN's quantized linear ops, else ``"torch_ao"``; ``"gemv"`` ->
-    ``"onednn"`` where the own kernel is not available (``kernels.int8_gemv_status``); others as given.
+    ``"onednn"`` where the own kernel is not available (``kernels.kernel_status``); others as given.
 
     Raises:
         ValueError: unknown backend.
     """
     if backend not in INT8_BACKENDS:
         raise ValueError(f"backend must be one of {INT8_BACKENDS}, got {backend!r}")
-    if backend == "gemv" and (int8_gemv_status().op is None or int8_weight_max("int_mm") != int8_weight_max("onednn")):
+    if backend == "gemv" and (kernel_status().gemv is None or int8_weight_max("int_mm") != int8_weight_max("onednn")):
         return "onednn"  # the same numerics, bit for bit (gemv's prefill GEMM is torch._int_mm)
     if backend != "auto":
         return backend

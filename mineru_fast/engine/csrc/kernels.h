@@ -1,0 +1,80 @@
+// Declarations shared by the kernels' translation units: one file per instruction set, compiled into
+// one extension module (module.cpp) that picks the path at run time from the CPU's features.
+//
+// Block-wise INT8 linear ("int8-block", the fast preset's language model): weights and activations
+// with one scale per 32 consecutive input values (llama.cpp's Q8_0 granularity), any number of rows.
+//
+//   y[m, n] = sum over blocks b of float(dot_b(m, n)) * (w_scale[n, b] * x_scale[m, b])  (+ bias[n])
+//   dot_b(m, n) = sum over the 32 k of block b of q_w[n, k] * q_x[m, k]   (exact, int32)
+//   q_x[m, k]   = x[m, k] * (127 / max|x[m, block]|) rounded half to even, saturated to -127..127;
+//   x_scale     = max|x[m, block]| / 127   (an all-zero block: scale 0, q_x 0)
+//
+// Float steps, for every output, on every path: the scale product (one rounding), then
+// acc = fma(float(dot_b), scale, acc) over b = 0, 1, ... from acc = +0; then + bias (one rounding).
+// The integers are exact on every path and the float steps are the same operations in the same
+// order, so every path (AVX-512 VNNI, AVX2, portable) gives the same bits, and a row's outputs do
+// not depend on the other rows of the call (a sequence's numerics do not depend on its batch
+// neighbours; a prefill row equals the same row decoded alone).
+//
+// Weight layout, made by quantize.BlockInt8Linear: N padded to a multiple of 16 and K to one of 32
+// (zero weights, scale 0). weight [N/16][K/4][16][4] uint8 = q_w + 128: one 64-byte group holds 4
+// consecutive k of 16 outputs. weight_scale [N/16][K/32][16] float32.
+
+#pragma once
+
+#include <cstdint>
+
+namespace mineru_fast {
+
+constexpr int64_t kBlock = 32;  // input values per scale
+constexpr int64_t kLanes = 16;  // outputs per weight tile
+
+// Activations quantized per block: q [M][k_pad] int8 (zero past K), scale [M][blocks],
+// sum [M][blocks] = sum of the block's q (the AVX-512 path's offset for its unsigned weights).
+struct BlockActivations {
+  int8_t* q;
+  float* scale;
+  int32_t* sum;
+  int64_t k_pad, blocks;
+};
+
+// One block-wise linear call. Tiles are processed in steps of kStepTiles tiles (the unit of work
+// split across threads).
+struct BlockLinear {
+  const uint8_t* weight;       // [tiles][k_pad / 4][16][4]
+  const float* weight_scale;   // [tiles][blocks][16]
+  const float* bias;           // [n_size] or nullptr
+  float* y;                    // [m_size][n_size]
+  int64_t m_size, n_size, tiles;
+};
+constexpr int64_t kStepTiles = 2;
+
+// Row x [k_size] -> q, scale and sum of every block (portable; the result is the same on every path).
+void quantize_blocks_portable(const float* x, int64_t k_size, const BlockActivations& a, int64_t row);
+void quantize_blocks_avx512(const float* x, int64_t k_size, const BlockActivations& a, int64_t row);
+
+// Outputs of all rows for the tiles of steps [step_begin, step_end).
+void block_steps_portable(const BlockLinear& l, const BlockActivations& a, int64_t step_begin, int64_t step_end);
+void block_steps_avx2(const BlockLinear& l, const BlockActivations& a, int64_t step_begin, int64_t step_end);
+void block_steps_avx512(const BlockLinear& l, const BlockActivations& a, int64_t step_begin, int64_t step_end);
+
+// Per-token dynamic INT8 linear for 1..kGemvMaxRows rows (int8_gemv_avx512.cpp): oneDNN's
+// per-channel arithmetic (quantize.OneDnnInt8Linear) on plain [N][K] int8 weights.
+constexpr int64_t kGemvMaxRows = 16;
+constexpr int64_t kGemvTileRows = 4;  // weight rows per unit of work
+struct GemvLinear {
+  const float* x;             // [m_size][k_size]
+  const int8_t* weight;       // [n_size][k_size]
+  const int32_t* weight_sum;  // [n_size]
+  const float* weight_scale;  // [n_size]
+  const float* bias;          // [n_size] or nullptr
+  float* y;                   // [m_size][n_size]
+  int64_t m_size, k_size, n_size;
+};
+// Rows of x -> q + 128 (uint8) [m_size][k_size] and their scales [m_size].
+void gemv_quantize_avx512(const GemvLinear& l, uint8_t* qx, float* x_scale);
+// Outputs for weight-row tiles [tile_begin, tile_end) of kGemvTileRows rows.
+void gemv_tiles_avx512(const GemvLinear& l, const uint8_t* qx, const float* x_scale, int64_t tile_begin,
+                       int64_t tile_end);
+
+}  // namespace mineru_fast

@@ -1,0 +1,211 @@
+// The extension module mineru_fast.engine._kernels: CPython's limited API (one build serves every
+// Python from 3.10, abi3), no PyTorch headers. Tensors come in as raw pointers (data_ptr()) with
+// their sizes; the caller (engine/kernels.py) checks dtypes, shapes and contiguity, this file checks
+// that the sizes agree. The work is split over OpenMP threads (the OpenMP runtime PyTorch loaded:
+// the same libgomp, so the same thread pool), the GIL released meanwhile.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <new>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+
+#ifndef MINERU_FAST_SOURCE_DIGEST
+#define MINERU_FAST_SOURCE_DIGEST "unknown"
+#endif
+
+namespace mf = mineru_fast;
+
+namespace {
+
+enum Path : int { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+bool cpu_has(Path path) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  switch (path) {
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+    default:
+      return true;
+  }
+#else
+  return path == kPortable;
+#endif
+}
+
+// body(begin, end) over [0, count) in contiguous chunks, one per thread (at most `threads`, and
+// none smaller than `grain`); inline when one chunk would do.
+template <class Body>
+void parallel(int threads, int64_t count, int64_t grain, const Body& body) {
+  const int64_t chunks = std::min<int64_t>(threads, (count + grain - 1) / grain);
+#if defined(_OPENMP)
+  if (chunks > 1) {
+#pragma omp parallel num_threads(static_cast<int>(chunks))
+    {
+      const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+      const int64_t size = (count + team - 1) / team, begin = me * size, end = std::min(count, begin + size);
+      if (begin < end) body(begin, end);
+    }
+    return;
+  }
+#endif
+  if (count > 0) body(0, count);
+}
+
+template <class T>
+T* as_pointer(unsigned long long address) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
+
+PyObject* cpu_paths(PyObject*, PyObject*) {
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  const std::pair<Path, const char*> names[] = {{kAvx512Vnni, "avx512_vnni"}, {kAvx2, "avx2"}, {kPortable, "portable"}};
+  for (const auto& [path, name] : names) {
+    if (!cpu_has(path)) continue;
+    PyObject* item = PyUnicode_FromString(name);
+    if (item == nullptr || PyList_Append(out, item) < 0) {
+      Py_XDECREF(item);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  return out;
+}
+
+// block_linear(path, threads, x, m, k, weight, tiles, k_pad, weight_scale, bias, n, y)
+PyObject* block_linear(PyObject*, PyObject* args) {
+  int path, threads;
+  unsigned long long x_p, w_p, ws_p, bias_p, y_p;
+  long long m, k, tiles, k_pad, n;
+  if (!PyArg_ParseTuple(args, "iiKLLKLLKKLK", &path, &threads, &x_p, &m, &k, &w_p, &tiles, &k_pad, &ws_p, &bias_p,
+                        &n, &y_p))
+    return nullptr;
+  if (path < kPortable || path > kAvx512Vnni || !cpu_has(static_cast<Path>(path))) {
+    PyErr_Format(PyExc_ValueError, "kernel path %d does not run on this CPU", path);
+    return nullptr;
+  }
+  if (m < 0 || k < 1 || tiles < 1 || k_pad % mf::kBlock != 0 || k > k_pad || k <= k_pad - mf::kBlock ||
+      n <= (tiles - 1) * mf::kLanes || n > tiles * mf::kLanes) {
+    PyErr_Format(PyExc_ValueError, "sizes disagree: m=%lld k=%lld k_pad=%lld tiles=%lld n=%lld", m, k, k_pad, tiles, n);
+    return nullptr;
+  }
+  if (m == 0) Py_RETURN_NONE;  // an empty x and y have no storage
+  if (x_p == 0 || w_p == 0 || ws_p == 0 || y_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const int64_t blocks = k_pad / mf::kBlock;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  try {
+    q.resize(m * k_pad);
+    scale.resize(m * blocks);
+    sum.resize(m * blocks);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  const mf::BlockActivations a{q.data(), scale.data(), sum.data(), k_pad, blocks};
+  const mf::BlockLinear l{as_pointer<const uint8_t>(w_p), as_pointer<const float>(ws_p), as_pointer<const float>(bias_p),
+                          as_pointer<float>(y_p), m, n, tiles};
+  const float* x = as_pointer<const float>(x_p);
+  const Path chosen = static_cast<Path>(path);
+  Py_BEGIN_ALLOW_THREADS;
+  parallel(threads, m, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      if (chosen == kAvx512Vnni)
+        mf::quantize_blocks_avx512(x + row * k, k, a, row);
+      else
+        mf::quantize_blocks_portable(x + row * k, k, a, row);
+    }
+  });
+  const int64_t steps = (tiles + mf::kStepTiles - 1) / mf::kStepTiles;
+  parallel(threads, steps, 1, [&](int64_t begin, int64_t end) {
+    switch (chosen) {
+      case kAvx512Vnni: mf::block_steps_avx512(l, a, begin, end); break;
+      case kAvx2: mf::block_steps_avx2(l, a, begin, end); break;
+      default: mf::block_steps_portable(l, a, begin, end);
+    }
+  });
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// gemv_linear(threads, x, m, k, weight, weight_sum, weight_scale, bias, n, y)
+PyObject* gemv_linear(PyObject*, PyObject* args) {
+  int threads;
+  unsigned long long x_p, w_p, sum_p, scale_p, bias_p, y_p;
+  long long m, k, n;
+  if (!PyArg_ParseTuple(args, "iKLLKKKKLK", &threads, &x_p, &m, &k, &w_p, &sum_p, &scale_p, &bias_p, &n, &y_p))
+    return nullptr;
+  if (!cpu_has(kAvx512Vnni)) {
+    PyErr_SetString(PyExc_ValueError, "the INT8 GEMV needs AVX-512 VNNI");
+    return nullptr;
+  }
+  if (m < 1 || m > mf::kGemvMaxRows || k < 1 || n < 1) {
+    PyErr_Format(PyExc_ValueError, "sizes: m=%lld (1 to %lld), k=%lld, n=%lld", m, (long long)mf::kGemvMaxRows, k, n);
+    return nullptr;
+  }
+  if (x_p == 0 || w_p == 0 || sum_p == 0 || scale_p == 0 || y_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const mf::GemvLinear l{as_pointer<const float>(x_p),     as_pointer<const int8_t>(w_p),
+                         as_pointer<const int32_t>(sum_p), as_pointer<const float>(scale_p),
+                         as_pointer<const float>(bias_p),  as_pointer<float>(y_p),
+                         m,                                k,
+                         n};
+  std::vector<uint8_t> qx;
+  std::vector<float> x_scale;
+  try {
+    qx.resize(m * k);
+    x_scale.resize(m);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  Py_BEGIN_ALLOW_THREADS;
+  mf::gemv_quantize_avx512(l, qx.data(), x_scale.data());
+  const int64_t tiles = (n + mf::kGemvTileRows - 1) / mf::kGemvTileRows;
+  parallel(threads, tiles, 16, [&](int64_t begin, int64_t end) {
+    mf::gemv_tiles_avx512(l, qx.data(), x_scale.data(), begin, end);
+  });
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"cpu_paths", cpu_paths, METH_NOARGS, "The block kernel's paths this CPU runs, fastest first."},
+    {"block_linear", block_linear, METH_VARARGS, "Block-wise INT8 linear on raw pointers (engine/kernels.py)."},
+    {"gemv_linear", gemv_linear, METH_VARARGS, "Per-token INT8 GEMV on raw pointers (engine/kernels.py)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own INT8 kernels.", -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  if (PyModule_AddStringConstant(module, "SOURCE_DIGEST", MINERU_FAST_SOURCE_DIGEST) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}
