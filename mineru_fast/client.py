@@ -417,8 +417,10 @@ class Client(_Base):
         return self._run(self._json("GET", "/health"))
 
     def ready(self) -> dict[str, Any]:
-        """``GET /ready``: model loaded and canary parsed (``ServiceUnavailable`` until then, after
-        the retry policy's waits)."""
+        """``GET /ready``: model loaded and engine check passed (``ServiceUnavailable`` until then,
+        after the retry policy's waits; at once after a failed start or canary page). The JSON says
+        the canary page's ``mode`` and ``state`` (``pending``, ``running``, ``passed``, ``failed``,
+        ``off``), and its ``seconds`` once done."""
         return self._run(self._json("GET", "/ready"))
 
     def submit(

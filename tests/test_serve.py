@@ -306,7 +306,10 @@ def test_health_ready_page_metrics_and_request_ids(server, client):
     assert ready["status"] == "ready" and ready["workers"] == 1 and ready["engine"] == "fast"
     assert ready["model"] == server_model_name(server)  # the directory's name, never its path
     assert "/" not in client.get("/ready").text.replace("\\/", "")
-    assert ready["canary"]["status"] == "success" and ready["canary"]["seconds"] > 0
+    assert ready["engine_check"]["seconds"] > 0 and ready["engine_check"]["image_tokens"] == 16
+    assert ready["canary"]["mode"] == "after-ready"  # parsed in the background once ready
+    assert wait_for(lambda: client.get("/ready").json()["canary"]["state"] == "passed", 300)
+    assert client.get("/ready").json()["canary"]["seconds"] > 0
 
     page = httpx.get(f"{server.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -323,6 +326,7 @@ def test_health_ready_page_metrics_and_request_ids(server, client):
     values = metrics(client)
     assert metric(values, "mineru_fast_ready") == 1.0
     assert metric(values, "mineru_fast_model_load_seconds") > 0 and metric(values, "mineru_fast_canary_seconds") > 0
+    assert metric(values, "mineru_fast_engine_check_seconds") > 0
     assert metric(values, "mineru_fast_requests_total", route="/health", method="GET", status="200") >= 3
 
 
@@ -670,7 +674,15 @@ def test_sigterm_drains_jobs_results_stay_fetchable_then_exit_0_and_json_logs(se
     finished = {r["job_id"]: r["status"] for r in records if r["message"] == "job finished"}
     assert finished[queued["job_id"]] == "done"
     messages = [r["message"] for r in records]
-    assert {"model loaded", "canary page parsed", "ready", "draining", "drained", "stopped"} <= set(messages)
+    assert {
+        "model loaded",
+        "engine check passed",
+        "ready",
+        "canary page parsed",
+        "draining",
+        "drained",
+        "stopped",
+    } <= set(messages)
     assert messages.index("drained") < messages.index("stopped")
     requests = [r for r in records if r["message"] == "request"]
     assert all(r.get("request_id") and r.get("status") for r in requests)

@@ -1,12 +1,14 @@
-"""``mineru-fast`` command line: parse, synth-model, bench, trace, serve, launch, batch, info.
+"""``mineru-fast`` command line: parse, prepare, synth-model, bench, trace, serve, launch, batch, info.
 
 Exit status of ``parse``: 0 every page parsed, 1 some pages failed or are partial, or some inputs
 could not be read while others were parsed (the rest is saved; each problem is on stderr), 2 a usage
 error or no input could be read (one line on stderr, no traceback), 4 an output error: a folder or
 file that cannot be written (one ``mineru-fast: error:`` line; parsing stops, nothing half-written
 is left of the document).
-``launch`` merges its workers' statuses (3: a worker crashed). Commands that run the model set
-OpenMP variables (``threads.configure_process``) before torch loads.
+``launch`` merges its workers' statuses (3: a worker crashed). ``prepare`` (``cli.prepare``): 0 the
+prepared model is in the cache (or the options need none), 2 the model cannot be loaded or the cache
+is turned off, 4 the cache cannot be written. Commands that run the model set OpenMP variables
+(``threads.configure_process``) before torch loads.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mineru_fast.cli.options import (
     options_from_args,
     positive_int,
 )
+from mineru_fast.cli.prepare import add_prepare_command, run_prepare_command
 from mineru_fast.cli.serve import add_serve_command, run_serve_command
 from mineru_fast.errors import MineruFastError, OutputError
 from mineru_fast.inputs.paths import clash_message, expand_inputs, output_clashes
@@ -58,6 +61,7 @@ def build_argparser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     add_parse_arguments(sub.add_parser("parse", help="parse PDFs and images into Markdown and JSON"))
+    add_prepare_command(sub)
 
     s = sub.add_parser("synth-model", help="write a random-weight model of the MinerU2.5 architecture")
     s.add_argument("directory", type=Path, help="model directory to write (created; model files in it are overwritten)")
@@ -384,7 +388,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 # Commands that run the model in this process bind OpenMP threads; bench starts row processes after
 # running torch, so it only sizes the pool (binding would pin its main thread and thus its children).
-_THREAD_BINDING = {"parse": True, "serve": True, "bench": False}
+_THREAD_BINDING = {"parse": True, "prepare": True, "serve": True, "bench": False}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "launch": _cmd_launch,
         "info": _cmd_info,
         "parse": _cmd_parse,
+        "prepare": run_prepare_command,
         "synth-model": _cmd_synth_model,
         "trace": _cmd_trace,
         "bench": _cmd_bench,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from mineru_fast.cli.options import add_options_arguments, options_from_args
 from mineru_fast.errors import MineruFastError
-from mineru_fast.serve.config import ServeConfig
+from mineru_fast.serve.config import CANARY_MODES, ServeConfig
 
 __all__ = ["add_serve_command", "config_from_args", "run_serve_command"]
 
-_WORK_THREADS = ("model-loader", "parse-worker")  # thread names given in app.py and jobs.py
+_WORK_THREADS = ("model-loader", "parse-worker", "canary")  # thread names given in app.py, jobs.py, service.py
 
 
 class _Replaced(argparse.Action):
@@ -130,6 +130,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     v.add_argument(
         "--chat-replay", type=Path, metavar="FILE", help="recorded chat answers to replay (tests, benchmarks)"
     )
+    v.add_argument(
+        "--canary",
+        choices=CANARY_MODES,
+        default="after-ready",
+        help="when the canary page (a whole replayed page, layout pass included: about a minute at full size on "
+        "2 cores) is parsed: in the background once ready, before ready, or never; ready waits for a small "
+        "engine check only, and a failed canary turns /ready to 503 (default: %(default)s)",
+    )
     v.add_argument("--allow-replay", action="store_true", help="accept replay trace uploads (tests, benchmarks)")
     v.add_argument(
         "--replay",
@@ -196,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             chat_keepalive=args.chat_keepalive,
             chat_orphan_grace=args.chat_orphan_grace,
             chat_replay=args.chat_replay,
+            canary=args.canary,
             log_level=args.log_level,
         )
         if config.api_key_file is not None:

@@ -97,6 +97,8 @@ class FastEngine:
         configs = {"vision": vision_quant, "lm": lm_quant, "lm_head": lm_head_quant}
         self.prepared_from: str | None = None  # "cache" or "checkpoint" once loaded
         self.cache_committed = False  # this load wrote the prepared cache's entry
+        self.prepared_entry: Path | None = None  # the prepared cache's entry read or written (or committed meanwhile)
+        self.prepared_problem: str | None = None  # why this load's entry was not written, if it was not
         self.vision, self.lm = self._load(Path(model_dir), configs, prepared_cache)
         self.vision_mode = vision_mode
         self.vision_runner = make_vision_runner(self.vision, self.vision_mode)
@@ -131,7 +133,7 @@ class FastEngine:
                     vision, lm = VisionEncoder(vision_config), Qwen2LM(text_config)
                 try:
                     cache.load(vision, lm)
-                    self.prepared_from = "cache"
+                    self.prepared_from, self.prepared_entry = "cache", cache.path
                     return vision.eval(), lm.eval()
                 except PreparedCacheError as exc:
                     logger.warning("%s; preparing the model from the checkpoint again", exc)
@@ -152,7 +154,14 @@ class FastEngine:
 
         vision, lm = load_model(model_dir, self.dtype, prepare_vision=preparer("vision"), prepare_lm=preparer("lm"))
         self.prepared_from = "checkpoint"
-        if writer is not None and writer.commit(vision, lm) and cache is not None:
+        committed = writer is not None and writer.commit(vision, lm)
+        if cache is not None and writer is not None and not committed:
+            if cache.exists():  # another process committed the same entry first: it is there to read
+                self.prepared_entry = cache.path
+            else:
+                self.prepared_problem = writer.problem
+        if committed and cache is not None:
+            self.prepared_entry = cache.path
             head = lm.lm_head
             tied = isinstance(head, nn.Linear) and head.weight is lm.embed.weight
             lm.embed.weight = cache.mapped("lm", "embed.weight")  # the in-memory table is freed

@@ -275,6 +275,7 @@ class PreparedWriter:
         self.layers: dict[str, dict[str, str]] = {"vision": {}, "lm": {}}
         self.digests: dict[str, str] = {}  # file name -> XXH3-128 of what was written
         self.ok = True
+        self.problem: str | None = None  # why the entry was given up, once it is
         _sweep(cache.root)
         try:
             self.tmp.mkdir(parents=True)
@@ -284,6 +285,7 @@ class PreparedWriter:
     def _abandon(self, why: str) -> None:
         if self.ok:
             logger.info("prepared model not cached: %s", why)
+            self.problem = why
         self.ok = False
         _remove(self.tmp)
 

@@ -1,7 +1,8 @@
 """``mineru-fast serve``: an HTTP service around ``DocumentParser`` (extra ``mineru-fast[serve]``).
 
-The service loads the model once, checks it with a canary page, and parses uploads in a bounded
-pool of worker threads, never on the event loop. Modules, one concern each:
+The service loads the model once, checks its engine with a small image (ready in seconds), parses a
+canary page before or after becoming ready (or not), and parses uploads in a bounded pool of worker
+threads, never on the event loop. Modules, one concern each:
 
 - ``config``: ``ServeConfig``, the service's validated settings.
 - ``errors``: ``ApiError`` and the one JSON error format; mapping of mineru-fast exceptions.
@@ -11,6 +12,8 @@ pool of worker threads, never on the event loop. Modules, one concern each:
 - ``store``: the ``JobStore`` interface of job records (status, result TTL, key isolation, claims)
   and ``MemoryJobStore``.
 - ``parsing``: request checks, the parse run with per-page progress, result rendering, the canary.
+- ``startup``: the engine check that readiness waits for, and the canary page's state.
+- ``service``: the model, the workers and the service's state (start-up, readiness, drain).
 - ``admission``: an upload checked and queued as a job (every door that parses documents).
 - ``bundle``: a job parsed into MinerU 4's result bundle (MinerU's document API's outputs).
 - ``mineru_api``: MinerU 4's v1 document API (uploads, parse jobs, files, tasks, ``file_parse``);

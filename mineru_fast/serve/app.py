@@ -10,7 +10,10 @@ Endpoints (``/v1/*`` need an API key when keys are configured):
   ``Idempotency-Key`` header, a repeat of the request by the same API key returns the job the
   first one made (header ``Idempotent-Replayed: true``) instead of queueing another.
 - ``GET /v1/jobs/{job_id}``: status and per-page progress; ``GET /v1/jobs/{job_id}/result``.
-- ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page).
+- ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /`` (web page). ``/ready`` answers
+  ``200`` once the model is loaded and the engine check passed (``service``), with the canary
+  page's mode and state (``pending``, ``running``, ``passed``, ``failed``, ``off``) and its
+  seconds once done; ``503`` while loading, after a failed start or canary, and while draining.
 - MinerU 4's v1 document API (``/v1/health``, ``/v1/uploads``, ``/v1/parse/jobs``, ``/v1/files``,
   ``/v1/tasks``, ``/v1/file_parse``): ``mineru_api``.
 
@@ -110,13 +113,15 @@ def create_app(
 
     The model is loaded when the application starts (its lifespan), in a background thread:
     ``/health`` answers at once, ``/ready`` and ``/v1/*`` answer ``503`` until the parsers are
-    built and the canary page parsed.
+    built and the engine check passed (and the canary page parsed, with ``config.canary`` set to
+    ``"before-ready"``; see ``service.Service``).
 
     Args:
         config: service settings; default ``ServeConfig()``.
         parser_factory: builds one ``DocumentParser``; default
             ``DocumentParser.from_pretrained(config.model, config.options)``.
-        on_load_failure: called with the exception when start-up fails.
+        on_load_failure: called with the exception when start-up fails (the model load, the engine
+            check or the canary page; see ``Service``).
         job_store: where ``POST /v1/jobs`` jobs are recorded; default one in this process's
             memory. Replicas that pass one shared store answer for each other's jobs.
         replica: this application's id in ``job_store``.
@@ -317,9 +322,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/ready")
     async def ready() -> dict:
-        """Model loaded and canary parsed; ``503`` otherwise."""
+        """Model loaded and engine check passed: the model, start-up figures and the canary's mode
+        and state; ``503`` otherwise (loading, a failed start or canary, draining)."""
         service.require_ready()
-        return {"status": "ready", **service.info, "allow_replay": service.config.allow_replay}
+        return {"status": "ready", **service.ready_info(), "allow_replay": service.config.allow_replay}
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -6,11 +6,16 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from mineru_fast.options import ParserOptions
 from mineru_fast.runtime.hub import DEFAULT_MODEL_ID
 
-__all__ = ["ServeConfig"]
+__all__ = ["ServeConfig", "CanaryMode", "CANARY_MODES"]
+
+CanaryMode = Literal["after-ready", "before-ready", "off"]
+CANARY_MODES: tuple[CanaryMode, ...] = ("after-ready", "before-ready", "off")
+"""When the canary page is parsed (``ServeConfig.canary``)."""
 
 _HOST_NAME = re.compile(r"\[?[A-Za-z0-9.:_-]{1,253}\]?")
 
@@ -80,6 +85,13 @@ class ServeConfig:
             queued orphan is dropped at once; orphans count against ``max_chat_requests``.
         chat_replay: a file of recorded chat answers to replay (``chat.ChatReplay``; tests and
             benchmarks); None = decode.
+        canary: when the canary page (``parsing.run_canary``: a whole replayed page, layout pass
+            included; about a minute with the full-size model on 2 cores) is parsed:
+            ``"after-ready"`` (the default) in a thread of its own once the service is ready (jobs
+            are taken meanwhile), ``"before-ready"`` before it becomes ready, ``"off"`` never. The
+            service is ready once the model is loaded and the engine check
+            (``startup.run_engine_check``, seconds) passed; a canary that fails turns it
+            ``failed`` (``/ready`` answers ``503``) in any mode.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
     """
 
@@ -111,6 +123,7 @@ class ServeConfig:
     chat_keepalive: float = 15.0
     chat_orphan_grace: float = 10.0
     chat_replay: Path | None = None
+    canary: CanaryMode = "after-ready"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -145,6 +158,8 @@ class ServeConfig:
                 raise ValueError(f"allowed_hosts: {host[:40]!r} is not a host name or address (no port, no scheme)")
         if self.replay_dir is not None and not Path(self.replay_dir).is_dir():
             raise ValueError(f"replay_dir {self.replay_dir} is not a directory")
+        if self.canary not in CANARY_MODES:
+            raise ValueError(f"canary must be one of {', '.join(CANARY_MODES)}, got {self.canary!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

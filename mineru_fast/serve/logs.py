@@ -39,6 +39,7 @@ CONTEXT_FIELDS = (
     "cancelled",
     "suppressed",
     "limit",
+    "tokens",
 )
 
 

@@ -96,8 +96,20 @@ class ServiceMetrics:
             "mineru_fast_parse_duration_seconds", "Time a worker spent on a job", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.model_load_seconds = Gauge("mineru_fast_model_load_seconds", "Model load time at start-up", registry=r)
-        self.canary_seconds = Gauge("mineru_fast_canary_seconds", "Canary (warm-up) parse time at start-up", registry=r)
-        self.ready = Gauge("mineru_fast_ready", "1 when the model is loaded and the canary parsed", registry=r)
+        self.engine_check_seconds = Gauge(
+            "mineru_fast_engine_check_seconds",
+            "Start-up engine check time (a small image through vision, prefill and decode)",
+            registry=r,
+        )
+        self.canary_seconds = Gauge(
+            "mineru_fast_canary_seconds", "Canary page parse time (set once it passed; --canary)", registry=r
+        )
+        self.ready = Gauge(
+            "mineru_fast_ready",
+            "1 when the service takes work: model loaded, engine check passed (and the canary parsed with "
+            "--canary before-ready); 0 again once draining or failed",
+            registry=r,
+        )
 
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
         """Count one answered HTTP request and its latency."""

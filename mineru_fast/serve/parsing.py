@@ -320,7 +320,7 @@ def render_result(document: Document, formats: frozenset[str], overlays: list[di
 
 
 def canary_image() -> Image.Image:
-    """A small page drawn with Pillow (a title, lines of text, a ruled table) for the start-up check."""
+    """A small page drawn with Pillow (a title, lines of text, a ruled table): the canary page."""
     page = Image.new("RGB", (640, 480), "white")
     draw = ImageDraw.Draw(page)
     draw.text((40, 30), "mineru-fast canary page", fill="black", font=ImageFont.load_default(size=28))
@@ -353,7 +353,9 @@ CANARY_TRACE = PageTrace(
 def run_canary(parser: DocumentParser) -> dict:
     """Parse ``canary_image()`` once, replaying ``CANARY_TRACE`` (on the standard tier also its
     layout, as PP-DocLayoutV2 detections): warms the models up and proves the whole pipeline
-    works (a replayed page costs what decoding it costs).
+    works (a replayed page costs what decoding it costs: about a minute for the full-size model
+    on 2 cores, most of it the 1036x1036 layout pass). The service runs it before or after it
+    becomes ready, or not at all (``ServeConfig.canary``; ``startup.Canary``).
 
     Returns:
         ``{"status", "seconds", "blocks"}`` of the canary parse.

@@ -74,7 +74,9 @@ def serve(config: ServeConfig) -> int:
 
     Returns:
         Exit status: 0 after a clean shutdown (SIGINT or SIGTERM, at any moment), 2 when the model
-        failed to load or the canary failed, 1 when uvicorn could not start (e.g. the port is taken).
+        failed to load, the engine check failed or the canary failed (after the service became
+        ready: once the jobs in flight are done and collected, within ``drain_timeout``), 1 when
+        uvicorn could not start (e.g. the port is taken).
         Threads still loading the model or parsing when this returns cannot be stopped: a process
         should end promptly (the CLI ends with ``os._exit``, see ``command.run_serve_command``).
 

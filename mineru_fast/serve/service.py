@@ -2,10 +2,20 @@
 
 Start-up (``load``, run in a background thread so ``/health`` answers meanwhile): build one parser
 (the model is loaded once; every worker thread and every chat request share its engine loop, so
-they batch together), parse the canary page (warm-up and end-to-end check), then start the job
-workers and become ready. Shutdown:
-``begin_drain`` (new jobs refused, status and results still served) until ``wait_drained``, then
-``shutdown``.
+they batch together), run the engine check (``startup.run_engine_check``: a small image through
+vision, prefill and a few decode steps, seconds), then start the job workers and become ready.
+The canary page (``parsing.run_canary``: a whole replayed page, layout pass included) runs per
+``ServeConfig.canary``: before the service becomes ready (``before-ready``), in a thread of its own
+once it is ready while jobs are taken (``after-ready``, the default), or not at all (``off``).
+
+A failure at any of these steps turns the state to ``failed`` (``/ready`` answers ``503`` saying
+which step) and calls ``on_load_failure``. A canary that fails after the service became ready
+stops it taking new work, lets the jobs in flight finish and their results be fetched (as a drain
+does, within ``drain_timeout``), then calls ``on_load_failure``.
+
+Shutdown: ``begin_drain`` (new jobs refused, status and results still served) until
+``wait_drained``, then ``shutdown``, which closes the engine: a canary still running then ends
+with its requests cancelled, and nothing waits for it.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from mineru_fast.serve.config import ServeConfig
 from mineru_fast.serve.errors import ApiError
 from mineru_fast.serve.jobs import Job, JobManager
 from mineru_fast.serve.metrics import ServiceMetrics
-from mineru_fast.serve.parsing import ParseRequest, render_result, run_canary, run_parse
+from mineru_fast.serve.parsing import ParseRequest, render_result, run_parse
+from mineru_fast.serve.startup import Canary, run_engine_check
 from mineru_fast.serve.store import HEARTBEAT_INTERVAL, JobStore, MemoryJobStore
 
 logger = logging.getLogger(__name__)
@@ -32,6 +43,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["Service", "ServiceState"]
 
 ServiceState = Literal["loading", "ready", "failed", "draining", "stopping"]
+Stage = Literal["load", "engine_check", "canary"]
+
+# What ``/ready`` says (503 ``model_load_failed``) after a failure at each start-up step; the
+# details, which may name paths, are in the server's log only.
+_FAILURE_MESSAGES: dict[Stage, str] = {
+    "load": "the model failed to load; the server's log says why",
+    "engine_check": "the engine check at start-up (a small image through the model) failed; the server's log says why",
+    "canary": "the canary page failed to parse; this server takes no new work and should be replaced "
+    "(the server's log says why)",
+}
 
 
 def model_label(model: str) -> str:
@@ -45,8 +66,9 @@ class Service:
     Args:
         config: the service settings.
         parser_factory: builds the parser (called once, at start-up).
-        on_load_failure: called with the exception if loading or the canary fails (the CLI uses it
-            to stop the server with an error).
+        on_load_failure: called with the exception if loading, the engine check or the canary
+            fails (the CLI uses it to stop the server with an error); after a canary that failed
+            once the service was ready, only when the jobs in flight have drained.
         job_store: where jobs are recorded; default a ``MemoryJobStore`` keeping results
             ``config.result_ttl`` seconds (Ray Serve replicas pass their shared store).
         replica: this service's id in ``job_store`` (unique among the replicas sharing it).
@@ -66,8 +88,12 @@ class Service:
         self.parser_factory = parser_factory
         self.on_load_failure = on_load_failure
         self.state: ServiceState = "loading"
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # what failed, for the log and Ray's health check
+        self.failed_stage: Stage | None = None  # the start-up step that failed
+        self.stage: Stage = "load"  # the start-up step under way (or the last one)
         self.info: dict = {}
+        self.canary = Canary(config.canary)
+        self.canary_thread: threading.Thread | None = None  # the after-ready canary's
         self.jobs: JobManager | None = None
         self.parser: DocumentParser | None = None  # set once loaded
         self._drain_deadline: float | None = None  # time.monotonic() at which draining gives up
@@ -79,7 +105,9 @@ class Service:
 
     # -- start-up and shutdown -------------------------------------------------------------------
     def load(self) -> None:
-        """Build the parsers, run the canary, start the workers; never raises (see ``state``)."""
+        """Build the parser, run the engine check, start the workers and become ready, with the
+        canary page before (``before-ready``) or after (``after-ready``, in the thread
+        ``canary``) becoming ready, or not at all; never raises (see ``state``)."""
         try:
             logger.info("loading model", extra={"worker": self.config.workers})
             start = time.perf_counter()
@@ -97,9 +125,12 @@ class Service:
                 parser.model_info,
                 parser.layout_detector,
             )
-            canary = run_canary(replay_parser)
-            self.metrics.canary_seconds.set(canary["seconds"])
-            logger.info("canary page parsed", extra={"seconds": canary["seconds"], "status": canary["status"]})
+            self.stage = "engine_check"
+            check = run_engine_check(parser.engine)
+            self.metrics.engine_check_seconds.set(check["seconds"])
+            logger.info("engine check passed", extra={"seconds": check["seconds"], "tokens": check["tokens"]})
+            if self.config.canary == "before-ready":
+                self._run_canary(replay_parser)
             runner = self._runner(parser, replay_parser)
             jobs = JobManager(
                 [runner] * self.config.workers,
@@ -119,33 +150,96 @@ class Service:
                     "engine": parser.options.engine,
                     "workers": self.config.workers,
                     "model_load_seconds": round(load_seconds, 3),
-                    "canary": canary,
+                    "engine_check": check,
                 }
                 self.jobs, self.parser = jobs, parser
                 jobs.start()
                 self.state = "ready"
+                if self.config.canary == "after-ready":
+                    self.canary_thread = threading.Thread(
+                        target=self._canary_after_ready, args=(replay_parser,), name="canary", daemon=True
+                    )
+                    self.canary_thread.start()
             self.metrics.ready.set(1)
             logger.info("ready", extra={"worker": self.config.workers, "queue_length": 0})
         except Exception as exc:
+            step = {"load": "model load", "engine_check": "engine check", "canary": "canary page"}[self.stage]
             with self._lock:
-                self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}"
+                self.state, self.failed_stage = "failed", self.stage
+                self.load_error = f"{step} failed: {type(exc).__name__}: {exc}"
             logger.error("start-up failed: %s", self.load_error)
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
+
+    def _run_canary(self, replay_parser: DocumentParser) -> None:
+        """Parse the canary page (``Canary.run``), its time in ``mineru_fast_canary_seconds``.
+
+        Raises:
+            Exception: the canary failed (whatever ``run_canary`` raised).
+        """
+        self.stage = "canary"
+        logger.info("canary page started", extra={"status": self.config.canary})
+        outcome = self.canary.run(replay_parser)
+        self.metrics.canary_seconds.set(outcome["seconds"])
+        logger.info("canary page parsed", extra={"seconds": outcome["seconds"], "status": outcome["status"]})
+
+    def _canary_after_ready(self, replay_parser: DocumentParser) -> None:
+        """The ``after-ready`` canary (thread ``canary``); a failure goes to ``_canary_failed``."""
+        try:
+            self._run_canary(replay_parser)
+        except Exception as exc:
+            self._canary_failed(exc)
+
+    def _canary_failed(self, exc: Exception) -> None:
+        """A canary that failed after the service became ready: state ``failed`` (no new work,
+        ``/ready`` ``503``), the jobs in flight finish and are collected (in ``drain_timeout``),
+        then ``on_load_failure``. Once shutdown began it changes nothing (a canary ended by the
+        engine's closing fails; that says nothing of the model)."""
+        with self._lock:
+            if self.state != "ready" or self.jobs is None:
+                logger.info("canary page ended by shutdown", extra={"status": self.state})
+                return
+            self.state, self.failed_stage = "failed", "canary"
+            self.load_error = f"canary page failed: {type(exc).__name__}: {exc}"
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout
+            jobs = self.jobs
+        jobs.stop_accepting()
+        self.metrics.ready.set(0)
+        logger.error(
+            "%s; no new work is taken, the jobs in flight finish",
+            self.load_error,
+            extra={"queue_length": jobs.queue_length, "in_flight": jobs.in_flight},
+        )
+        if self.on_load_failure is None:
+            return
+        start = time.monotonic()
+        drained = jobs.wait_drained(self._time_left())
+        seconds = round(time.monotonic() - start, 3)
+        logger.info("drained" if drained else "drain timed out", extra={"seconds": seconds})
+        self.on_load_failure(exc)
+
+    def ready_info(self) -> dict:
+        """What ``/ready`` says of a ready service: model, engine, workers, model load and engine
+        check figures (``startup.run_engine_check``) and the canary's mode and state
+        (``Canary.describe``)."""
+        return {**self.info, "canary": self.canary.describe()}
 
     def begin_drain(self) -> bool:
         """Refuse new jobs (``503``) while queued and running jobs finish and their results are
         fetched; status and result requests go on.
 
         Returns:
-            True when there are workers to drain; False while loading or after a failed start
-            (then there is nothing to wait for).
+            True when there are workers to drain (the service is ready, or its canary failed after
+            it became ready); False while loading or after a failed start (then there is nothing
+            to wait for).
         """
         with self._lock:
-            if self.state != "ready" or self.jobs is None:
+            if self.state not in ("ready", "failed") or self.jobs is None:
                 return False
             self.state = "draining"
-            self._drain_deadline = time.monotonic() + self.config.drain_timeout
+            deadline = time.monotonic() + self.config.drain_timeout
+            # a drain that began when the canary failed keeps its deadline
+            self._drain_deadline = deadline if self._drain_deadline is None else min(deadline, self._drain_deadline)
             jobs = self.jobs
         jobs.stop_accepting()
         self.metrics.ready.set(0)
@@ -172,7 +266,8 @@ class Service:
 
     def shutdown(self) -> None:
         """Stop accepting jobs, let queued and running ones finish (in what is left of
-        ``drain_timeout``), stop the workers."""
+        ``drain_timeout``), stop the workers and close the engine (a canary still running ends
+        with its requests cancelled; nothing waits for it)."""
         with self._lock:
             self.state = "stopping"
             jobs = self.jobs
@@ -196,17 +291,23 @@ class Service:
         """The job manager, if the service takes work now.
 
         Raises:
-            ApiError: 503 ``not_ready`` (loading, with ``Retry-After``), ``model_load_failed`` or
+            ApiError: 503 ``not_ready`` (loading, with ``Retry-After``), ``model_load_failed`` (the
+                model load, the engine check or the canary page failed: the message says which) or
                 ``shutting_down``.
         """
         with self._lock:
-            state, jobs = self.state, self.jobs
+            state, jobs, stage, failed = self.state, self.jobs, self.stage, self.failed_stage
         if state == "ready" and jobs is not None:
             return jobs
         if state == "loading":
-            raise ApiError(503, "not_ready", "the model is still loading", {"Retry-After": "5"})
+            doing = {
+                "load": "the model is still loading",
+                "engine_check": "the engine is being checked",
+                "canary": "the canary page is being parsed (--canary before-ready)",
+            }[stage]
+            raise ApiError(503, "not_ready", doing, {"Retry-After": "5"})
         if state == "failed":
-            raise ApiError(503, "model_load_failed", "the model failed to load; the server's log says why")
+            raise ApiError(503, "model_load_failed", _FAILURE_MESSAGES[failed or "load"])
         raise ApiError(503, "shutting_down", "the server is shutting down and takes no new jobs")
 
     # -- jobs ------------------------------------------------------------------------------------
