@@ -38,18 +38,68 @@ def routes() -> set[str]:
     return {route.path for route in create_app().routes}
 
 
+def stages() -> list[str]:
+    """The Dockerfile's stages, each from its ``FROM`` line (comments dropped, continuations joined)."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text(encoding="utf-8"))
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    out: list[str] = []
+    for line in lines:
+        if line.upper().startswith("FROM "):
+            out.append("")
+        out[-1] += line + "\n"
+    return out
+
+
 def test_dockerfile_runs_the_service_as_a_non_root_user_with_a_ready_check(routes):
     d = dockerfile()
     assert d["USER"] == ["mineru"] and "useradd" in " ".join(d["RUN"])
-    assert d["FROM"][0].startswith("python:3.1")
+    assert all(image.startswith("python:3.1") for image in d["FROM"])
     assert any("download.pytorch.org/whl/cpu" in run for run in d["RUN"])  # CPU torch
-    assert d["VOLUME"] == ['["/models"]'] and "MINERU_FAST_MODEL=/models/mineru" in d["ENV"][0]
+    assert d["VOLUME"] == ['["/models", "/cache"]'] and "MINERU_FAST_MODEL=/models/mineru" in d["ENV"][0]
+    assert "MINERU_FAST_PREPARED_CACHE=/cache/prepared" in d["ENV"][0]
     (port,) = d["EXPOSE"]
     (healthcheck,) = d["HEALTHCHECK"]
     ready = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", healthcheck)
     assert ready is not None and ready.groups() == (port, "/ready") and "/ready" in routes
+    # ready in seconds (engine check, no canary before ready): a start period of minutes is not needed
+    start_period = re.search(r"--start-period=(\d+)s", healthcheck)
+    assert start_period is not None and int(start_period.group(1)) <= 120
     command = d["CMD"][0]
     assert f"--port {port}" in command and "--host 0.0.0.0" in command and "mineru-fast serve" in command
+
+
+def test_the_image_gets_its_kernels_from_a_builder_stage_and_runs_without_a_compiler():
+    """The wheel (kernels compiled) is built where the compiler is; the runtime stage installs it
+    and has no compiler, so the image runs the own kernels and never builds anything."""
+    builder, runtime = stages()
+    assert " AS builder" in builder.splitlines()[0] and "g++" in builder and "pip wheel" in builder
+    assert "COPY --from=builder /wheels" in runtime and "mineru_fast-*.whl" in runtime
+    compiler = re.compile(r"(?<![\w-])(g\+\+|gcc|clang|build-essential)(?![\w-])")
+    assert compiler.search(builder) and not compiler.search(runtime)
+    copied = " ".join(line for line in builder.splitlines() if line.startswith("COPY"))
+    assert all(name in copied for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "mineru_fast"))
+
+
+def test_kubernetes_prepares_the_model_once_for_the_pods():
+    """A Job writes the prepared cache with the pods' model path and cache folder; the pods read it
+    read-only; the probes give a start-up in seconds (with the prepared model) room of minutes."""
+    m = manifests()
+    job = m["Job"]["spec"]["template"]["spec"]
+    pod = m["Deployment"]["spec"]["template"]["spec"]
+    (prepare,) = job["containers"]
+    (serve,) = pod["containers"]
+    assert prepare["command"][:2] == ["mineru-fast", "prepare"]
+    model = prepare["command"][prepare["command"].index("--model") + 1]
+    assert serve["command"][serve["command"].index("--model") + 1] == model
+    env = {e["name"]: e["value"] for e in prepare["env"]}
+    assert env == {e["name"]: e["value"] for e in serve["env"]} and "MINERU_FAST_PREPARED_CACHE" in env
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in job["volumes"]}
+    assert claims == {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
+    mounts = {v["name"]: v for v in serve["volumeMounts"]}
+    assert all(mount.get("readOnly") for mount in mounts.values())
+    assert env["MINERU_FAST_PREPARED_CACHE"].startswith(mounts["prepared"]["mountPath"])
+    probe = serve["startupProbe"]
+    assert 60 <= probe["periodSeconds"] * probe["failureThreshold"] <= 300
 
 
 def test_kubernetes_deployment_service_and_hpa_agree(routes):
