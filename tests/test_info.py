@@ -8,6 +8,7 @@ from fake_machine import SPR_FLAGS, build_machine
 
 from mineru_fast.cli.info import collect, render
 from mineru_fast.cli.main import main
+from mineru_fast.engine import kernels
 from mineru_fast.runtime.cpu import read_topology
 
 
@@ -21,13 +22,29 @@ def test_two_socket_amx_machine(tmp_path, monkeypatch):
     assert info["backends"]["auto_chooses"]["backend"] == "stock"  # no measurement for this CPU
     text = render(info)
     assert "2 socket(s), 8 physical core(s), 16 logical CPU(s), 2 NUMA node(s)" in text and "AMX: yes" in text
-    # AVX-512 VNNI: the fast preset's language model on the block kernel, unless it is turned off
-    assert info["choices"]["lm_quant_fast"]["quant"] == "int8-block"
-    assert "the fast preset's language model runs int8-block: 32-value INT8 scales" in text
+    # AVX-512 VNNI: the fast preset's language model on the block kernel's VNNI path; turned off,
+    # the same arithmetic in PyTorch (never another quantization)
+    assert info["choices"]["lm_quant_fast"]["path"] == "avx512_vnni"
+    assert "language model runs int8-block: 32-value INT8 scales on the own kernel's avx512_vnni path" in text
     monkeypatch.setenv("MINERU_FAST_OWN_KERNELS", "0")
-    off = collect(read_topology(sysfs, proc, affinity=set(range(16))))["choices"]["lm_quant_fast"]
-    assert off == {"quant": "int8-dynamic", "reason": "per-channel INT8 instead of 32-value blocks: own INT8 GEMV off "
-                   "(MINERU_FAST_OWN_KERNELS=0)"}  # fmt: skip
+    kernels.kernel_status.cache_clear()
+    try:
+        off = collect(read_topology(sysfs, proc, affinity=set(range(16))))["choices"]["lm_quant_fast"]
+    finally:
+        kernels.kernel_status.cache_clear()
+    assert off["quant"] == "int8-block" and off["path"] == "pytorch"
+    assert off["reason"].startswith("own kernels off (MINERU_FAST_OWN_KERNELS=0)")
+
+
+def test_an_avx2_machine_runs_the_block_kernels_avx2_path(tmp_path):
+    sysfs, proc = build_machine(tmp_path, 1, 4, flags="fpu sse2 avx2 fma", vendor="AuthenticAMD")
+    info = collect(read_topology(sysfs, proc, affinity=set(range(4))))
+    assert info["cpu"]["isa_tier"] == "avx2"
+    assert info["choices"]["lm_quant_fast"] == {
+        "quant": "int8-block",
+        "path": "avx2",
+        "reason": "32-value INT8 scales on the own kernel's avx2 path (the same arithmetic on every path)",
+    }
 
 
 def test_info_json_runs_here(capsys, tmp_path, monkeypatch):

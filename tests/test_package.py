@@ -60,7 +60,7 @@ def test_every_command_line_argument_has_help():
         if not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert missing == []
-    assert set(commands) == {"parse", "synth-model", "bench", "trace", "serve", "launch", "batch", "info"}
+    assert set(commands) == {"parse", "prepare", "synth-model", "bench", "trace", "serve", "launch", "batch", "info"}
 
 
 def test_library_warnings_go_through_logging_not_bare_stderr_lines():

@@ -87,7 +87,7 @@ def collect(topology: Topology | None = None) -> dict:
                 "reason": preset.reason,
             },
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
-            "lm_quant_fast": _fast_lm_quant(),
+            "lm_quant_fast": _fast_lm_quant(topology),
         },
         "prepared_cache": prepared_cache_summary(),
         "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
@@ -96,13 +96,22 @@ def collect(topology: Topology | None = None) -> dict:
     }
 
 
-def _fast_lm_quant() -> dict[str, str]:
-    """What runs the fast preset's ``lm_quant="int8-block"`` here: the own kernel's path (the same
-    arithmetic on every path), or why its PyTorch form runs."""
-    from mineru_fast.engine.kernels import kernel_status
+def _fast_lm_quant(topology: Topology) -> dict[str, str]:
+    """What runs the fast preset's ``lm_quant="int8-block"`` on ``topology``: the own kernel's
+    instruction-set path its CPU class allows (every path is in the installed module, with the same
+    arithmetic), or, where this install cannot load the module or it is turned off, why its PyTorch
+    form runs."""
+    from mineru_fast.engine.kernels import allowed_paths, kernel_status
 
     status = kernel_status()
-    return {"quant": "int8-block", "path": status.path or "pytorch", "reason": status.reason}
+    if status.block is None:
+        return {"quant": "int8-block", "path": "pytorch", "reason": status.reason}
+    path = (allowed_paths(topology) or ("portable",))[0]
+    return {
+        "quant": "int8-block",
+        "path": path,
+        "reason": f"32-value INT8 scales on the own kernel's {path} path (the same arithmetic on every path)",
+    }
 
 
 def render(info: dict) -> str:
