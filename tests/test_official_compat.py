@@ -237,6 +237,21 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
             (line("100 900 900 950", "page_footnote"), "1 first line\nsecond line"),
         )
     ],
+    # Raw outputs kept code point for code point (a letter and a combining accent stay two, as
+    # official keeps a model's text), bidirectional text, and a page without blocks between two
+    # others (official writes it as {"page_idx": N} in its middle JSON and structured content).
+    "unicode_and_empty_page": [
+        page(
+            (line("100 050 900 120", "title"), "Cafe\u0301 and Caf\u00e9: A\u030a \u212b \u00c5"),
+            (
+                line("100 150 900 300", "text"),
+                "\u05e9\u05dc\u05d5\u05dd world \u0645\u0631\u062d\u0628\u0627 e\u0301\u0302 \u1100\u1161\u11a8 "
+                "\u202bRTL embed\u202c x\u0308",
+            ),
+        ),
+        PageTrace("", []),
+        page((line("100 050 900 200", "text"), "After the empty page.")),
+    ],
     # Inline markup in table cells (HTML tables as the model may answer them): every element
     # official renders, alone and nested, with "|", spaces and non-ASCII in link targets, in a
     # merged cell (the table stays HTML), in OTSL (escaped to text by mineru-vl-utils), and in a

@@ -9,6 +9,7 @@ transformers' modules. transformers stays the oracle here: the same inputs throu
 from __future__ import annotations
 
 import json
+import unicodedata
 
 import numpy as np
 import pytest
@@ -59,6 +60,27 @@ def test_plain_ids_do_not_leak_into_output_encoding(both):
     pre, tokenizer, _ = both
     pre.plain_text_ids(["<|im_end|>"])
     assert pre.text_ids("<|im_end|>") == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "e\u0301te\u0301 and \u00e9t\u00e9",  # decomposed and composed accents side by side
+        "A\u030a \u212b \u00c5",  # a ring above, the angstrom sign, the composed letter
+        "\u05e9\u05dc\u05d5\u05dd abc \u0627\u0644\u0633\u0644\u0627\u0645 \u202eevil\u202c",  # bidirectional
+        "\u1100\u1161\u11a8 x\u0308<|box_start|>012 034<|box_end|>",  # conjoining jamo, specials kept
+    ],
+)
+def test_forced_outputs_decode_to_their_code_points(both, text):
+    """Replay forces a trace's text as a model would have produced it: decoding the forced ids
+    gives every code point back (the tokenizer's NFC normalizer, which prompts keep, would compose
+    them: the lane's official side keeps raw outputs as they come)."""
+    pre, tokenizer, _ = both
+    ids = pre.forced_ids(text)
+    assert ids[-1] == pre.end_ids[0] and pre.decode(ids) == text
+    if unicodedata.normalize("NFC", text) != text:  # the normalized encoding would not round-trip
+        normalized = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(normalized) == unicodedata.normalize("NFC", text)
 
 
 SIZES = [(1036, 1036), (1700, 2200), (37, 612), (5, 900), (2100, 90), (64, 64), (3, 3), (4000, 3000), (28, 5500)]

@@ -101,6 +101,11 @@ class Preprocessor:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.tokenizer = load_tokenizer(model_dir)
+        # Forced outputs are encoded without the tokenizer's normalizer (Qwen2's is NFC): a model's
+        # tokens decode to its bytes as they are, so replay must give back a trace's code points
+        # as they are too (a letter and a combining accent stay two), not their composed form.
+        self._output_tokenizer = load_tokenizer(model_dir)
+        self._output_tokenizer.normalizer = None
         self._encode_lock = threading.Lock()
         self.image_processor = ImageProcessor.from_pretrained(model_dir)
         self.end_ids: list[int] = [self._token_id(t, model_dir) for t in END_TOKENS]
@@ -189,9 +194,10 @@ class Preprocessor:
                 self.tokenizer.encode_special_tokens = False
 
     def text_ids(self, text: str) -> list[int]:
-        """Ids of a model output ``text``, its special tokens (boxes, refs, OTSL) matched as tokens."""
+        """Ids of a model output ``text``, its special tokens (boxes, refs, OTSL) matched as tokens,
+        not normalized: ``decode`` gives ``text`` back code point for code point."""
         with self._encode_lock:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self._output_tokenizer.encode(text, add_special_tokens=False).ids
 
     def forced_ids(self, text: str) -> list[int]:
         """Token ids that replay forces for an output ``text``: its encoding, then ``<|im_end|>``."""

@@ -36,6 +36,7 @@ __all__ = [
     "image_name",
     "middle_blocks",
     "middle_page",
+    "page_entry",
     "model_page",
     "Envelope",
 ]
@@ -98,6 +99,13 @@ def middle_blocks(entries: list[dict], page_idx: int) -> list[dict[str, Any]]:
     """Page-model entries (``mineru4.page_model``) as middle JSON blocks of page ``page_idx``
     (private keys such as the confidence record left out)."""
     return [_block({k: v for k, v in e.items() if k != CONFIDENCE_KEY}, page_idx) for e in entries]
+
+
+def page_entry(page: dict[str, Any]) -> dict[str, Any]:
+    """A page of the middle JSON as the file holds it: a page without blocks is ``{"page_idx": N}``
+    (DocVortex's ``MiddleJson.to_dict`` leaves defaults out, and the empty block list is one; its
+    structured content keeps ``"blocks": []``), any other page as it is."""
+    return page if page.get("blocks") else {k: v for k, v in page.items() if k != "blocks"}
 
 
 def middle_page(page: Page) -> dict[str, Any]:
@@ -169,7 +177,7 @@ class Envelope:
     def middle_json(self, pages: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole middle JSON around ``pages`` (``middle_page``'s), as a dict."""
         tail = {"is_full_document": self.full, "schema": SCHEMA, "schema_version": SCHEMA_VERSION}
-        return {**self._head(), "pages": pages, **tail}
+        return {**self._head(), "pages": [page_entry(p) for p in pages], **tail}
 
     def structured_content(self, pages: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole ``structured_content.json`` around its ``pages``, as a dict."""

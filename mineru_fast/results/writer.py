@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from mineru_fast.errors import OutputError
 from mineru_fast.results.metadata import head_dict
-from mineru_fast.results.middle import Envelope, image_name, middle_blocks, model_page
+from mineru_fast.results.middle import Envelope, image_name, middle_blocks, model_page, page_entry
 from mineru_fast.results.mineru4 import CONFIDENCE_KEY, TRANSPARENT, page_model, plain_text
 from mineru_fast.results.page import Confidence, Page, ParseError, cut_crops, layout_overlay, status_of
 from mineru_fast.results.table_markdown import format_embedded_html, render_table
@@ -1000,7 +1000,7 @@ class DocumentWriter:
         else:
             mark_continuations(output)  # what continues from the page before (self._joiner marked it)
             self._append_item(self._cl, output.structured, self._cl_started, '{\n  "pages": [\n', 2)
-            self._append_item(self._pages, output.middle, self._cl_started, "\n", 2)
+            self._append_item(self._pages, page_entry(output.middle), self._cl_started, "\n", 2)
             self._append_item(self._model, model_page(page), self._cl_started, "\n", 2)
             self._model.flush()
             self._cl_started = True
