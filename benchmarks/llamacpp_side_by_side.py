@@ -664,6 +664,10 @@ def main(argv: list[str] | None = None) -> int:
                     str(port),
                     "--log-level",
                     "warning",
+                    # no canary page beside the measured requests (the harness warms each engine up
+                    # with a request of its own)
+                    "--canary",
+                    "off",
                 ],
                 "/ready",
                 port,
