@@ -254,14 +254,15 @@ def test_the_fast_preset_puts_the_lm_on_the_block_kernel_and_vision_on_onednn(ti
         assert int8_kinds(engine.vision) == {OneDnnInt8Linear}
         assert engine.numerics["int8_kernel"] == "onednn"
         assert engine.numerics["lm_int8_block"] == STATUS.reason
-        assert STATUS.reason.startswith(f"own block-wise INT8 kernel, {STATUS.path} path")
+        assert STATUS.reason == f"own block-wise INT8 kernel, {STATUS.path} path"
         assert "lm_decode_kernel" not in engine.numerics
     finally:
         engine.close()
     per_channel = ParserOptions(threads=1, lm_quant="int8-dynamic", lm_head_quant="int8-dynamic")
     gemv = build_engine(tiny_model, per_channel, prepared_cache=False)
     try:  # per-channel INT8 asked for: its decode rows on the own GEMV
-        assert int8_kinds(gemv.lm) == {GemvInt8Linear} and gemv.numerics["lm_decode_kernel"] == STATUS.reason
+        assert int8_kinds(gemv.lm) == {GemvInt8Linear} and gemv.numerics["lm_decode_kernel"] == STATUS.gemv_reason
+        assert "GEMV" not in engine.numerics["lm_int8_block"]  # the block-wise layers' line names their kernel only
         assert "lm_int8_block" not in gemv.numerics
     finally:
         gemv.close()

@@ -88,7 +88,7 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
         # The language model's decode rows on the own GEMV (oneDNN's numerics, bit for bit);
         # vision, all GEMMs of many rows, stays on oneDNN's prepacked kernel.
         status = kernel_status()
-        numerics["lm_decode_kernel"] = status.reason
+        numerics["lm_decode_kernel"] = status.gemv_reason
         if status.gemv is not None:
             lm_configs = {**configs, "int8-dynamic": Int8DynamicConfig("gemv")}
 

@@ -134,6 +134,7 @@ class FastEngine:
                 try:
                     cache.load(vision, lm)
                     self.prepared_from, self.prepared_entry = "cache", cache.path
+                    logger.info("prepared model read from the cache: %s", cache.path)
                     return vision.eval(), lm.eval()
                 except PreparedCacheError as exc:
                     logger.warning("%s; preparing the model from the checkpoint again", exc)

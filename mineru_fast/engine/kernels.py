@@ -63,19 +63,23 @@ class KernelStatus:
         path: the block kernel's instruction-set path (one of ``PATHS``), or None when the
             extension is not used (then ``block`` is None and ``quantize.block_int8_reference``, the
             same arithmetic in PyTorch, runs).
-        reason: one line: what runs, or why the compiled kernels do not.
+        reason: one line: what runs the block-wise layers (the path), or why the compiled kernels
+            do not.
         block: ``block(x [M, K] float32 contiguous, weight [N'/16, K'/4, 16, 4] uint8, weight_scale
             [N'/16, K'/32, 16] float32, bias [N] float32 or None, n_size N) -> [M, N] float32`` for any
             M (layout: ``quantize.BlockInt8Linear``; checked by ``check_block_weight``), or None.
         gemv: ``gemv(x [M, K] float32 contiguous, weight [N, K] int8, weight_sum [N] int32,
             weight_scale [N] float32, bias [N] float32 or None) -> [M, N] float32`` for
             1 <= M <= ``MAX_ROWS`` (AVX-512 VNNI only), or None.
+        gemv_reason: one line: what runs per-channel INT8 layers' decode rows (``gemv``), or why
+            not (what ``engine.numerics["lm_decode_kernel"]`` says).
     """
 
     path: str | None
     reason: str
     block: BlockLinear | None = None
     gemv: GemvLinear | None = None
+    gemv_reason: str = ""
 
 
 def source_digest(csrc: Path | None = None) -> str:
@@ -248,7 +252,7 @@ def kernel_status() -> KernelStatus:
     """
     if _disabled():
         reason = f"own kernels off ({OWN_KERNELS_ENV}=0): block-wise INT8 in PyTorch (the same arithmetic, slow)"
-        return KernelStatus(None, reason)
+        return KernelStatus(None, reason, gemv_reason=f"own INT8 GEMV off ({OWN_KERNELS_ENV}=0): oneDNN")
     try:
         paths = allowed_paths()
         module = _load_module()
@@ -258,12 +262,16 @@ def kernel_status() -> KernelStatus:
             "block-wise INT8 in PyTorch (the same arithmetic, slow)"
         )
         logger.warning("%s", reason)
-        return KernelStatus(None, reason)
+        return KernelStatus(None, reason, gemv_reason=f"own INT8 GEMV not loaded ({type(exc).__name__}): oneDNN")
     runnable = [p for p in paths if p in module.cpu_paths()]
     path = runnable[0] if runnable else "portable"
     best = module.cpu_paths()[0]
     lowered = "" if path == best else f" (this CPU runs {best}: lowered by its ISA class's caps or {PATH_ENV})"
     gemv = _gemv_linear(module) if path == "avx512_vnni" else None
-    rows = f"own INT8 GEMV for 1-{MAX_ROWS} decode rows" if gemv else "decode rows' GEMV on torch._int_mm"
-    reason = f"own block-wise INT8 kernel, {path} path{lowered}; {rows}"
-    return KernelStatus(path, reason, _block_linear(module, path), gemv)
+    rows = (
+        f"own AVX-512 VNNI INT8 GEMV for 1-{MAX_ROWS} rows, torch._int_mm above"
+        if gemv
+        else f"the own INT8 GEMV needs the avx512_vnni path ({path} here): oneDNN"
+    )
+    reason = f"own block-wise INT8 kernel, {path} path{lowered}"
+    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows)
