@@ -20,6 +20,16 @@ WORKLOAD = Path(os.environ.get("MINERU_FAST_SHARED", REPO.parent / "shared")) / 
 BOUNDS = "layout=24,text=8,table=8,equation=8"
 
 
+def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition()`` until true or ``timeout`` s passed (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

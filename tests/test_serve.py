@@ -19,7 +19,7 @@ import pytest
 from conftest import WORKLOAD, need
 from PIL import Image
 from samples import pdf_bytes, sample_trace, text_page, tiff_with_frame_size
-from serve_helpers import BOUNDS, assert_error, read_response_head, running_server, workload_page_with_text
+from serve_helpers import BOUNDS, assert_error, read_response_head, running_server, wait_for, workload_page_with_text
 
 from mineru_fast.errors import CorruptDocument, PageRangeError
 from mineru_fast.serve.errors import ApiError, from_exception
@@ -33,16 +33,6 @@ BETA = "beta-secret-4567"
 PASSWORD = "pw-never-logged-918"
 UPLOAD_NAME = "confidential-name-5521.pdf"
 MAX_UPLOAD_MB = 3
-
-
-def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``condition()`` until true or ``timeout`` s passed (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
 
 
 # -- parts, in process -----------------------------------------------------------------------------

@@ -20,22 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from samples import blank_png, image_bytes, pdf_bytes, text_page
-from serve_helpers import BOUNDS, free_port, running_server, start_server, wait_ready
+from serve_helpers import BOUNDS, free_port, running_server, start_server, wait_for, wait_ready
 
 from mineru_fast.serve.jobs import Job, JobManager, OverBudget, QueueFull, ShuttingDown
 from mineru_fast.serve.parsing import decode_cost
 from mineru_fast.serve.store import MemoryJobStore
-
-
-def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``condition()`` until true or ``timeout`` s passed (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
-
 
 # -- parts, in process -----------------------------------------------------------------------------
 

@@ -10,10 +10,10 @@ import dataclasses
 import json
 import math
 import threading
-import time
 
 import pytest
 from samples import image_bytes, sample_trace, text_page
+from serve_helpers import wait_for
 
 for _module in ("fastapi", "uvicorn", "prometheus_client", "multipart", "httpx"):
     pytest.importorskip(_module, reason="the serve tests need the serve extra: pip install 'mineru-fast[serve]'")
@@ -28,16 +28,6 @@ from mineru_fast.serve.app import create_app  # noqa: E402
 from mineru_fast.serve.config import ServeConfig  # noqa: E402
 
 TIMEOUT = 120.0  # a bound on a hang, never a wait: every wait below ends on a state
-
-
-def wait_for(condition, timeout: float = TIMEOUT) -> bool:
-    """Poll ``condition()`` until true or ``timeout`` s passed (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 class Gate:
@@ -129,7 +119,7 @@ class Started:
         return self.client.get("/ready")
 
     def wait_ready(self) -> dict:
-        assert wait_for(lambda: self.ready().status_code == 200 or self.service.state == "failed")
+        assert wait_for(lambda: self.ready().status_code == 200 or self.service.state == "failed", TIMEOUT)
         response = self.ready()
         assert response.status_code == 200, response.text
         return response.json()
@@ -167,12 +157,12 @@ def test_ready_after_the_engine_check_while_the_canary_runs_and_jobs_are_taken(t
         assert started.metric("mineru_fast_canary_seconds") == 0
 
         job = started.submit()  # taken, and parsed, while the canary waits
-        assert wait_for(lambda: started.job_status(job) == "done")
+        assert wait_for(lambda: started.job_status(job) == "done", TIMEOUT)
         assert started.client.get(job["result_url"]).json()["status"] == "success"
         assert started.ready().json()["canary"]["state"] == "running"
 
         canary_gate.release.set()
-        assert wait_for(lambda: started.ready().json()["canary"]["state"] == "passed")
+        assert wait_for(lambda: started.ready().json()["canary"]["state"] == "passed", TIMEOUT)
         canary = started.ready().json()["canary"]
         assert canary["seconds"] > 0 and canary["blocks"] == 3
         assert started.metric("mineru_fast_canary_seconds") > 0
@@ -216,7 +206,7 @@ def test_a_canary_failing_after_ready_turns_ready_to_503_and_lets_jobs_in_flight
         assert job_gate.started.wait(TIMEOUT) and started.job_status(job) == "running"
 
         canary.release.set()
-        assert wait_for(lambda: started.ready().status_code == 503)
+        assert wait_for(lambda: started.ready().status_code == 503, TIMEOUT)
         error = started.ready().json()["error"]
         assert error["code"] == "model_load_failed" and "canary" in error["message"]
         assert started.service.state == "failed" and "canary page failed" in started.service.load_error
@@ -226,7 +216,7 @@ def test_a_canary_failing_after_ready_turns_ready_to_503_and_lets_jobs_in_flight
         assert started.job_status(job) == "running" and not started.failures  # the job in flight goes on
 
         job_gate.release.set()
-        assert wait_for(lambda: started.job_status(job) == "done")
+        assert wait_for(lambda: started.job_status(job) == "done", TIMEOUT)
         assert not started.failures  # its result has not been fetched yet
         assert started.client.get(job["result_url"]).json()["status"] == "success"
         assert started.failed.wait(TIMEOUT)  # then the server is told to stop
@@ -266,7 +256,7 @@ def test_canary_off_is_never_parsed(tiny_model, canary_gate):
         ready = started.wait_ready()
         assert ready["canary"] == {"mode": "off", "state": "off"}
         job = started.submit()
-        assert wait_for(lambda: started.job_status(job) == "done")
+        assert wait_for(lambda: started.job_status(job) == "done", TIMEOUT)
     assert canary_gate.calls == 0 and not started.failures
 
 
