@@ -252,6 +252,24 @@ SYNTHETIC: dict[str, list[PageTrace]] = {
         PageTrace("", []),
         page((line("100 050 900 200", "text"), "After the empty page.")),
     ],
+    # Crops of rotated blocks (an image, a table, an equation, a chart, each turned upright before it
+    # is read): official records each one's angle by its index in extensions.docvortex_layout's
+    # image_rotations, which DocVortex's original-layout PDF turns back; an upright image and a
+    # rotated text block are not recorded. Its PDF also declares properties (test_official_bundle).
+    "rotated_visuals": [
+        page(
+            (line("100 050 900 080", "text", "<|rotate_left|>"), "Rotated text is not a crop."),
+            (line("100 100 450 400", "image", "<|rotate_right|>"), None),
+            (line("100 410 450 430", "image_caption"), "Fig. 2: turned"),
+            (line("500 100 900 400", "image"), None),
+            (line("100 450 900 650", "table", "<|rotate_left|>"), "<fcel>p<fcel>q<nl><fcel>1<fcel>2<nl>"),
+            (line("100 700 900 760", "equation", "<|rotate_down|>"), "\\[x = y\\]"),
+        ),
+        page(
+            (line("100 100 900 500", "chart", "<|rotate_right|>"), None),
+            (line("100 600 900 650", "text"), "On a turned page."),
+        ),
+    ],
     # Inline markup in table cells (HTML tables as the model may answer them): every element
     # official renders, alone and nested, with "|", spaces and non-ASCII in link targets, in a
     # merged cell (the table stays HTML), in OTSL (escaped to text by mineru-vl-utils), and in a

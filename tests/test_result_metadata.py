@@ -54,6 +54,8 @@ def test_parse_result_validates_against_the_shipped_schema(parser, two_pages, va
     meta = result["metadata"]
     assert meta["schema_version"] == SCHEMA_VERSION
     assert meta["package"] == {"name": "mineru-fast", "version": __version__}
+    saved = meta["input"]["properties"].get("created_at", "")  # Pillow's writer dates a PDF when it saves it
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", saved), saved
     assert meta["input"] == {
         "name": "document",
         "format": "pdf",
@@ -61,6 +63,8 @@ def test_parse_result_validates_against_the_shipped_schema(parser, two_pages, va
         "page_count": 2,
         "pages": [0, 1],
         "warnings": [],
+        "properties": {"created_at": saved, "modified_at": saved},
+        "page_geometry": [{"page_idx": i, "width_pt": 612.0, "height_pt": 792.0} for i in (0, 1)],  # 100 dpi
     }
     assert meta["model"] == {
         "model_id": None,

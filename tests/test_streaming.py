@@ -75,29 +75,6 @@ def test_streamed_outputs_equal_the_in_memory_document_and_exist_before_the_end(
     assert not (tmp_path / "streamed" / "three.pages.jsonl").exists()
 
 
-def test_an_empty_page_is_written_as_official_writes_it_by_both_writers(parser, tmp_path):
-    """A page without blocks between two others: ``{"page_idx": 1}`` in the middle JSON (DocVortex's
-    ``to_dict`` leaves the empty default out) and ``"blocks": []`` in the structured content (as
-    official writes them, test_official_bundle), the same from ``Document.save`` and from the
-    streaming ``DocumentWriter``."""
-    path = tmp_path / "three.pdf"
-    path.write_bytes(pdf_bytes(3))
-    full = PageTrace(SAMPLE_LAYOUT, list(SAMPLE_CONTENTS))
-    trace = Trace([full, PageTrace("", []), full])
-    parser.parse(path, replay=trace).save(tmp_path / "whole")
-    with DocumentWriter(tmp_path / "streamed", "three") as writer:
-        for page in parser.iter_pages(path, replay=trace):
-            writer.add_page(page)
-    files = {}
-    for kind in ("whole", "streamed"):
-        middle = json.loads((tmp_path / kind / "middle_json.json").read_text())
-        structured = json.loads((tmp_path / kind / "structured_content.json").read_text())
-        assert middle["pages"][1] == {"page_idx": 1} and structured["pages"][1] == {"page_idx": 1, "blocks": []}
-        assert middle["pages"][0]["blocks"] and structured["pages"][2]["blocks"]
-        files[kind] = (middle["pages"], structured["pages"])
-    assert files["whole"] == files["streamed"]
-
-
 def table_crop_page() -> Image.Image:
     """A tall page whose one table crop is ~2000 image tokens (the largest crops MinerU sends)."""
     page = Image.new("RGB", (1000, 1600), "white")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -43,6 +43,7 @@ from mineru_fast.errors import (
     TooManyPages,
     UnsupportedFormat,
 )
+from mineru_fast.inputs.properties import image_page_points, pdf_page_points, pdf_properties
 
 if TYPE_CHECKING:
     from mineru_fast.inputs.pdftext import PageText
@@ -283,6 +284,44 @@ class OpenedDocument:
                 size = self._image.size  # type: ignore[union-attr]
         self._check_pixels(size, index)
         return size
+
+    def page_points(self, index: int) -> tuple[float, float]:
+        """Width and height of page ``index`` in points, as MinerU 4 records them
+        (``inputs.properties``: a PDF page's displayed box, an image at 200 dots per inch).
+
+        Raises:
+            CorruptDocument: the page's box or header cannot be read, or it has no area.
+        """
+        if self._pdf is not None:
+            import pypdfium2 as pdfium
+
+            with _PDFIUM_LOCK:
+                try:
+                    return pdf_page_points(self._pdf, index)
+                except (pdfium.PdfiumError, ValueError) as exc:
+                    raise CorruptDocument(f"{self.name}: cannot read the size of page {index + 1}: {exc}") from exc
+        with self._decoding(index):
+            self._image.seek(index)  # type: ignore[union-attr]  # a frame header, nothing decoded
+            return image_page_points(self._image)  # type: ignore[arg-type]
+
+    def properties(self) -> tuple[dict[str, Any], list[str]]:
+        """What the document declares about itself (title, authors, dates, ...), as MinerU 4's
+        ``metadata.document`` holds it before the page count (``inputs.properties.pdf_properties``);
+        an image declares nothing.
+
+        Returns:
+            ``(properties, warnings)``: the fields that have a value, and what could not be read.
+        """
+        if self._pdf is None or self._source is None:
+            return {}, []
+        problems: list[str] = []
+        with _PDFIUM_LOCK:
+            try:
+                info = self._pdf.get_metadata_dict()  # type: ignore[attr-defined]
+            except Exception as exc:  # PDFium's errors are not typed
+                info, problems = {}, [f"PDF Info: {exc}"]
+        properties, warnings = pdf_properties(info, self._source[0])
+        return properties, problems + warnings
 
     def page_cost(self, index: int) -> tuple[int, int]:
         """Memory that rendering page ``index`` takes, estimated from headers only (nothing decoded).
@@ -751,7 +790,7 @@ def open_document(
 
     Raises:
         DocumentNotFound: no such file. InputError: unreadable path. UnsupportedFormat: neither
-        PDF nor image (``NativeDocument`` for a format MinerU 4 reads natively, naming the tool).
+            PDF nor image (``NativeDocument`` for a format MinerU 4 reads natively, naming the tool).
         CorruptDocument: empty or damaged. PasswordRequired: encrypted PDF without the right password.
         ImageTooLarge: the first frame is over ``max_pixels`` (later frames fail at ``render``).
         PageRangeError: bad ``pages``. TooManyPages: more than ``max_pages`` pages selected.

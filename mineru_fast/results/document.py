@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from mineru_fast.results.metadata import head_dict
+from mineru_fast.results.middle import Envelope
 from mineru_fast.results.page import Page, ParseError, Status, status_of
 from mineru_fast.results.writer import (
     DocumentWriter,
+    PageOutput,
     envelope_for,
     page_summary,
     render_markdown,
@@ -87,21 +89,27 @@ class Document:
             "pages": [p.to_dict() for p in self.pages],
         }
 
-    def _envelope(self):  # the middle JSON's document fields (writer.envelope_for)
+    def _middle(self) -> tuple[Envelope, list[PageOutput]]:
+        """The middle JSON's document fields (``writer.envelope_for``) and the rendered pages."""
+        outputs = list(render_pages(self.pages))
         head = head_dict(self.name, self.status, self.metadata, self.errors, self.timings, self.counts)
         summaries = [page_summary(page) for page in self.pages]
-        return envelope_for(self.metadata, head, summaries, {page.ocr_mode for page in self.pages})
+        rotations = {page.index: output.rotations for page, output in zip(self.pages, outputs, strict=True)}
+        modes = {page.ocr_mode for page in self.pages}
+        return envelope_for(self.metadata, head, summaries, modes, rotations), outputs
 
     def to_middle_json(self) -> dict:
         """MinerU 4's middle JSON of the document (what ``save`` writes as ``middle_json.json``;
         see ``middle``): DocVortex's ``docvortex.middle`` 2.0, mineru-fast's record in
         ``extensions["mineru_fast"]``; what continues across pages marked ``continues_prev``."""
-        return self._envelope().middle_json([output.middle for output in render_pages(self.pages)])
+        envelope, outputs = self._middle()
+        return envelope.middle_json([output.middle for output in outputs])
 
     def to_structured_content(self) -> dict:
         """MinerU 4's structured content of the document (``structured_content.json``); what
         continues across pages marked ``continues_prev``."""
-        return self._envelope().structured_content([output.structured for output in render_pages(self.pages)])
+        envelope, outputs = self._middle()
+        return envelope.structured_content([output.structured for output in outputs])
 
     def save(self, out_dir: str | Path, *, layout: str = "mineru4", confidence: bool = False) -> Path:
         """Write the document into ``out_dir`` page by page (``writer.DocumentWriter``): MinerU 4's

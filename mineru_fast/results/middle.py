@@ -12,7 +12,9 @@ Image, table and chart bodies and equations name their crop (``images/<image_nam
 4's analysis steps (``model_page``), before the document model groups it.
 
 The document around the pages (``Envelope``) records ``mineru-fast`` as its producer, MinerU 4's
-``extensions["mineru"]`` (tier and text mode) and mineru-fast's own record under
+``extensions["mineru"]`` (tier and text mode), the source's properties (``metadata.document``)
+and page geometry (``extensions["docvortex_layout"]``, which DocVortex's original-layout PDF
+renderer reads) as DocVortex records them, and mineru-fast's own record under
 ``extensions["mineru_fast"]`` (status, errors, model and protocol, options, timings).
 
 Pure Python: no torch, no DocVortex (which validates these files where it is installed).
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mineru_fast._version import __version__
-from mineru_fast.results.mineru4 import CONFIDENCE_KEY, _analysis_blocks, page_model
+from mineru_fast.results.mineru4 import ANGLE_KEY, CONFIDENCE_KEY, _analysis_blocks, page_model
 from mineru_fast.results.page import Page
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "middle_page",
     "page_entry",
     "model_page",
+    "image_rotations",
+    "LAYOUT_EXTENSION",
     "Envelope",
 ]
 
@@ -45,6 +49,7 @@ SCHEMA = "docvortex.middle"  # docvortex.schema.MiddleJson.schema_id
 MODEL_SCHEMA = "docvortex.model"  # docvortex.schema.ModelJson.schema_id (model_output.json)
 SCHEMA_VERSION = "2.0"  # docvortex.schema.DocumentModel.schema_version (docvortex 0.6.4)
 PRODUCER = "mineru-fast"
+LAYOUT_EXTENSION = "docvortex_layout"  # docvortex.document.pdf.layout.LAYOUT_EXTENSION (version 1)
 
 _BODIES = {"image_body": "image", "table_body": "table", "chart_body": "chart"}
 # Block types whose schema has a sub_type (docvortex.schema: ListBlock, ImageBlock, ChartBlock, CodeBlock).
@@ -98,7 +103,7 @@ def _block(entry: dict, page_idx: int, visual: str | None = None) -> dict[str, A
 def middle_blocks(entries: list[dict], page_idx: int) -> list[dict[str, Any]]:
     """Page-model entries (``mineru4.page_model``) as middle JSON blocks of page ``page_idx``
     (private keys such as the confidence record left out)."""
-    return [_block({k: v for k, v in e.items() if k != CONFIDENCE_KEY}, page_idx) for e in entries]
+    return [_block({k: v for k, v in e.items() if k not in (CONFIDENCE_KEY, ANGLE_KEY)}, page_idx) for e in entries]
 
 
 def page_entry(page: dict[str, Any]) -> dict[str, Any]:
@@ -106,6 +111,21 @@ def page_entry(page: dict[str, Any]) -> dict[str, Any]:
     (DocVortex's ``MiddleJson.to_dict`` leaves defaults out, and the empty block list is one; its
     structured content keeps ``"blocks": []``), any other page as it is."""
     return page if page.get("blocks") else {k: v for k, v in page.items() if k != "blocks"}
+
+
+def image_rotations(entries: list[dict]) -> dict[str, int]:
+    """The crops of a page that were turned upright: ``{str(index): angle}`` for each crop-bearing
+    block (an image, table or chart body, an equation) of the page model ``entries``
+    (``mineru4.page_model``) whose layout block was rotated by 90, 180 or 270 degrees, by its
+    position in the model list, ascending; as DocVortex's ``attach_layout_image_rotations`` records
+    them in ``extensions.docvortex_layout`` (its original-layout renderer turns them back)."""
+    found: dict[int, int] = {}
+    for entry in entries:
+        for item in [entry, *(entry["content"] if isinstance(entry.get("content"), list) else [])]:
+            kind = item.get("type")
+            if (kind in _BODIES or kind == "equation") and item.get(ANGLE_KEY) in (90, 180, 270):
+                found[item["index"]] = item[ANGLE_KEY]
+    return {str(index): found[index] for index in sorted(found)}
 
 
 def middle_page(page: Page) -> dict[str, Any]:
@@ -149,6 +169,13 @@ class Envelope:
         record: mineru-fast's own record (``metadata.head_dict``'s fields), ``extensions["mineru_fast"]``.
         version: mineru-fast's version (the producer's).
         pdf: the source is a PDF; an image has no document properties (MinerU 4 writes ``{}``).
+        properties: what the PDF declares (``InputInfo.properties``), ``metadata.document``'s
+            fields before the page count.
+        geometry: per source page, ``{"page_idx", "width_pt", "height_pt"}``
+            (``InputInfo.page_geometry``): ``extensions.docvortex_layout``'s pages; None writes
+            no such extension (a result read back from a file that had none).
+        rotations: per page index, the crops turned upright on it (``image_rotations``), added
+            to its geometry as ``image_rotations`` where there are any.
     """
 
     page_count: int
@@ -158,14 +185,32 @@ class Envelope:
     record: dict[str, Any] = field(default_factory=dict)
     version: str = ""
     pdf: bool = True
+    properties: dict[str, Any] = field(default_factory=dict)
+    geometry: list[dict[str, Any]] | None = None
+    rotations: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def layout_extension(self) -> dict[str, Any] | None:
+        """``extensions.docvortex_layout``: ``{"version": 1, "pages": [...]}``, or None without
+        ``geometry``."""
+        if self.geometry is None:
+            return None
+        pages = []
+        for page in self.geometry:
+            rotations = self.rotations.get(page["page_idx"])
+            pages.append({**page, "image_rotations": rotations} if rotations else dict(page))
+        return {"version": 1, "pages": pages}
 
     def _head(self) -> dict[str, Any]:
         if not self.version:
             self.version = __version__
-        document = {"page_count": self.page_count, "page_count_kind": "physical"} if self.pdf else {}
+        document = {}
+        if self.pdf:
+            document = {**self.properties, "page_count": self.page_count, "page_count_kind": "physical"}
         extensions: dict[str, Any] = {}
         if self.tier in _TIERS:
             extensions["mineru"] = {"tier": _TIERS[self.tier], "parse_mode": self.parse_mode}
+        if (layout := self.layout_extension()) is not None:
+            extensions[LAYOUT_EXTENSION] = layout
         extensions["mineru_fast"] = self.record
         return {
             # file_suffix: MinerU 4 reads images as one-page PDFs, so every result is "pdf"

@@ -238,6 +238,7 @@ def is_table_continuation_text(text: str) -> bool:
 
 
 CONFIDENCE_KEY = "_confidence"
+ANGLE_KEY = "_angle"  # the layout block's rotation, kept through the merges (middle.image_rotations)
 """Key of the page model entries made from a block: ``(Block.confidence, Block.low_confidence)``,
 for the writer's optional ``mf_confidence`` field (MinerU has no such key)."""
 
@@ -255,6 +256,7 @@ def _analysis_blocks(blocks: list[Block]) -> list[dict]:
         kind = _CAPTION_TYPES.get(block.type) or _FOOTNOTE_TYPES.get(block.type) or block.type
         item: dict[str, Any] = {"type": kind, "bbox": list(block.bbox), "content": block.content}
         item[CONFIDENCE_KEY] = (block.confidence, block.low_confidence)
+        item[ANGLE_KEY] = block.angle
         if block.sub_type:
             item["sub_type"] = block.sub_type
         if kind == "title":

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from mineru_fast.errors import OutputError
 from mineru_fast.results.metadata import head_dict
-from mineru_fast.results.middle import Envelope, image_name, middle_blocks, model_page, page_entry
+from mineru_fast.results.middle import Envelope, image_name, image_rotations, middle_blocks, model_page, page_entry
 from mineru_fast.results.mineru4 import CONFIDENCE_KEY, TRANSPARENT, page_model, plain_text
 from mineru_fast.results.page import Confidence, Page, ParseError, cut_crops, layout_overlay, status_of
 from mineru_fast.results.table_markdown import format_embedded_html, render_table
@@ -80,6 +80,8 @@ class PageOutput:
             marked as ``middle`` is.
         pieces: the Markdown of each top-level block, for ``MarkdownJoiner`` (which joins what
             continues across blocks and pages); one per block of ``middle``, in its order.
+        rotations: its crops turned upright (``middle.image_rotations``), for the document's
+            ``extensions.docvortex_layout``.
     """
 
     markdown: str
@@ -88,6 +90,7 @@ class PageOutput:
     middle: dict = field(default_factory=dict)
     structured: dict = field(default_factory=dict)
     pieces: list[MarkdownPiece] = field(default_factory=list)
+    rotations: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -571,7 +574,8 @@ def render_page(page: Page, image_dir: str = "images", *, confidence: bool = Fal
         for item, entry in zip(structured_blocks, blocks, strict=True):
             item[CONFIDENCE_FIELD] = confidence_field([entry])
     structured = {"page_idx": page.index, "blocks": structured_blocks}
-    output = PageOutput(markdown, items, list(dict.fromkeys(renderer.crops)), middle, structured, pieces)
+    crops = list(dict.fromkeys(renderer.crops))
+    output = PageOutput(markdown, items, crops, middle, structured, pieces, image_rotations(blocks))
     mark_continuations(output)  # what continues within the page (render_page's joiner marked it)
     return output
 
@@ -810,7 +814,11 @@ def write_page_images(
 
 
 def envelope_for(
-    metadata: dict[str, Any] | None, head: dict[str, Any], pages: list[dict[str, Any]], modes: set[str | None]
+    metadata: dict[str, Any] | None,
+    head: dict[str, Any],
+    pages: list[dict[str, Any]],
+    modes: set[str | None],
+    rotations: dict[int, dict[str, int]] | None = None,
 ) -> Envelope:
     """The middle JSON's document fields (``middle.Envelope``) of a result.
 
@@ -820,6 +828,7 @@ def envelope_for(
         head: mineru-fast's record of the result (``metadata.head_dict``).
         pages: per page ``{"page_idx", "status", "errors", "warnings"}``, added to the record.
         modes: the pages' ``ocr_mode`` values (``"txt"`` for all: MinerU 4's parse mode ``txt``).
+        rotations: per page index, its crops turned upright (``PageOutput.rotations``).
 
     ``is_full_document`` holds only when every page of the source was selected and written, and
     the writing was not cut short (an ``INTERRUPTED`` error in ``head``).
@@ -834,7 +843,12 @@ def envelope_for(
     full = not interrupted and written == every_page and (parsed is None or list(parsed) == every_page)
     parse_mode = "txt" if modes == {"txt"} else "ocr"
     pdf = source.get("format", "pdf") == "pdf"
-    return Envelope(count, full, metadata.get("tier"), parse_mode, {**head, "pages": pages}, pdf=pdf)
+    geometry = source.get("page_geometry")  # absent from results written before schema 1.2
+    return Envelope(
+        count, full, metadata.get("tier"), parse_mode, {**head, "pages": pages}, pdf=pdf,
+        properties=dict(source.get("properties") or {}), geometry=None if geometry is None else list(geometry),
+        rotations=dict(rotations or {}),
+    )  # fmt: skip
 
 
 def page_summary(page: Page) -> dict[str, Any]:
@@ -915,6 +929,7 @@ class DocumentWriter:
         self.counts: dict[str, int] = {}
         self._summaries: list[dict[str, Any]] = []  # mineru4: each page's status and problems
         self._modes: set[str | None] = set()
+        self._rotations: dict[int, dict[str, int]] = {}  # mineru4: crops turned upright, per page
         self.document_status: str | None = None  # set by close
         with self._output_errors():
             self.out.mkdir(parents=True, exist_ok=True)
@@ -1012,6 +1027,7 @@ class DocumentWriter:
         else:
             self._summaries.append(page_summary(page))
             self._modes.add(page.ocr_mode)
+            self._rotations[page.index] = output.rotations
         self._pages.flush()
         self.statuses.append(page.status)
         for key, value in page.timings.items():
@@ -1039,7 +1055,7 @@ class DocumentWriter:
 
     def envelope(self, head: dict[str, Any]) -> Envelope:
         """The middle JSON's document fields for the pages written and the record ``head``."""
-        return envelope_for(self.metadata, head, self._summaries, self._modes)
+        return envelope_for(self.metadata, head, self._summaries, self._modes, self._rotations)
 
     def close(self, errors: list[ParseError] | None = None, wall_s: float | None = None) -> Path:
         """Finish the files: the 2.x layout's ``<stem>.json`` (``Document.to_dict``'s layout),
