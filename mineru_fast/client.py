@@ -451,7 +451,7 @@ class Client(_Base):
 
         Raises:
             DocumentRejected: the document or a field was refused; also ``422
-            idempotency_key_reused`` when ``idempotency_key`` named another request before.
+                idempotency_key_reused`` when ``idempotency_key`` named another request before.
             RateLimited, ServiceUnavailable, ServiceUnreachable: still so after the retries.
             AuthenticationFailed: missing or wrong API key. InputError: ``source`` cannot be read.
             ServiceError: ``400 invalid_idempotency_key`` for a malformed ``idempotency_key``.
@@ -471,7 +471,7 @@ class Client(_Base):
 
         Raises:
             JobNotFound: see ``job``. ServiceError: ``409 job_not_finished`` while it runs, or the
-            job's own error.
+                job's own error.
         """
         return self._run(self._json("GET", f"/v1/jobs/{job_id}/result"))
 
@@ -512,8 +512,8 @@ class Client(_Base):
             use_jobs: submit and poll (True) or one waiting request (False).
 
         Raises:
-            DocumentRejected, JobFailed, RateLimited, ServiceUnavailable, ServiceUnreachable,
-            AuthenticationFailed: see ``submit`` and ``wait``. TimeoutError: ``timeout`` passed.
+            DocumentRejected, JobFailed, RateLimited, ServiceUnavailable, ServiceUnreachable, AuthenticationFailed: see
+                ``submit`` and ``wait``. TimeoutError: ``timeout`` passed.
         """
         return self._run(self._parse(source, _form(pages, password, formats), timeout, use_jobs))
 

@@ -633,3 +633,6 @@ def test_declared_and_inline_file_names_are_kept_as_shown_names(client, document
     submitted = client.post("/v1/parse/jobs", json={"files": [{"source": inline}], "output_formats": ["markdown"]})
     assert submitted.status_code == 202, submitted.text
     assert submitted.json()["files"][0]["name"] == f"{REPLAYED}.pdf"
+    # Waited for and read: a job left unread holds the server's graceful drain until its timeout.
+    state, _ = poll(client, f"/v1/parse/jobs/{submitted.json()['job_id']}")
+    assert state["status"] == "completed" and state["files"][0]["name"] == f"{REPLAYED}.pdf"
