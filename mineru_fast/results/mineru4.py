@@ -238,9 +238,12 @@ def is_table_continuation_text(text: str) -> bool:
 
 
 CONFIDENCE_KEY = "_confidence"
-ANGLE_KEY = "_angle"  # the layout block's rotation, kept through the merges (middle.image_rotations)
 """Key of the page model entries made from a block: ``(Block.confidence, Block.low_confidence)``,
 for the writer's optional ``mf_confidence`` field (MinerU has no such key)."""
+
+ANGLE_KEY = "_angle"
+"""Key of the page model entries made from a block: ``Block.angle``, kept through the merges as
+mineru keeps a block's angle, for ``middle.image_rotations`` (MinerU has no such key)."""
 
 
 def _analysis_blocks(blocks: list[Block]) -> list[dict]:
