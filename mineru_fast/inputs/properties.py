@@ -46,8 +46,6 @@ __all__ = [
     "property_values",
 ]
 
-log = logging.getLogger(__name__)
-
 IMAGE_DPI = 200
 """Dots per inch of the PDF DocVortex 0.6.4 saves an image into (``DEFAULT_RENDER_DPI``)."""
 

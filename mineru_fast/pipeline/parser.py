@@ -321,11 +321,11 @@ class DocumentParser:
         start = time.perf_counter()
         info, collected = None, []
         for page in self._iter_pages(source, pages, password, replay, keep_page_images, layout_replay):
-            if isinstance(page, InputInfo):
-                info = page
-            else:
+            if isinstance(page, Page):
                 collected.append(page)
-        assert info is not None  # _iter_pages yields it first
+            else:  # the opened document, yielded first (and still open)
+                info = InputInfo.from_opened(page)
+        assert info is not None  # _iter_pages yields the document first
         document = Document(info.name, pages=collected, metadata=self.result_metadata(info))
         document.add_page_totals()
         document.timings["wall"] = time.perf_counter() - start
@@ -376,8 +376,9 @@ class DocumentParser:
         replay: Trace | str | Path | None,
         keep_page_images: bool,
         layout_replay: LayoutTrace | str | Path | None = None,
-    ) -> Iterator[Page | InputInfo]:
-        """Yields the document's ``InputInfo`` first, then its pages."""
+    ) -> Iterator[Page | OpenedDocument | _ImagePages]:
+        """Yields the opened document first (``parse`` describes it, ``InputInfo.from_opened``, while
+        it is open; ``iter_pages`` reads nothing more of it), then its pages."""
         trace = load_trace(replay) if isinstance(replay, (str, Path)) else replay
         layouts = load_layout_trace(layout_replay) if isinstance(layout_replay, (str, Path)) else layout_replay
         if layouts is not None and self.tier != "standard":
@@ -397,7 +398,7 @@ class DocumentParser:
             if layouts is not None and len(layouts.pages) < opened.page_count:
                 raise TraceError(f"layout trace has {len(layouts.pages)} pages, {opened.name} has {opened.page_count}")
             text_mode = opened.text_layer_mode(o.ocr_mode) if self.tier == "standard" else None
-            yield InputInfo.from_opened(opened)
+            yield opened
             progress = self._progress(len(opened.page_indices), opened.name)
             try:
                 for page in self._run_pages(opened, trace, keep_page_images, layouts, text_mode):
