@@ -21,12 +21,21 @@ HAVE_EXPORT = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "o
 needs_onnx = pytest.mark.skipif(not HAVE_EXPORT, reason="needs onnx, onnxscript and onnxruntime (the dev extra)")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_doclayout(tmp_path_factory):
-    """A tiny synthetic PP-DocLayoutV2 in both forms (the ONNX export takes about a minute)."""
+    """A tiny synthetic PP-DocLayoutV2, the transformers checkpoint only (a second or two)."""
     from mineru_fast.layout.synthetic import make_synthetic_doclayout
 
-    return make_synthetic_doclayout(tmp_path_factory.mktemp("doclayout") / "tiny", "tiny", seed=0, onnx=HAVE_EXPORT)
+    return make_synthetic_doclayout(tmp_path_factory.mktemp("doclayout") / "tiny", "tiny", seed=0, onnx=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_doclayout_onnx(tmp_path_factory):
+    """The same model in both forms: its ONNX export takes 30 s or more on 2 cores, so the tests
+    that run the graph are in the slow lane."""
+    from mineru_fast.layout.synthetic import make_synthetic_doclayout
+
+    return make_synthetic_doclayout(tmp_path_factory.mktemp("doclayout") / "tiny", "tiny", seed=0, onnx=True)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +80,12 @@ def test_synthetic_checkpoint_loads_in_transformers_and_detects(tiny_doclayout, 
         assert all(0 <= v <= 1 for block in layout.blocks for v in block.bbox)
 
 
+@pytest.mark.slow
 @needs_onnx
-def test_onnx_graph_has_the_published_signature(tiny_doclayout):
+def test_onnx_graph_has_the_published_signature(tiny_doclayout_onnx):
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(tiny_doclayout / "inference.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tiny_doclayout_onnx / "inference.onnx"), providers=["CPUExecutionProvider"])
     inputs = {i.name: i for i in session.get_inputs()}
     assert list(inputs) == ["im_shape", "image", "scale_factor"]
     assert inputs["image"].shape[1:] == [3, 800, 800] and isinstance(inputs["image"].shape[0], str)
@@ -83,27 +93,28 @@ def test_onnx_graph_has_the_published_signature(tiny_doclayout):
     assert rows.shape[1] == 8 and rows.type == "tensor(float)" and counts.type == "tensor(int32)"
 
 
+@pytest.mark.slow
 @needs_onnx
-def test_onnx_and_transformers_detect_the_same_regions(tiny_doclayout, pages):
-    onnx = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1)
-    torch_ = LayoutDetector.from_pretrained(tiny_doclayout, backend="torch")
+def test_onnx_and_transformers_detect_the_same_regions(tiny_doclayout_onnx, pages):
+    onnx = LayoutDetector.from_pretrained(tiny_doclayout_onnx, backend="onnx", threads=1)
+    torch_ = LayoutDetector.from_pretrained(tiny_doclayout_onnx, backend="torch")
     assert onnx.weights.backend == "onnx" and onnx.rules == "onnx"
     for a, b in zip(onnx.detect(pages), torch_.detect(pages), strict=True):
         assert len(a.detections) > 0
         assert_same_detections(a, b)
 
 
+@pytest.mark.slow
 @needs_onnx
-def test_batching_does_not_change_detections(tiny_doclayout, pages):
-    one = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1, batch_size=1)
-    window = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1, batch_size=2)
+def test_batching_does_not_change_detections(tiny_doclayout_onnx, pages):
+    one = LayoutDetector.from_pretrained(tiny_doclayout_onnx, backend="onnx", threads=1, batch_size=1)
+    window = LayoutDetector.from_pretrained(tiny_doclayout_onnx, backend="onnx", threads=1, batch_size=2)
     for a, b in zip(one.detect(pages), window.detect(pages), strict=True):
         assert_same_detections(a, b)
 
 
-@needs_onnx
 def test_replay_runs_the_model_and_post_processes_the_trace(tiny_doclayout, pages):
-    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1, batch_size=2)
+    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="torch", batch_size=2)
     seen = []
     run = detector.runner.run
 
@@ -128,9 +139,8 @@ def test_replay_runs_the_model_and_post_processes_the_trace(tiny_doclayout, page
         detector.detect(pages, replay=replay[:2])
 
 
-@needs_onnx
 def test_a_recorded_trace_replays_the_recorded_layout(tiny_doclayout, pages, tmp_path):
-    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="onnx", threads=1)
+    detector = LayoutDetector.from_pretrained(tiny_doclayout, backend="torch")
     real = detector.detect(pages)
     LayoutTrace.from_layouts(real).save(tmp_path / "trace.json")
     from mineru_fast.protocol.layout_trace import load_layout_trace
@@ -187,7 +197,6 @@ def test_missing_weights_say_what_to_download_and_where_they_were_looked_for(tmp
         LayoutDetector.from_pretrained(download=False)
 
 
-@needs_onnx
 def test_weights_are_found_in_the_hugging_face_cache_and_in_repository_snapshots(tiny_doclayout, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
@@ -195,7 +204,8 @@ def test_weights_are_found_in_the_hugging_face_cache_and_in_repository_snapshots
     repo = tmp_path / "hub" / "models--opendatalab--MinerU-4_models_onnx"
     folder = repo / "snapshots" / "0123abcd" / "Layout" / "PP-DocLayoutV2"
     folder.mkdir(parents=True)
-    shutil.copy(tiny_doclayout / "inference.onnx", folder / "inference.onnx")
+    # Locating reads names, not contents (loading the graph is OnnxRunner's, tested above).
+    (folder / "inference.onnx").write_bytes(b"a graph's bytes")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -203,11 +213,14 @@ def test_weights_are_found_in_the_hugging_face_cache_and_in_repository_snapshots
     assert (found.backend, found.path) == ("onnx", folder / "inference.onnx")
     # A snapshot folder passed by path, and the checkpoint in a folder holding both forms.
     assert resolve_layout_weights(repo / "snapshots" / "0123abcd").path == folder / "inference.onnx"
-    assert resolve_layout_weights(tiny_doclayout, backend="torch").path == tiny_doclayout
+    both = shutil.copytree(tiny_doclayout, tmp_path / "both")
+    shutil.copy(folder / "inference.onnx", both / "inference.onnx")
+    assert resolve_layout_weights(both, backend="torch").path == both
+    assert resolve_layout_weights(both, backend="onnx").path == both / "inference.onnx"
     with pytest.raises(LayoutModelMissing, match=r"\(torch\)"):
         resolve_layout_weights(download=False, backend="torch")
     with pytest.raises(ValueError, match="backend"):
-        resolve_layout_weights(tiny_doclayout, backend="paddle")
+        resolve_layout_weights(both, backend="paddle")
 
 
 def test_the_synthetic_checkpoint_gets_the_mode_of_the_folders_other_files(tmp_path):

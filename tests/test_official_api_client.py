@@ -48,7 +48,9 @@ def served(tmp_path_factory):
     images[0].save(document, save_all=True, append_images=images[1:], resolution=150)
     model = root / "tiny"
     assert run_fast("synth-model", "--size", "tiny", str(model)).returncode == 0
-    with running_server(model, root, "--replay", str(traces), "--allow-replay", python=fast_python()) as server:
+    with running_server(
+        model, root, "--replay", str(traces), "--allow-replay", "--preset", "exact", python=fast_python()
+    ) as server:
         yield {"url": server.url, "document": document, "trace": trace, "model": model, "root": root}
 
 

@@ -125,6 +125,8 @@ def server(replayed, tmp_path_factory):
         str(root / "answers.json"),
         "--max-new-tokens",
         "layout=1024,text=256,table=256,equation=256",
+        "--preset",
+        "exact",
     ]
     with running_server(model, root, *args, python=fast_python(), ready_timeout=600) as s:
         yield s

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mineru_fast.engine.quantize import (
+    UPCAST_CHUNK_MAX_ROWS,
+    Bf16WeightsLinear,
     BlockInt8Linear,
     Int8BlockConfig,
     Int8DynamicConfig,
@@ -241,3 +243,24 @@ def test_block_int8_prepared_state_round_trips():
     x = torch.randn(3, 70)
     assert (restored.in_features, restored.out_features) == (70, 50) and torch.equal(restored(x), layer(x))
     assert isinstance(quantize_linear(nn.Linear(8, 8), Int8BlockConfig()), BlockInt8Linear)
+
+
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bias"),
+    [(64, 151_936, False), (896, 1152, True), (896, 4864, False), (4864, 896, False), (896, 40_000, False)],
+)
+def test_bf16_weights_give_a_float32_copys_outputs_bit_for_bit(in_features, out_features, bias):
+    """Decode rows (upcast by chunks of output rows) and a prefill (the whole weight at once) equal
+    ``F.linear`` on a float32 copy of the bfloat16 weight, bit for bit: the tiny model's head, the
+    full model's qkv (with bias), MLP and part of its head."""
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    layer = Bf16WeightsLinear(linear)
+    weight = linear.weight.detach().to(torch.bfloat16).float()
+    b = None if linear.bias is None else linear.bias.detach()
+    for rows in [*range(1, UPCAST_CHUNK_MAX_ROWS + 1), 40]:
+        x = torch.randn(rows, in_features)
+        assert torch.equal(layer(x), F.linear(x, weight, b)), rows
+    x = torch.randn(3, 1, in_features)  # [batch, 1, in]: a decode step's shape is kept
+    out = layer(x)
+    assert out.shape == (3, 1, out_features) and torch.equal(out, F.linear(x, weight, b))
