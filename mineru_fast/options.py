@@ -16,6 +16,7 @@ PRECISIONS = ("fp32", "bf16")
 KV_DTYPES = ("auto", "fp32", "bf16")
 QUANTIZATIONS = ("none", "int8-dynamic", "int8-block", "int8-weight-only", "bf16-weights")
 VISION_MODES = ("eager", "trace", "compile")
+VISION_ATTENTIONS = ("bf16", "fp32")
 BACKENDS = ("stock", "ipex", "auto")
 INT8_KERNELS = ("auto", "onednn", "int_mm", "torch_ao")  # see engine/quantize.py
 TASKS = (LAYOUT_TASK, "text", "table", "equation")
@@ -91,6 +92,15 @@ class ParserOptions:
             132.9 s per page, ``mineru-fast bench --quick`` rows, AMD EPYC, 2026-12-01, 2 threads).
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
+        vision_attention: the vision encoder's attention (fast engine, float32 precision, eager
+            mode): ``"bf16"`` (default): the own kernel (``csrc/kernels.h``, ``BF16Attention``):
+            queries, keys, values and probabilities rounded to bfloat16, dot products summed and
+            the softmax taken in float32, on CPUs with AVX-512 BF16 (elsewhere, and in the trace
+            and compile modes, PyTorch's float32 attention runs: ``engine.numerics``'
+            ``vision_attention`` says which); ``"fp32"``: PyTorch's attention always. A layout
+            image's attention (16 heads of 5,476 patches) ran 1.75x as fast as float32 SDPA and
+            the encoder's layout pass in 0.71x the time (2 threads, AMD EPYC, 2026-12-04;
+            ``benchmarks/README.md``, "Vision attention on the own bfloat16 kernel").
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
             dtype), ``"fp32"`` or ``"bf16"`` (half the memory; each decode step then upcasts the
             keys and values it reads, which made decode attention ~3.7x slower than from a
@@ -154,6 +164,7 @@ class ParserOptions:
     lm_head_quant: str = "int8-block"
     int8_kernel: str = "auto"
     vision_mode: str = "eager"
+    vision_attention: str = "bf16"
     kv_dtype: str = "auto"
     slots: int = 16
     max_seq_len: int | None = None
@@ -187,6 +198,7 @@ class ParserOptions:
             "lm_head_quant": QUANTIZATIONS,
             "int8_kernel": INT8_KERNELS,
             "vision_mode": VISION_MODES,
+            "vision_attention": VISION_ATTENTIONS,
             "kv_dtype": KV_DTYPES,
             "backend": BACKENDS,
             "ocr_mode": OCR_MODES,
@@ -291,10 +303,11 @@ PRESETS: dict[str, ParserOptions] = {
     "fast": ParserOptions(),
     # Fast engine, float32 math, no quantization: the same tokens as the reference engine. Weights
     # stay in the checkpoint's bfloat16 and are upcast per call (bit-identical, half the memory;
-    # the cast is negligible next to a vision pass, while decode steps take about twice as long
-    # as with float32 weights: pass lm_quant="none", lm_head_quant="none" to trade memory back).
+    # the cast is negligible next to a vision pass, and decode steps upcast chunk by chunk in
+    # cache: quantize.UPCAST_CHUNK_MAX_ROWS).
     "exact": ParserOptions(
         precision="fp32",
+        vision_attention="fp32",
         kv_dtype="auto",
         repetition_window=0,
         vision_quant="bf16-weights",

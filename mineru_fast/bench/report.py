@@ -166,6 +166,8 @@ def _concurrency(levels: list[dict]) -> list[str]:
 
 def _roofline(rf: dict) -> list[str]:
     g, a, f = rf["peaks"]["gemm"], rf["achieved"], rf["fraction"]
+    kind = rf.get("vision_attention", "fp32 SDPA")  # reports written before the own kernel: SDPA
+    peak = "bf16" if kind == "own bf16" else "fp32"
     caveat = (
         []
         if rf["full_size"]
@@ -187,8 +189,8 @@ def _roofline(rf: dict) -> list[str]:
         "|---|---|---|",
         f"| vision linears (int8) | {a['vision_linears_gops']:.0f} GOP/s "
         f"| {f['vision_linears_of_int8_peak']:.0%} of int8 |",
-        f"| vision attention (fp32 SDPA, N=5476) | {a['vision_attention_gflops']:.0f} GFLOP/s "
-        f"| {f['vision_attention_of_fp32_peak']:.0%} of fp32 |",
+        f"| vision attention ({kind}, N=5476) | {a['vision_attention_gflops']:.0f} GFLOP/s "
+        f"| {f[f'vision_attention_of_{peak}_peak']:.0%} of {peak} |",
         f"| decode, batch 1 ({a['decode_batch1_ms']:.1f} ms/step) | {a['decode_batch1_gbps']:.1f} GB/s of weights "
         f"| {f['decode_batch1_of_bandwidth']:.0%} of bandwidth |",
     ]

@@ -222,6 +222,8 @@ def concurrency_table(parser, page, levels: tuple[int, ...], single_s: float | N
 
 def roofline(engine) -> dict:
     """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
+    import torch
+
     from mineru_fast.bench import roofline as rf
 
     vision = engine.vision.config
@@ -233,13 +235,17 @@ def roofline(engine) -> dict:
 
     # the fast preset stores int8 weights, on 32-value blocks with a float32 scale each
     got = rf.achieved(engine, bytes_per_weight=1 + 4 / BLOCK if isinstance(engine.lm.lm_head, BlockInt8Linear) else 1.0)
+    own_attention = engine.vision.blocks[0].attention_kernel is not None and engine.dtype == torch.float32
     return {
         "full_size": full_size,
         "peaks": peaks,
         "achieved": got,
+        "vision_attention": "own bf16" if own_attention else "fp32 SDPA",
         "fraction": {
             "vision_linears_of_int8_peak": got["vision_linears_gops"] / gemm["int8"],
             "vision_attention_of_fp32_peak": got["vision_attention_gflops"] / gemm["fp32"],
+            # the own kernel's dot products are bfloat16 ones (where it runs; SDPA's are float32)
+            "vision_attention_of_bf16_peak": got["vision_attention_gflops"] / gemm["bf16"],
             "decode_batch1_of_bandwidth": got["decode_batch1_gbps"] / memory_gbps,
         },
     }

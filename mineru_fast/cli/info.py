@@ -88,6 +88,7 @@ def collect(topology: Topology | None = None) -> dict:
             },
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
             "lm_quant_fast": _fast_lm_quant(topology),
+            "vision_attention_fast": _fast_vision_attention(topology),
         },
         "prepared_cache": prepared_cache_summary(),
         "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
@@ -112,6 +113,18 @@ def _fast_lm_quant(topology: Topology) -> dict[str, str]:
         "path": path,
         "reason": f"32-value INT8 scales on the own kernel's {path} path (the same arithmetic on every path)",
     }
+
+
+def _fast_vision_attention(topology: Topology) -> dict[str, str]:
+    """What runs the fast preset's vision attention (``vision_attention="bf16"``) on ``topology``:
+    the own bfloat16 kernel where its CPU class has AVX-512 BF16 and this install loads it, else
+    PyTorch's float32 SDPA, with the reason."""
+    from mineru_fast.engine.kernels import NO_BF16_ATTENTION, attention_status
+
+    if not isa_class(topology.isa).native_bf16:
+        return {"attention": "fp32", "reason": NO_BF16_ATTENTION}
+    status = attention_status()
+    return {"attention": "bf16" if status.attention else "fp32", "reason": status.reason}
 
 
 def render(info: dict) -> str:
@@ -157,6 +170,7 @@ def render(info: dict) -> str:
         f"{choices['int8_kernel_auto']['reason']}",
         f"  the fast preset's language model runs {choices['lm_quant_fast']['quant']}: "
         f"{choices['lm_quant_fast']['reason']}",
+        f"  the fast preset's vision attention: {choices['vision_attention_fast']['reason']}",
         "Prepared:   "
         + (
             f"{cache['root']}: {cache['entries']} prepared model(s), {cache['bytes'] / 1e9:.2f} GB "

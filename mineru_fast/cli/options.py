@@ -22,6 +22,7 @@ from mineru_fast.options import (
     QUANTIZATIONS,
     TASKS,
     TIERS,
+    VISION_ATTENTIONS,
     VISION_MODES,
     ParserOptions,
 )
@@ -200,6 +201,11 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="override the preset's quantization (all linears)")
     p.add_argument("--int8-kernel", choices=INT8_KERNELS, help="kernel of dynamic INT8 layers (see mineru-fast info)")
     p.add_argument("--vision-mode", choices=VISION_MODES, help="override how the vision encoder runs")
+    p.add_argument(
+        "--vision-attention",
+        choices=VISION_ATTENTIONS,
+        help="override the vision attention's arithmetic: bf16 (own kernel where the CPU has AVX-512 BF16) or fp32",
+    )
     p.add_argument("--slots", type=positive_int, help="sequences the fast engine decodes together")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
     p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")
@@ -244,7 +250,8 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     """
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
-                        ("vision_mode", "vision_mode"), ("slots", "slots"), ("kv_dtype", "kv_dtype"),
+                        ("vision_mode", "vision_mode"), ("vision_attention", "vision_attention"),
+                        ("slots", "slots"), ("kv_dtype", "kv_dtype"),
                         ("backend", "backend"), ("int8_kernel", "int8_kernel"), ("tier", "tier"),
                         ("ocr_mode", "ocr_mode"), ("layout_model", "layout_model"),
                         ("layout_backend", "layout_backend"),

@@ -5,7 +5,9 @@ native or emulated bfloat16, INT8 kernel and why) for result metadata; where a p
 block-wise INT8 (the fast preset's language model), ``lm_int8_block``: the own kernel's
 instruction-set path that runs it, or why the PyTorch form of the same arithmetic runs; and,
 where the language model's per-channel INT8 is oneDNN's, ``lm_decode_kernel``: whether its
-decode rows run on the own GEMV (``engine.kernels``; the same numerics) or why not.
+decode rows run on the own GEMV (``engine.kernels``; the same numerics) or why not; for the fast
+engine, ``vision_attention``: what runs the vision encoder's attention (the own bfloat16 kernel
+or PyTorch's SDPA, and why).
 """
 
 from __future__ import annotations
@@ -106,13 +108,16 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
         max_new_tokens=max(max(options.sampling(t).max_new_tokens, sampling_for(t).max_new_tokens) for t in TASKS),
         kv_dtype=None if options.kv_dtype == "auto" else DTYPES[options.kv_dtype],
         vision_mode=options.vision_mode,
+        vision_attention=options.vision_attention,
         vision_quant=quant("vision"),
         lm_quant=quant("lm"),
         lm_head_quant=quant("lm_head"),
         repetition_window=options.repetition_window,
         prepared_cache=cache_root,
     )
+    numerics["vision_attention"] = engine.vision_attention_reason
     logger.info("backend: %s (%s)", choice.backend, choice.reason)
+    logger.info("vision attention: %s", engine.vision_attention_reason)
     if numerics["int8_kernel"]:
         logger.info("INT8 kernel: %s (%s)", numerics["int8_kernel_path"], numerics["int8_reason"])
     if numerics.get("lm_int8_block"):

@@ -28,6 +28,7 @@ from mineru_fast.engine.base import (
     generate_with_follow_ups,
 )
 from mineru_fast.engine.checkpoint import load_model, read_configs
+from mineru_fast.engine.kernels import attention_status
 from mineru_fast.engine.kv_cache import KVCache
 from mineru_fast.engine.memory import peak_rss_bytes, resident_bytes, rss_bytes, trim_heap
 from mineru_fast.engine.model import Qwen2LM
@@ -59,6 +60,9 @@ class FastEngine:
         vision_pack_patches: most patches packed into one vision forward (bounds activation memory
             and, with ``admission_budget_s``, how long a decode step can wait for vision work).
         vision_mode: ``"eager"``, ``"trace"`` or ``"compile"`` (see ``vision_runner``).
+        vision_attention: ``"fp32"`` (PyTorch's SDPA) or ``"bf16"``: the own bfloat16 attention
+            where it runs (float32 precision, eager mode, a CPU with AVX-512 BF16; elsewhere SDPA).
+            ``vision_attention_reason`` says which runs.
         vision_quant / lm_quant / lm_head_quant: ``quantize`` configs, or None for float.
         repetition_window: repetition guard window; a free-running sequence whose last
             ``repetition_window`` tokens are near-periodic (see ``repetition.loop_period``) is
@@ -82,6 +86,7 @@ class FastEngine:
         kv_dtype: torch.dtype | None = None,
         vision_pack_patches: int = 8192,
         vision_mode: str = "eager",
+        vision_attention: str = "fp32",
         vision_quant: object | None = None,
         lm_quant: object | None = None,
         lm_head_quant: object | None = None,
@@ -101,6 +106,7 @@ class FastEngine:
         self.prepared_problem: str | None = None  # why this load's entry was not written, if it was not
         self.vision, self.lm = self._load(Path(model_dir), configs, prepared_cache)
         self.vision_mode = vision_mode
+        self.vision_attention_reason = self._attention(vision_attention)
         self.vision_runner = make_vision_runner(self.vision, self.vision_mode)
         if max_seq_len is None:
             max_seq_len = self.preprocessor.max_image_tokens + PROMPT_TEXT_TOKENS + max_new_tokens
@@ -116,6 +122,29 @@ class FastEngine:
             vision_pack_patches=vision_pack_patches,
             repetition_window=repetition_window,
         )
+
+    def _attention(self, wanted: str) -> str:
+        """Put the vision encoder's attention on the own bfloat16 kernel where ``wanted`` asks for it
+        and it can run; the reason, one line, either way.
+
+        Raises:
+            ValueError: ``wanted`` is neither ``"fp32"`` nor ``"bf16"``.
+        """
+        if wanted not in ("fp32", "bf16"):
+            raise ValueError(f"vision_attention must be fp32 or bf16, got {wanted!r}")
+        sdpa = f"PyTorch SDPA in {str(self.dtype).removeprefix('torch.')}"
+        if wanted == "fp32":
+            return sdpa
+        if self.dtype != torch.float32:
+            return f"{sdpa} (the own bfloat16 attention takes float32 activations)"
+        if self.vision_mode != "eager":
+            return f"{sdpa} (the own bfloat16 attention runs in the eager vision mode only)"
+        head_dim = self.vision.config.head_dim
+        if head_dim % 16 or not 16 <= head_dim <= 128:
+            return f"{sdpa} (the own bfloat16 attention takes head sizes of 16 to 128 in steps of 16, not {head_dim})"
+        status = attention_status()
+        self.vision.use_attention_kernel(status.attention)
+        return status.reason
 
     def _load(
         self, model_dir: Path, configs: dict[str, object | None], cache_root: Path | None

@@ -275,3 +275,69 @@ def kernel_status() -> KernelStatus:
     )
     reason = f"own block-wise INT8 kernel, {path} path{lowered}"
     return KernelStatus(path, reason, _block_linear(module, path), gemv, rows)
+
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+NO_BF16_ATTENTION = "no AVX-512 BF16 in this CPU class: float32 attention (PyTorch SDPA)"
+
+
+@dataclass(frozen=True)
+class AttentionStatus:
+    """Whether the own bfloat16 attention runs here, and why not when it does not.
+
+    Attributes:
+        attention: ``attention(q, k, v, out)``: ``q``, ``k``, ``v`` ``[heads, n, d]`` contiguous
+            float32 (``d`` a multiple of 16, 16 to 128), ``out`` a float32 ``[n, >= heads * d]``
+            view whose rows are ``heads * d`` (or more) apart and whose last dimension is
+            contiguous; writes head ``h``'s outputs to ``out[:, h * d : (h + 1) * d]``. The
+            arithmetic is ``csrc/kernels.h``'s ``BF16Attention``; the scale is ``d ** -0.5``.
+            None where it does not run.
+        reason: one line: what runs the vision attention, for ``engine.numerics``.
+    """
+
+    attention: Attention | None
+    reason: str
+
+
+def _attention(module: ModuleType) -> Attention:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        heads, n, d = q.shape
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != torch.float32 or t.shape != q.shape or not t.is_contiguous():
+                raise ValueError(f"{name}: [heads, n, d] contiguous float32 like q, got {t.dtype} {tuple(t.shape)}")
+        if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != n or out.shape[1] < heads * d:
+            raise ValueError(f"out: [{n}, >= {heads * d}] float32, got {out.dtype} {tuple(out.shape)}")
+        if out.stride(1) != 1 or out.stride(0) < heads * d:
+            raise ValueError(f"out: contiguous rows at least {heads * d} apart, got strides {out.stride()}")
+        module.attention_bf16(
+            torch.get_num_threads(),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            heads,
+            n,
+            d,
+            d**-0.5,
+            out.data_ptr(),
+            out.stride(0),
+        )
+
+    return attention
+
+
+@functools.cache
+def attention_status() -> AttentionStatus:
+    """The own bfloat16 attention where this CPU class has AVX-512 BF16 (caps included) and the
+    extension loads, else why not (cached per process; never raises: the vision encoder then runs
+    PyTorch's float32 attention)."""
+    if _disabled():
+        return AttentionStatus(None, f"own kernels off ({OWN_KERNELS_ENV}=0): float32 attention (PyTorch SDPA)")
+    if not isa_class(read_topology().isa).native_bf16:
+        return AttentionStatus(None, NO_BF16_ATTENTION)
+    try:
+        module = _load_module()
+    except (ImportError, OSError) as exc:
+        return AttentionStatus(None, f"own kernels not loaded ({type(exc).__name__}): float32 attention (PyTorch SDPA)")
+    if not module.attention_runs():
+        return AttentionStatus(None, "the CPU lacks AVX-512 BF16: float32 attention (PyTorch SDPA)")
+    return AttentionStatus(_attention(module), "own bfloat16 attention (AVX-512 BF16), float32 softmax")

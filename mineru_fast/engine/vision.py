@@ -1,15 +1,15 @@
 """The Qwen2-VL NaViT vision encoder of MinerU2.5, with many images packed into one sequence.
 
 Patches of every image are concatenated, so the linears (patch embedding, qkv, MLP, merger) run
-as single large matmuls; attention runs per image (block-diagonal), through SDPA, which never
-materializes a ``[heads, N, N]`` score matrix on CPU. Rotary tables depend only on the grid and the
-most recently used ones are cached by grid.
+as single large matmuls; attention runs per image (block-diagonal), through SDPA or the own
+bfloat16 kernel (``use_attention_kernel``), neither of which materializes a ``[heads, N, N]`` score
+matrix. Rotary tables depend only on the grid and the most recently used ones are cached by grid.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -70,6 +70,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class VisionBlock(nn.Module):
+    # The own bfloat16 attention (engine.kernels.AttentionStatus.attention), set by
+    # VisionEncoder.use_attention_kernel; None: PyTorch's SDPA in the activations' dtype.
+    attention_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         dim, hidden = config.embed_dim, config.embed_dim * config.mlp_ratio
@@ -99,9 +103,13 @@ class VisionBlock(nn.Module):
         84 MB of float32 for all the queries, keys and values)."""
         n = x.shape[0]
         out = x.view(n, self.num_heads, -1)  # [n, H, d]
+        kernel = self.attention_kernel if x.dtype == torch.float32 else None
         for h, qkv in zip(range(0, self.num_heads, ATTENTION_HEAD_GROUP), self._qkv_by_head_group(x), strict=True):
             q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)  # [G, n, d]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if kernel is not None:  # writes the group's heads into out[:, h : h + G] itself
+                kernel(q.contiguous(), k.contiguous(), v.contiguous(), out[:, h : h + q.shape[0]].view(n, -1))
+                continue
             # 4-D [1, G, n, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
             attended = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
             out[:, h : h + ATTENTION_HEAD_GROUP] = attended.transpose(0, 1)
@@ -199,6 +207,14 @@ class VisionEncoder(nn.Module):
             config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half)
         )
         self._rope_cache: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def use_attention_kernel(
+        self, kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+    ) -> None:
+        """Run every block's attention on ``kernel`` (``engine.kernels.AttentionStatus.attention``)
+        in float32 precision, or on PyTorch's SDPA (None)."""
+        for block in self.blocks:
+            cast(VisionBlock, block).attention_kernel = kernel
 
     def rotary(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[N, head_dim]`` float32 of one image grid, in merge-window order (the

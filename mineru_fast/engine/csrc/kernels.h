@@ -77,4 +77,38 @@ void gemv_quantize_avx512(const GemvLinear& l, uint8_t* qx, float* x_scale);
 void gemv_tiles_avx512(const GemvLinear& l, const uint8_t* qx, const float* x_scale, int64_t tile_begin,
                        int64_t tile_end);
 
+// Attention of one image's heads in bfloat16 dot products with a float32 softmax
+// (attention_avx512bf16.cpp, AVX-512 BF16 only): the vision encoder's full (unmasked) attention.
+//
+//   out[i, head * d + j] = sum over keys t of p(i, t) * bf16(v[head, t, j]) / sum over t of p(i, t)
+//   s(i, t) = sum over c of bf16(q[head, i, c] * scale * log2(e)) * bf16(k[head, t, c])   (float32 sums)
+//   p(i, t) = bf16(2^(s(i, t) - m)), m the running maximum of row i's scores over the keys so far
+//
+// taken over blocks of 64 keys (online softmax: the output and sum so far are rescaled by
+// 2^(m_old - m_new) when the maximum grows); bf16() rounds to nearest even. The float32 sums of the
+// bfloat16 products run in the order vdpbf16ps gives, so the result is compared with a float32
+// reference of the same roundings within a tolerance (tests/test_kernels.py), not bit for bit.
+struct BF16Attention {
+  const float* q;  // [heads][n][d] contiguous, and so k and v
+  const float* k;
+  const float* v;
+  float* out;  // row i, head h at out + i * out_row_stride + h * d
+  int64_t out_row_stride, heads, n, d;
+  float scale;
+};
+// Packed bfloat16 operands (see the .cpp): n_pad = n rounded up to 64.
+struct BF16AttentionBuffers {
+  uint32_t* q;  // [heads][n_pad][d / 2]
+  uint16_t* k;  // [heads][n_pad / 16][d / 2][16][2]
+  uint16_t* v;  // [heads][n_pad / 2][d][2]
+  int64_t n_pad;
+};
+constexpr int64_t kAttentionRows = 4;  // query rows per unit of work
+// Pack rows [16 block_begin, 16 block_end) of one head; then the outputs of query-row tiles
+// [tile_begin, tile_end) (kAttentionRows rows each) of one head.
+void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t block_begin, int64_t block_end,
+                               const BF16AttentionBuffers& b);
+void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
+                               const BF16AttentionBuffers& b);
+
 }  // namespace mineru_fast

@@ -188,14 +188,81 @@ PyObject* gemv_linear(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+bool cpu_has_bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return cpu_has(kAvx512Vnni) && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+PyObject* attention_runs(PyObject*, PyObject*) { return PyBool_FromLong(cpu_has_bf16()); }
+
+// attention_bf16(threads, q, k, v, heads, n, d, scale, out, out_row_stride)
+PyObject* attention_bf16(PyObject*, PyObject* args) {
+  int threads;
+  unsigned long long q_p, k_p, v_p, out_p;
+  long long heads, n, d, stride;
+  float scale;
+  if (!PyArg_ParseTuple(args, "iKKKLLLfKL", &threads, &q_p, &k_p, &v_p, &heads, &n, &d, &scale, &out_p, &stride))
+    return nullptr;
+  if (!cpu_has_bf16()) {
+    PyErr_SetString(PyExc_ValueError, "the bfloat16 attention needs AVX-512 BF16");
+    return nullptr;
+  }
+  if (heads < 1 || n < 1 || d < 16 || d > 128 || d % 16 != 0 || stride < heads * d) {
+    PyErr_Format(PyExc_ValueError, "sizes: heads=%lld n=%lld d=%lld (16 to 128, a multiple of 16) out_row_stride=%lld",
+                 heads, n, d, stride);
+    return nullptr;
+  }
+  if (q_p == 0 || k_p == 0 || v_p == 0 || out_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const mf::BF16Attention a{as_pointer<const float>(q_p), as_pointer<const float>(k_p), as_pointer<const float>(v_p),
+                            as_pointer<float>(out_p), stride, heads, n, d, scale};
+  const int64_t n_pad = (n + 63) / 64 * 64;
+  std::vector<uint32_t> q;
+  std::vector<uint16_t> k, v;
+  try {
+    q.resize(heads * n_pad * d / 2);
+    k.resize(heads * n_pad * d);
+    v.resize(heads * n_pad * d);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  const mf::BF16AttentionBuffers b{q.data(), k.data(), v.data(), n_pad};
+  const int64_t blocks = n_pad / 16, tiles = (n + mf::kAttentionRows - 1) / mf::kAttentionRows;
+  Py_BEGIN_ALLOW_THREADS;
+  // work items are (head, block) and (head, tile) pairs, numbered head-major
+  parallel(threads, heads * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t head = item / blocks, first = item % blocks, last = std::min(blocks, first + (end - item));
+      mf::attention_pack_avx512bf16(a, head, first, last, b);
+      item += last - first;
+    }
+  });
+  parallel(threads, heads * tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t head = item / tiles, first = item % tiles, last = std::min(tiles, first + (end - item));
+      mf::attention_rows_avx512bf16(a, head, first, last, b);
+      item += last - first;
+    }
+  });
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"cpu_paths", cpu_paths, METH_NOARGS, "The block kernel's paths this CPU runs, fastest first."},
     {"block_linear", block_linear, METH_VARARGS, "Block-wise INT8 linear on raw pointers (engine/kernels.py)."},
     {"gemv_linear", gemv_linear, METH_VARARGS, "Per-token INT8 GEMV on raw pointers (engine/kernels.py)."},
+    {"attention_runs", attention_runs, METH_NOARGS, "Whether this CPU runs the bfloat16 attention (AVX-512 BF16)."},
+    {"attention_bf16", attention_bf16, METH_VARARGS, "Bfloat16 attention of one image's heads (engine/kernels.py)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own INT8 kernels.", -1, methods,
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own kernels (INT8 linears, bfloat16 attention).", -1, methods,
                           nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
