@@ -4,7 +4,7 @@
 //
 // Per head: the queries (times scale * log2(e)), keys and values are rounded to bfloat16 and packed
 // for vdpbf16ps, which multiplies pairs of bfloat16 values and adds both products to a float32 lane:
-//   q   [n_pad4][d/2] pairs (q[i, 2c], q[i, 2c+1]) of a row, broadcast one pair at a time;
+//   q   [n_pad][d/2] pairs (q[i, 2c], q[i, 2c+1]) of a row, broadcast one pair at a time;
 //   k   [n_pad/16][d/2][16 keys] pairs: a 64-byte load holds one pair of 16 keys;
 //   v   [n_pad/2][d] pairs (v[2p, j], v[2p+1, j]): a 64-byte load holds 16 dims of two keys.
 // Four query rows at a time take a block of 64 keys: the scores (4 x 4 registers), the block's
@@ -59,11 +59,12 @@ void query_rows(const BF16Attention& a, const uint32_t* qp, const uint16_t* kp, 
                 int64_t head, int64_t row) {
   constexpr int64_t d = DV * 16, pairs = d / 2;
   float o[kRows][d];
-  float running_max[kRows], running_sum[kRows];
+  float running_max[kRows];
+  alignas(64) float running_sum[kRows][16];  // per lane: reduced once, at the end
   alignas(64) uint16_t prob[kRows][kKeyBlock];
   for (int64_t r = 0; r < kRows; ++r) {
     running_max[r] = -INFINITY;
-    running_sum[r] = 0.0f;
+    for (int j = 0; j < 16; ++j) running_sum[r][j] = 0.0f;
     for (int64_t j = 0; j < d; ++j) o[r][j] = 0.0f;
   }
   const uint32_t* q = qp + row * pairs;
@@ -102,7 +103,8 @@ void query_rows(const BF16Attention& a, const uint32_t* qp, const uint16_t* kp, 
         sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p16), 16)));
         _mm256_store_si256(reinterpret_cast<__m256i*>(&prob[r][16 * g]), p16);
       }
-      running_sum[r] = running_sum[r] * scale_old[r] + _mm512_reduce_add_ps(sum);
+      const __m512 old_sum = _mm512_load_ps(running_sum[r]);
+      _mm512_store_ps(running_sum[r], _mm512_fmadd_ps(old_sum, _mm512_set1_ps(scale_old[r]), sum));
     }
     // o[r] = o[r] * scale_old[r] + sum over the block's key pairs of p v
     __m512 acc[kRows][DV];
@@ -125,7 +127,7 @@ void query_rows(const BF16Attention& a, const uint32_t* qp, const uint16_t* kp, 
       for (int t = 0; t < DV; ++t) _mm512_storeu_ps(&o[r][16 * t], acc[r][t]);
   }
   for (int64_t r = 0; r < kRows && row + r < a.n; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / running_sum[r]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(running_sum[r])));
     float* y = a.out + (row + r) * a.out_row_stride + head * d;
     for (int t = 0; t < DV; ++t) _mm512_storeu_ps(y + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(&o[r][16 * t]), inv));
   }
@@ -136,31 +138,52 @@ void query_rows(const BF16Attention& a, const uint32_t* qp, const uint16_t* kp, 
 void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t block_begin, int64_t block_end,
                                const BF16AttentionBuffers& b) {
   const int64_t d = a.d, pairs = d / 2;
-  const float qf = a.scale * 1.4426950408889634f;  // log2(e): the softmax is taken in powers of 2
+  const __m512 qf = _mm512_set1_ps(a.scale * 1.4426950408889634f);  // log2(e): powers of 2
   const float* q = a.q + head * a.n * d;
   const float* k = a.k + head * a.n * d;
   const float* v = a.v + head * a.n * d;
-  uint32_t* qp = b.q + head * b.n_pad * pairs;
-  uint16_t* kp = b.k + head * b.n_pad * d;
+  uint16_t* qp = reinterpret_cast<uint16_t*>(b.q + head * b.n_pad * pairs);  // a row's pairs: the row in order
+  uint32_t* kp = reinterpret_cast<uint32_t*>(b.k + head * b.n_pad * d);
   uint16_t* vp = b.v + head * b.n_pad * d;
-  auto bf16 = [](float x) {  // round to nearest even, as vcvtneps2bf16; a NaN stays a (quiet) NaN
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  };
+  // v's pair interleave: the 16 dims of row 2p (lanes 0-15) and of row 2p + 1 (lanes 16-31) ->
+  // dim 0 of both, dim 1 of both, ...
+  alignas(64) uint16_t order[32];
+  for (int j = 0; j < 16; ++j) {
+    order[2 * j] = static_cast<uint16_t>(j);
+    order[2 * j + 1] = static_cast<uint16_t>(16 + j);
+  }
+  const __m512i interleave = _mm512_load_si512(order);
+  alignas(64) uint16_t keys[16][128];  // the block's keys in bfloat16, a row each (d <= 128)
+  alignas(64) uint16_t values[2][128];
   for (int64_t blk = block_begin; blk < block_end; ++blk) {  // 16 rows: queries, keys and values
-    for (int64_t i = blk * 16; i < blk * 16 + 16; ++i) {
-      const bool live = i < a.n;
-      for (int64_t c = 0; c < pairs; ++c) {
-        const uint16_t q0 = live ? bf16(q[i * d + 2 * c] * qf) : 0, q1 = live ? bf16(q[i * d + 2 * c + 1] * qf) : 0;
-        qp[i * pairs + c] = static_cast<uint32_t>(q0) | (static_cast<uint32_t>(q1) << 16);
-        uint16_t* kd = kp + ((i / 16) * pairs + c) * 32 + (i % 16) * 2;
-        kd[0] = live ? bf16(k[i * d + 2 * c]) : 0;
-        kd[1] = live ? bf16(k[i * d + 2 * c + 1]) : 0;
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t i = blk * 16 + r;
+      uint16_t* value = values[r % 2];
+      if (i < a.n) {
+        for (int64_t j = 0; j < d; j += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + i * d + j),
+                              to_bf16(_mm512_mul_ps(_mm512_loadu_ps(q + i * d + j), qf)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&keys[r][j]), to_bf16(_mm512_loadu_ps(k + i * d + j)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&value[j]), to_bf16(_mm512_loadu_ps(v + i * d + j)));
+        }
+      } else {  // past n: zero queries, keys (masked anyway) and values
+        std::memset(qp + i * d, 0, d * sizeof(uint16_t));
+        std::memset(keys[r], 0, d * sizeof(uint16_t));
+        std::memset(value, 0, d * sizeof(uint16_t));
       }
-      for (int64_t j = 0; j < d; ++j) vp[((i / 2) * d + j) * 2 + (i % 2)] = live ? bf16(v[i * d + j]) : 0;
+      if (r % 2 == 1) {
+        for (int64_t j = 0; j < d; j += 16) {
+          const __m512i both = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(&values[0][j]))),
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(&values[1][j])), 1);
+          _mm512_storeu_si512(vp + ((i / 2) * d + j) * 2, _mm512_permutexvar_epi16(interleave, both));
+        }
+      }
     }
+    // k: [pairs][16 keys] of the block's pairs (a transpose of 32-bit pairs)
+    uint32_t* kd = kp + blk * pairs * 16;
+    for (int64_t c = 0; c < pairs; ++c)
+      for (int64_t r = 0; r < 16; ++r) std::memcpy(&kd[c * 16 + r], &keys[r][2 * c], sizeof(uint32_t));
   }
 }
 

@@ -85,7 +85,8 @@ void gemv_tiles_avx512(const GemvLinear& l, const uint8_t* qx, const float* x_sc
 //   p(i, t) = bf16(2^(s(i, t) - m)), m the running maximum of row i's scores over the keys so far
 //
 // taken over blocks of 64 keys (online softmax: the output and sum so far are rescaled by
-// 2^(m_old - m_new) when the maximum grows); bf16() rounds to nearest even. The float32 sums of the
+// 2^(m_old - m_new) when the maximum grows); bf16() rounds as vcvtneps2bf16 does (to nearest even; a
+// NaN stays a NaN; float32 denormals become zero). The float32 sums of the
 // bfloat16 products run in the order vdpbf16ps gives, so the result is compared with a float32
 // reference of the same roundings within a tolerance (tests/test_kernels.py), not bit for bit.
 struct BF16Attention {

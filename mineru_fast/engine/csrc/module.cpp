@@ -262,7 +262,8 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own kernels (INT8 linears, bfloat16 attention).", -1, methods,
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own kernels (INT8 linears, bfloat16 attention).",
+                          -1, methods,
                           nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
