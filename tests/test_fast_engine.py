@@ -315,7 +315,8 @@ def test_bad_request_fails_alone(fast_engine):
     assert results[0].token_ids == results[2].token_ids
 
 
-@pytest.mark.parametrize("mode", ["trace", "compile"])
+# compile: torch.compile's first call (~9 s of Inductor code generation) in the slow lane
+@pytest.mark.parametrize("mode", ["trace", pytest.param("compile", marks=pytest.mark.slow)])
 def test_traced_and_compiled_vision_match_eager(fast_engine, mode):
     from mineru_fast.engine.vision_runner import make_vision_runner
 

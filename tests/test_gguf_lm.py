@@ -122,7 +122,7 @@ def test_other_shapes_and_files_are_refused(tmp_path, tiny_model):
         read_gguf_lm(path, _config(SIZES["tiny"], DEFAULT_MODEL_VERSION))
     with pytest.raises(GgufError, match="block_count is 3, the checkpoint's num_hidden_layers is 24"):
         make_synthetic_model(tmp_path / "full", size="full", lm_gguf=path)
-    assert not (tmp_path / "full" / "SYNTHETIC.md").exists()  # no marker: not a usable model
+    assert not (tmp_path / "full").exists()  # the GGUF is read before anything is written
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(GgufError, match="cannot read junk.gguf"):
         read_gguf_lm(tmp_path / "junk.gguf", _config(SIZES["tiny"], DEFAULT_MODEL_VERSION))

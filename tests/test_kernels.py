@@ -436,3 +436,131 @@ def test_an_engine_runs_vision_attention_on_the_kernel_only_where_asked(tiny_mod
         engine = build_engine(tiny_model, ParserOptions.preset(preset, slots=1), prepared_cache=False)
         assert engine.numerics["vision_attention"] == reason
         engine.close()
+
+
+needs_decode_attention = pytest.mark.skipif(STATUS.decode_attention is None, reason=STATUS.reason)
+
+
+def decode_layer(heads: int, kv_heads: int, d: int, slots: int, max_len: int, kernel):
+    """A decoder attention layer of the given shape with random weights and a KV cache whose every
+    position holds random keys and values (as if earlier steps had written them)."""
+    from mineru_fast.engine.kv_cache import KVCache
+    from mineru_fast.engine.model import Attention, TextConfig
+
+    third = d // 2 // 3  # M-RoPE's bands: the temporal axis takes the rest of d / 2
+    config = TextConfig(100, heads * d, 128, 1, heads, kv_heads, 1e-6, 1e6, (d // 2 - 2 * third, third, third), True)
+    generator = torch.Generator().manual_seed(0)
+    layer = Attention(config)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    layer.kv_cache = KVCache(slots, kv_heads, max_len, d, torch.float32)
+    layer.kv_cache.k.copy_(torch.randn(layer.kv_cache.k.shape, generator=generator) * 2)
+    layer.kv_cache.v.copy_(torch.randn(layer.kv_cache.v.shape, generator=generator))
+    layer.decode_kernel = kernel
+    return layer, config
+
+
+def decode_once(layer, config, lengths: list[int], sharp: float = 1.0):
+    from mineru_fast.engine.model import MRoPE
+
+    x = torch.randn(len(lengths), 1, config.hidden_size, generator=torch.Generator().manual_seed(1)) * sharp
+    positions = torch.tensor(lengths) - 1
+    cos, sin = MRoPE(config)(positions.view(1, -1, 1).expand(3, -1, 1), torch.float32)
+    with torch.inference_mode():
+        out = layer.decode(x, cos, sin, positions, lengths)
+    return out, layer.kv_cache.k, layer.kv_cache.v
+
+
+@needs_decode_attention
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "lengths"),
+    [
+        (14, 2, 64, [1]),  # MinerU2.5's heads: a first step attends to its own key only
+        (14, 2, 64, [41]),
+        (14, 2, 64, [1500]),
+        (14, 2, 64, [17, 300, 1, 2048]),  # a batch: each row its own length, a 16-key block's tail
+        (4, 2, 16, [5, 33]),  # the tiny model's
+        (8, 8, 128, [100]),  # no grouping, the widest head
+        (6, 3, 48, [64, 65]),  # a head of three 16-lane chunks
+    ],
+)
+@pytest.mark.parametrize("sharp", [1.0, 30.0])  # 30: scores of hundreds, attention on a few keys
+def test_the_decode_attention_gives_pytorchs_cache_bits_and_attention(heads, kv_heads, d, lengths, sharp):
+    """One decode step through the own kernel against the same layer's PyTorch operators: the keys
+    and values written are the same bits (the rotary embedding's three roundings), the attention
+    outputs agree within 1e-5 of their scale (float32 sums in another order, 2^x a polynomial of
+    relative error below 3e-7)."""
+    slots = len(lengths) + 1
+    got = decode_once(*decode_layer(heads, kv_heads, d, slots, 2048, STATUS.decode_attention), lengths, sharp)
+    want = decode_once(*decode_layer(heads, kv_heads, d, slots, 2048, None), lengths, sharp)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5 * want[0].abs().max().item())
+
+
+@needs_decode_attention
+def test_the_decode_attention_refuses_what_it_cannot_run():
+    layer, config = decode_layer(4, 2, 16, 2, 64, STATUS.decode_attention)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        decode_once(layer, config, [65])
+    with pytest.raises(ValueError, match="batch=3"):
+        decode_once(layer, config, [1, 2, 3])  # more rows than slots
+    cache = layer.kv_cache
+    ok = {
+        "qkv": torch.zeros(1, 8 * 16),
+        "cos": torch.zeros(1, 16),
+        "sin": torch.zeros(1, 16),
+        "k_cache": cache.k,
+        "v_cache": cache.v,
+        "positions": torch.zeros(1, dtype=torch.long),
+        "heads": 4,
+        "out": torch.zeros(1, 64),
+    }
+    for name, bad in {
+        "k_cache": cache.k.bfloat16(),
+        "positions": torch.zeros(1, dtype=torch.int32),
+        "qkv": torch.zeros(2, 128)[:, ::2].t(),
+        "out": torch.zeros(1, 60),
+    }.items():
+        with pytest.raises(ValueError, match=name):
+            STATUS.decode_attention(**{**ok, name: bad})
+    with pytest.raises(ValueError, match="d=24"):
+        wide = torch.zeros(1, 1, 4, 24)
+        STATUS.decode_attention(torch.zeros(1, 6 * 24), torch.zeros(1, 24), torch.zeros(1, 24), wide, wide.clone(),
+                                torch.zeros(1, dtype=torch.long), 4, torch.zeros(1, 96))  # fmt: skip
+
+
+@needs_decode_attention
+def test_an_engine_decodes_on_the_own_attention_where_it_takes_float32(tiny_model):
+    """A float32 engine runs its decode steps on the kernel and says so (numerics included); a
+    bfloat16 KV cache or bfloat16 activations keep PyTorch's operators; a free-running request
+    (two at once) gives the same tokens either way on the tiny model."""
+    from mineru_fast.engine.factory import build_engine
+    from mineru_fast.engine.generate import FastEngine
+    from mineru_fast.options import ParserOptions
+
+    kernel = FastEngine(tiny_model, slots=2, max_seq_len=4096)
+    bf16_kv = FastEngine(tiny_model, slots=2, max_seq_len=4096, kv_dtype=torch.bfloat16)
+    bf16 = FastEngine(tiny_model, slots=2, max_seq_len=4096, precision="bf16")
+    assert kernel.decode_attention_reason.startswith("own decode attention")
+    assert all(layer.attention.decode_kernel is not None for layer in kernel.lm.decoder_layers)
+    for other in (bf16_kv, bf16):
+        assert "takes float32 activations and KV buffers" in other.decode_attention_reason
+        assert all(layer.attention.decode_kernel is None for layer in other.lm.decoder_layers)
+    with pytest.raises(ValueError, match="float32"):
+        bf16_kv.lm.use_decode_kernel(STATUS.decode_attention)
+    from samples import text_page
+
+    from mineru_fast.engine.base import GenerationRequest
+    from mineru_fast.protocol.spec import SamplingParams, prompt_for
+
+    crop = text_page().crop((0, 0, 400, 100))
+    request = GenerationRequest(crop, prompt_for("text"), SamplingParams(max_new_tokens=40))
+    on = kernel.generate([request, request])
+    kernel.lm.use_decode_kernel(None)
+    off = kernel.generate([request, request])
+    assert [r.token_ids for r in on] == [r.token_ids for r in off] and len(on[0].token_ids) > 10
+    for preset in ("fast", "exact"):
+        engine = build_engine(tiny_model, ParserOptions.preset(preset, slots=1), prepared_cache=False)
+        assert engine.numerics["lm_decode_attention"] == kernel.decode_attention_reason
+        engine.close()

@@ -7,7 +7,8 @@ instruction-set path that runs it, or why the PyTorch form of the same arithmeti
 where the language model's per-channel INT8 is oneDNN's, ``lm_decode_kernel``: whether its
 decode rows run on the own GEMV (``engine.kernels``; the same numerics) or why not; for the fast
 engine, ``vision_attention``: what runs the vision encoder's attention (the own bfloat16 kernel
-or PyTorch's SDPA, and why).
+or PyTorch's SDPA, and why), and ``lm_decode_attention``: what runs the language model's
+decode-step attention (the own float32 kernel or PyTorch's operators, and why).
 """
 
 from __future__ import annotations
@@ -116,8 +117,10 @@ def _build(model_dir: Path, options: ParserOptions, cache_root: Path | None) -> 
         prepared_cache=cache_root,
     )
     numerics["vision_attention"] = engine.vision_attention_reason
+    numerics["lm_decode_attention"] = engine.decode_attention_reason
     logger.info("backend: %s (%s)", choice.backend, choice.reason)
     logger.info("vision attention: %s", engine.vision_attention_reason)
+    logger.info("decode attention: %s", engine.decode_attention_reason)
     if numerics["int8_kernel"]:
         logger.info("INT8 kernel: %s (%s)", numerics["int8_kernel_path"], numerics["int8_reason"])
     if numerics.get("lm_int8_block"):

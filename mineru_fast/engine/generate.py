@@ -28,7 +28,7 @@ from mineru_fast.engine.base import (
     generate_with_follow_ups,
 )
 from mineru_fast.engine.checkpoint import load_model, read_configs
-from mineru_fast.engine.kernels import attention_status
+from mineru_fast.engine.kernels import attention_status, kernel_status
 from mineru_fast.engine.kv_cache import KVCache
 from mineru_fast.engine.memory import peak_rss_bytes, resident_bytes, rss_bytes, trim_heap
 from mineru_fast.engine.model import Qwen2LM
@@ -112,6 +112,7 @@ class FastEngine:
             max_seq_len = self.preprocessor.max_image_tokens + PROMPT_TEXT_TOKENS + max_new_tokens
         self.slots, self.max_seq_len, self.vision_pack_patches = slots, max_seq_len, vision_pack_patches
         self.lm.setup_cache(slots, max_seq_len, kv_dtype or self.dtype)
+        self.decode_attention_reason = self._decode_attention(kv_dtype or self.dtype)
         self.vocab_size = self.lm.config.vocab_size
         self.scheduler = Scheduler(
             self,
@@ -145,6 +146,18 @@ class FastEngine:
         status = attention_status()
         self.vision.use_attention_kernel(status.attention)
         return status.reason
+
+    def _decode_attention(self, kv_dtype: torch.dtype) -> str:
+        """Put the language model's decode-step attention on the own kernel where it runs (float32
+        activations and KV buffers, the ``avx512_vnni`` path); the reason, one line, either way."""
+        sdpa = "PyTorch operators and SDPA"
+        if self.dtype != torch.float32 or kv_dtype != torch.float32:
+            return f"{sdpa} (the own decode attention takes float32 activations and KV buffers)"
+        status = kernel_status()
+        if status.decode_attention is None:
+            return f"{sdpa} (the own decode attention needs the kernels' avx512_vnni path: {status.reason})"
+        self.lm.use_decode_kernel(status.decode_attention)
+        return "own decode attention (AVX-512, float32): rotary embedding, KV write and attention in one call"
 
     def _load(
         self, model_dir: Path, configs: dict[str, object | None], cache_root: Path | None

@@ -1,6 +1,7 @@
 """The engine's own compiled kernels, built when the package is installed: the block-wise INT8 linear
-of the language model (``int8-block``, the fast preset's) and the per-token INT8 GEMV of decode rows
-(``int8-dynamic`` on the ``gemv`` backend).
+of the language model (``int8-block``, the fast preset's), the per-token INT8 GEMV of decode rows
+(``int8-dynamic`` on the ``gemv`` backend), the language model's decode-step attention
+(``KernelStatus.decode_attention``) and the vision encoder's bfloat16 attention (``attention_status``).
 
 The C++ sources are in ``csrc/`` (``csrc/kernels.h`` states the block kernel's arithmetic), built by
 ``setup.py`` into the extension module ``mineru_fast.engine._kernels`` (CPython's limited API, no
@@ -53,6 +54,9 @@ MAX_ROWS = 16  # rows of activations per GEMV call (csrc/kernels.h's kGemvMaxRow
 
 BlockLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
 GemvLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], None
+]
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class KernelStatus:
             1 <= M <= ``MAX_ROWS`` (AVX-512 VNNI only), or None.
         gemv_reason: one line: what runs per-channel INT8 layers' decode rows (``gemv``), or why
             not (what ``engine.numerics["lm_decode_kernel"]`` says).
+        decode_attention: ``decode_attention(qkv, cos, sin, k_cache, v_cache, positions, heads,
+            out)``, the language model's attention for one decode step (``csrc/kernels.h``'s
+            ``DecodeAttention``; the checks and shapes: ``_decode_attention``), on the
+            ``avx512_vnni`` path only, else None.
     """
 
     path: str | None
@@ -80,6 +88,7 @@ class KernelStatus:
     block: BlockLinear | None = None
     gemv: GemvLinear | None = None
     gemv_reason: str = ""
+    decode_attention: DecodeAttention | None = None
 
 
 def source_digest(csrc: Path | None = None) -> str:
@@ -224,6 +233,68 @@ def _gemv_linear(module: ModuleType) -> GemvLinear:
     return gemv
 
 
+def _decode_attention(module: ModuleType) -> DecodeAttention:
+    def decode_attention(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        positions: torch.Tensor,
+        heads: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Rotary embedding, KV write and attention of one decode step (``csrc/kernels.h``).
+
+        Args:
+            qkv: ``[B, (heads + 2 kv_heads) d]`` float32 contiguous, the ``wqkv`` output of the
+                step's rows (query heads, then key heads, then value heads).
+            cos, sin: ``[B, d]`` float32 contiguous, ``model.MRoPE``'s tables (``sin`` signed).
+            k_cache, v_cache: ``[slots, kv_heads, max_len, d]`` float32 contiguous
+                (``kv_cache.KVCache``); row ``b`` writes slot ``b`` at ``positions[b]``.
+            positions: ``[B]`` int64 contiguous; row ``b`` attends to positions ``0..positions[b]``.
+            heads: query heads (a multiple of ``kv_heads``).
+            out: ``[B, heads * d]`` float32 contiguous, written.
+
+        Raises:
+            ValueError: a dtype, shape or layout the kernel cannot read, or a position outside
+                the cache.
+        """
+        slots, kv_heads, max_len, d = k_cache.shape
+        batch = qkv.shape[0]
+        shapes = {
+            "qkv": (qkv, torch.float32, (batch, (heads + 2 * kv_heads) * d)),
+            "cos": (cos, torch.float32, (batch, d)),
+            "sin": (sin, torch.float32, (batch, d)),
+            "k_cache": (k_cache, torch.float32, (slots, kv_heads, max_len, d)),
+            "v_cache": (v_cache, torch.float32, (slots, kv_heads, max_len, d)),
+            "positions": (positions, torch.int64, (batch,)),
+            "out": (out, torch.float32, (batch, heads * d)),
+        }
+        for name, (t, dtype, shape) in shapes.items():
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"{name}: {list(shape)} contiguous {dtype}, got {t.dtype} {tuple(t.shape)}")
+        module.decode_attention(
+            torch.get_num_threads(),
+            qkv.data_ptr(),
+            batch,
+            heads,
+            kv_heads,
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots,
+            max_len,
+            positions.data_ptr(),
+            out.data_ptr(),
+            d**-0.5,
+        )
+
+    return decode_attention
+
+
 def check_gemv_weight(
     weight: torch.Tensor, weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> None:
@@ -274,7 +345,8 @@ def kernel_status() -> KernelStatus:
         else f"the own INT8 GEMV needs the avx512_vnni path ({path} here): oneDNN"
     )
     reason = f"own block-wise INT8 kernel, {path} path{lowered}"
-    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows)
+    decode = _decode_attention(module) if path == "avx512_vnni" else None
+    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows, decode)
 
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

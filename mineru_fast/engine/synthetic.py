@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mineru_fast.errors import MineruFastError
 from mineru_fast.protocol.spec import (
@@ -28,6 +29,9 @@ from mineru_fast.protocol.spec import (
     QWEN2VL_SPECIAL_TOKENS,
 )
 from mineru_fast.runtime.hub import LM_SOURCE, MARKER, cache_dir, match_file_mode
+
+if TYPE_CHECKING:
+    from mineru_fast.engine.gguf_lm import GgufLanguageModel
 
 __all__ = ["ModelSize", "SIZES", "make_synthetic_model", "cached_synthetic_model"]
 
@@ -220,12 +224,13 @@ def _bpe_vocabulary() -> list[str]:
     return by_id + QWEN2VL_SPECIAL_TOKENS
 
 
-def _write_weights(out: Path, config: dict, seed: int, lm_gguf: Path | None = None) -> tuple[int, dict | None]:
-    """Write ``model.safetensors``; returns (parameters, the GGUF's provenance or None).
+def _write_weights(out: Path, config: dict, seed: int, trained: GgufLanguageModel | None = None) -> int:
+    """Write ``model.safetensors``; returns the number of parameters.
 
-    With ``lm_gguf`` the language model's tensors (``model.*``) are the GGUF's, dequantized
-    (``gguf_lm``) and stored in bfloat16 like every other tensor; the vision tower stays random,
-    drawn first, as without it, so the same seed gives the same vision weights."""
+    With ``trained`` (a GGUF read by ``gguf_lm.read_gguf_lm``) the language model's tensors
+    (``model.*``) are the GGUF's, dequantized and stored in bfloat16 like every other tensor; the
+    vision tower stays random, drawn first, as without it, so the same seed gives the same vision
+    weights."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -237,11 +242,7 @@ def _write_weights(out: Path, config: dict, seed: int, lm_gguf: Path | None = No
     shapes = {
         published_name(name): tuple(param.shape) for name, param in model.named_parameters() if name != "lm_head.weight"
     }  # the tied lm_head is not listed twice
-    trained = None
-    if lm_gguf is not None:
-        from mineru_fast.engine.gguf_lm import read_gguf_lm
-
-        trained = read_gguf_lm(lm_gguf, config, _bpe_vocabulary())
+    if trained is not None:
         trained.check_shapes({name: shape for name, shape in shapes.items() if not name.startswith("visual.")})
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -253,7 +254,7 @@ def _write_weights(out: Path, config: dict, seed: int, lm_gguf: Path | None = No
         for name, values in trained.tensors():
             tensors[name] = torch.from_numpy(values).to(torch.bfloat16)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return sum(t.numel() for t in tensors.values()), None if trained is None else trained.provenance()
+    return sum(t.numel() for t in tensors.values())
 
 
 def make_synthetic_model(
@@ -288,15 +289,21 @@ def make_synthetic_model(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if version not in MODEL_VERSIONS:
         raise ValueError(f"version must be one of {MODEL_VERSIONS}, got {version!r}")
+    config = _config(SIZES[size], version)
+    trained = None
+    if lm_gguf is not None:  # read before anything is written: a GGUF that does not fit leaves no files
+        from mineru_fast.engine.gguf_lm import read_gguf_lm
+
+        trained = read_gguf_lm(Path(lm_gguf), config, _bpe_vocabulary())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)  # written last: a half-written model has none
     (out / LM_SOURCE).unlink(missing_ok=True)
-    config = _config(SIZES[size], version)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(), indent=2) + "\n")
     _write_processor(out)
-    n_params, provenance = _write_weights(out, config, seed, None if lm_gguf is None else Path(lm_gguf))
+    n_params = _write_weights(out, config, seed, trained)
+    provenance = None if trained is None else trained.provenance()
     match_file_mode([out / "model.safetensors"], like=out / "config.json")
     if provenance is None:
         note = (

@@ -182,7 +182,8 @@ class DocumentParser:
         """What the engine runs on this machine and why (``engine.numerics.describe``: ISA class, precision,
         bfloat16 native or emulated, INT8 kernel and the reason for it, and, as the engine was
         built, what runs the language model's block-wise INT8, ``lm_int8_block``, or its per-channel
-        INT8 decode rows, ``lm_decode_kernel``, and the vision attention, ``vision_attention``);
+        INT8 decode rows, ``lm_decode_kernel``, the vision attention, ``vision_attention``, and the
+        language model's decode attention, ``lm_decode_attention``);
         JSON-ready."""
         from mineru_fast.engine.numerics import describe
 

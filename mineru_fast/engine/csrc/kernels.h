@@ -112,4 +112,30 @@ void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t blo
 void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
                                const BF16AttentionBuffers& b);
 
+// The language model's attention for one decode step (decode_attention_avx512.cpp, AVX-512F), for
+// rows b = 0..batch-1 (slot b of the KV cache, float32):
+//   1. the rotary embedding of row b's key heads, k' = k * cos + roll(k, d / 2) * signed_sin (three
+//      roundings, as model.apply_rotary), k' and v written at position positions[b] of the slot;
+//   2. per query head h (grouped: it reads key/value head h / (heads / kv_heads)), its rotated query q'
+//      (as k'), s(t) = sum over c of (q'[c] * scale * log2(e)) k[t, c] for t = 0..positions[b], and
+//      out[b, h] = sum over t of p(t) v[t] / sum over t of p(t), p(t) = 2^(s(t) - max s).
+// The cache positions written are PyTorch's bits (the same three operators). The attention is float32
+// in another order than PyTorch's SDPA, and 2^x a polynomial (relative error below 3e-7): the outputs
+// are compared with SDPA within a tolerance (tests/test_kernels.py).
+struct DecodeAttention {
+  const float* qkv;  // [batch][(heads + 2 kv_heads) d]: the query heads, the key heads, the value heads
+  const float* cos;  // [batch][d]
+  const float* sin;  // [batch][d], its first half negated
+  float* k_cache;    // [slots >= batch][kv_heads][max_len][d]
+  float* v_cache;
+  const int64_t* positions;  // [batch], each below max_len
+  float* out;                // [batch][heads d]
+  int64_t batch, heads, kv_heads, d, max_len;  // d a multiple of 16, at most 128
+  float scale;
+};
+// Step 1 for one row; then step 2 for work items [item_begin, item_end), item = row * heads + head,
+// with scores a buffer of at least max(positions) + 1 rounded up to 16 floats.
+void decode_write_avx512(const DecodeAttention& a, int64_t row);
+void decode_heads_avx512(const DecodeAttention& a, int64_t item_begin, int64_t item_end, float* scores);
+
 }  // namespace mineru_fast

@@ -253,16 +253,79 @@ PyObject* attention_bf16(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// decode_attention(threads, qkv, batch, heads, kv_heads, d, cos, sin, k_cache, v_cache, slots, max_len,
+//                  positions, out, scale)
+PyObject* decode_attention(PyObject*, PyObject* args) {
+  int threads;
+  unsigned long long qkv_p, cos_p, sin_p, k_p, v_p, pos_p, out_p;
+  long long batch, heads, kv_heads, d, slots, max_len;
+  float scale;
+  if (!PyArg_ParseTuple(args, "iKLLLLKKKKLLKKf", &threads, &qkv_p, &batch, &heads, &kv_heads, &d, &cos_p, &sin_p,
+                        &k_p, &v_p, &slots, &max_len, &pos_p, &out_p, &scale))
+    return nullptr;
+  if (!cpu_has(kAvx512Vnni)) {
+    PyErr_SetString(PyExc_ValueError, "the decode attention runs on the AVX-512 VNNI path's CPUs only");
+    return nullptr;
+  }
+  if (batch < 1 || batch > slots || kv_heads < 1 || heads < kv_heads || heads % kv_heads != 0 || d < 16 ||
+      d > 128 || d % 16 != 0 || max_len < 1) {
+    PyErr_Format(PyExc_ValueError,
+                 "sizes: batch=%lld (1 to slots=%lld) heads=%lld kv_heads=%lld (a divisor) d=%lld (16 to 128, a "
+                 "multiple of 16) max_len=%lld",
+                 batch, slots, heads, kv_heads, d, max_len);
+    return nullptr;
+  }
+  if (qkv_p == 0 || cos_p == 0 || sin_p == 0 || k_p == 0 || v_p == 0 || pos_p == 0 || out_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const int64_t* positions = as_pointer<const int64_t>(pos_p);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (positions[b] < 0 || positions[b] >= max_len) {
+      PyErr_Format(PyExc_ValueError, "position %lld of row %lld is outside the KV cache (max_len %lld)",
+                   (long long)positions[b], (long long)b, max_len);
+      return nullptr;
+    }
+    longest = std::max<int64_t>(longest, positions[b] + 1);
+  }
+  const mf::DecodeAttention a{as_pointer<const float>(qkv_p), as_pointer<const float>(cos_p),
+                              as_pointer<const float>(sin_p), as_pointer<float>(k_p),
+                              as_pointer<float>(v_p),        positions,
+                              as_pointer<float>(out_p),      batch,
+                              heads,                         kv_heads,
+                              d,                             max_len,
+                              scale};
+  const int64_t padded = (longest + 15) / 16 * 16;
+  bool no_memory = false;
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t b = 0; b < batch; ++b) mf::decode_write_avx512(a, b);
+  parallel(threads, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    float* scores = new (std::nothrow) float[padded];
+    if (scores == nullptr) {
+#pragma omp atomic write
+      no_memory = true;
+      return;
+    }
+    mf::decode_heads_avx512(a, begin, end, scores);
+    delete[] scores;
+  });
+  Py_END_ALLOW_THREADS;
+  if (no_memory) return PyErr_NoMemory();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"cpu_paths", cpu_paths, METH_NOARGS, "The block kernel's paths this CPU runs, fastest first."},
     {"block_linear", block_linear, METH_VARARGS, "Block-wise INT8 linear on raw pointers (engine/kernels.py)."},
     {"gemv_linear", gemv_linear, METH_VARARGS, "Per-token INT8 GEMV on raw pointers (engine/kernels.py)."},
     {"attention_runs", attention_runs, METH_NOARGS, "Whether this CPU runs the bfloat16 attention (AVX-512 BF16)."},
     {"attention_bf16", attention_bf16, METH_VARARGS, "Bfloat16 attention of one image's heads (engine/kernels.py)."},
+    {"decode_attention", decode_attention, METH_VARARGS, "The language model's decode-step attention (engine/kernels.py)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own kernels (INT8 linears, bfloat16 attention).",
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_kernels", "mineru-fast's own kernels (INT8 linears, attention).",
                           -1, methods,
                           nullptr, nullptr, nullptr, nullptr};
 
