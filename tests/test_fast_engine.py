@@ -501,3 +501,22 @@ def test_vision_rotary_cache_keeps_the_most_recent_grids(monkeypatch):
     assert layout in encoder._rope_cache and first not in encoder._rope_cache
     again = encoder.rotary(first)
     assert all(torch.equal(a, b) for a, b in zip(again, first_tables, strict=True))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])
+def test_rms_norm_on_float32_is_the_operator_form_bit_for_bit(rows):
+    """``RMSNorm`` runs ``F.rms_norm`` on float32: the same bits as transformers' operators one by one."""
+    from mineru_fast.engine.model import RMSNorm
+
+    generator = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(896, 1e-6)
+    norm.weight.data = torch.randn(896, generator=generator)
+    x = torch.randn(rows, 1, 896, generator=generator) * 5
+    with torch.inference_mode():
+        by_operators = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert torch.equal(norm(x), by_operators)
+        # bfloat16 keeps the operators (F.rms_norm rounds otherwise there)
+        xb, nb = x.bfloat16(), norm.bfloat16()
+        wide = xb.float()
+        expected = nb.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+        assert torch.equal(nb(xb), expected)
