@@ -91,8 +91,8 @@ def achieved(engine, bytes_per_weight: float) -> dict[str, float]:
         block.proj(x)
         block.fc2(block.fc1(x))
 
-    def attention() -> None:  # what the engine's blocks run: the own kernel where set, else SDPA
-        if block.attention_kernel is not None and dtype == torch.float32:
+    def attention() -> None:  # what the engine's blocks run: the own kernel where set (float32 only), else SDPA
+        if block.attention_kernel is not None:
             block.attention_kernel(q[0], q[0], q[0], out)
         else:
             F.scaled_dot_product_attention(q, q, q)

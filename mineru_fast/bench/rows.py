@@ -222,8 +222,6 @@ def concurrency_table(parser, page, levels: tuple[int, ...], single_s: float | N
 
 def roofline(engine) -> dict:
     """This CPU's measured peaks and the fast-preset ``engine``'s achieved fraction of them."""
-    import torch
-
     from mineru_fast.bench import roofline as rf
 
     vision = engine.vision.config
@@ -235,7 +233,7 @@ def roofline(engine) -> dict:
 
     # the fast preset stores int8 weights, on 32-value blocks with a float32 scale each
     got = rf.achieved(engine, bytes_per_weight=1 + 4 / BLOCK if isinstance(engine.lm.lm_head, BlockInt8Linear) else 1.0)
-    own_attention = engine.vision.blocks[0].attention_kernel is not None and engine.dtype == torch.float32
+    own_attention = engine.vision.blocks[0].attention_kernel is not None  # set on float32 encoders only
     return {
         "full_size": full_size,
         "peaks": peaks,

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -222,16 +223,12 @@ PyObject* attention_bf16(PyObject*, PyObject* args) {
   const mf::BF16Attention a{as_pointer<const float>(q_p), as_pointer<const float>(k_p), as_pointer<const float>(v_p),
                             as_pointer<float>(out_p), stride, heads, n, d, scale};
   const int64_t n_pad = (n + 63) / 64 * 64;
-  std::vector<uint32_t> q;
-  std::vector<uint16_t> k, v;
-  try {
-    q.resize(heads * n_pad * d / 2);
-    k.resize(heads * n_pad * d);
-    v.resize(heads * n_pad * d);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  const mf::BF16AttentionBuffers b{q.data(), k.data(), v.data(), n_pad};
+  // left uninitialised: the packing writes every element, rows past n included
+  const std::unique_ptr<uint32_t[]> q(new (std::nothrow) uint32_t[heads * n_pad * d / 2]);
+  const std::unique_ptr<uint16_t[]> k(new (std::nothrow) uint16_t[heads * n_pad * d]);
+  const std::unique_ptr<uint16_t[]> v(new (std::nothrow) uint16_t[heads * n_pad * d]);
+  if (!q || !k || !v) return PyErr_NoMemory();
+  const mf::BF16AttentionBuffers b{q.get(), k.get(), v.get(), n_pad};
   const int64_t blocks = n_pad / 16, tiles = (n + mf::kAttentionRows - 1) / mf::kAttentionRows;
   Py_BEGIN_ALLOW_THREADS;
   // work items are (head, block) and (head, tile) pairs, numbered head-major
@@ -301,14 +298,13 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS;
   for (int64_t b = 0; b < batch; ++b) mf::decode_write_avx512(a, b);
   parallel(threads, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    float* scores = new (std::nothrow) float[padded];
-    if (scores == nullptr) {
+    const std::unique_ptr<float[]> scores(new (std::nothrow) float[padded]);
+    if (!scores) {
 #pragma omp atomic write
       no_memory = true;
       return;
     }
-    mf::decode_heads_avx512(a, begin, end, scores);
-    delete[] scores;
+    mf::decode_heads_avx512(a, begin, end, scores.get());
   });
   Py_END_ALLOW_THREADS;
   if (no_memory) return PyErr_NoMemory();
