@@ -7,8 +7,11 @@ For the fast engine on ``--model`` (the fast preset by default), at each ``--con
 - the bytes of weights it reads (every LM linear plus the LM head, at the engine's weight width)
   over that time, against the copy bandwidth ``bench.roofline.memory_bandwidth`` measures here:
   the time a step could take if it only streamed its weights;
-- a ``torch.profiler`` table of one step's operators grouped by role (the matrix products, decode
-  attention, everything else), and the time spent outside any operator (Python, dispatch).
+- the step's linears alone (every layer's and the head, one row each, called back to back): the
+  matrix products' share, whichever kernel runs them;
+- a ``torch.profiler`` table of one step's operators grouped by role (the matrix products that are
+  PyTorch operators, decode attention, everything else), and the time spent outside any operator
+  (Python, dispatch, and the own kernels, which are no PyTorch operators).
 
 ``python benchmarks/decode_step.py --model DIR [--threads 2] [--context 100 1500] [--lm-quant Q] [--json OUT]``
 (``--lm-quant``: the language model's and head's quantization instead of the preset's, e.g.
@@ -36,6 +39,7 @@ GEMM_OPS = {
     "aten::linear",
 }
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
+# (the own decode attention, csrc/decode_attention_avx512.cpp, is no operator: "outside operators")
 
 
 def _step_seconds(lm, context: int, repeat: int) -> float:
@@ -50,6 +54,26 @@ def _step_seconds(lm, context: int, repeat: int) -> float:
     return best
 
 
+def _linears_ms(lm, repeat: int) -> float:
+    """Milliseconds of one step's linears (every layer's and the head) called back to back on one
+    row each, outside the model: what the step costs in matrix products, whichever kernel runs
+    them (the own kernels are no PyTorch operators, so the profiler does not see them)."""
+    linears = [m for m in lm.modules() if hasattr(m, "in_features") and not list(m.children())]
+    rows = [torch.randn(1, 1, m.in_features, dtype=lm.dtype) for m in linears]
+
+    def run() -> None:
+        for layer, x in zip(linears, rows, strict=True):
+            layer(x)
+
+    run()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
 def _profile(lm, context: int, steps: int = 5) -> dict[str, float]:
     """Milliseconds per step by role: ``gemm``, ``attention``, ``other_ops`` and ``outside_ops``
     (the step's wall time under the profiler minus every operator's own time)."""
@@ -58,11 +82,11 @@ def _profile(lm, context: int, steps: int = 5) -> dict[str, float]:
     tokens = torch.zeros(1, dtype=torch.long)
     position = torch.tensor([context])
     lm.decode(tokens, position, position)
-    start = time.perf_counter()
-    with profile() as prof:
+    with profile() as prof:  # the profiler's own start and stop outside the timed steps
+        start = time.perf_counter()
         for _ in range(steps):
             lm.decode(tokens, position, position)
-    wall_ms = (time.perf_counter() - start) * 1000 / steps
+        wall_ms = (time.perf_counter() - start) * 1000 / steps
     roles = {"gemm": 0.0, "attention": 0.0, "other_ops": 0.0}
     operators = 0
     for event in prof.key_averages():
@@ -103,9 +127,11 @@ def main() -> None:
         for context in args.context:
             seconds = _step_seconds(lm, context, args.repeat)
             rows.append({"context": context, "step_ms": seconds * 1000, **_profile(lm, context)})
+        linears_ms = _linears_ms(lm, args.repeat)
     floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
     print(f"weights read per step: {weight_bytes / 1e6:.0f} MB; copy bandwidth {bandwidth:.1f} GB/s; "
-          f"streaming them alone takes {floor_ms:.1f} ms")  # fmt: skip
+          f"streaming them alone takes {floor_ms:.1f} ms; the step's linears alone took {linears_ms:.1f} ms "
+          f"({weight_bytes / linears_ms / 1e6:.1f} GB/s)")  # fmt: skip
     print("| context | step ms | GB/s of weights | matrix products ms | attention ms | other operators ms "
           "| outside operators ms | operators/step |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -118,7 +144,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"preset": args.preset, "threads": args.threads,
                                          "weight_bytes": weight_bytes, "copy_bandwidth_gbps": bandwidth,
-                                         "rows": rows}, indent=2))  # fmt: skip
+                                         "linears_ms": linears_ms, "rows": rows}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
