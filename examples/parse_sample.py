@@ -6,7 +6,7 @@ No model download: the script writes a tiny random-weight model of MinerU2.5's a
 (seconds). Random weights produce meaningless text, so the parse replays ``sample_trace.json``:
 the engine is forced to emit those outputs (a title, a text block and a ruled table per page)
 while running every forward pass, which shows the real pipeline and its real output formats. With
-the published weights, drop ``replay=`` and load ``opendatalab/MinerU2.5-2509-1.2B``.
+the published weights, drop ``replay=`` and load the default model (``DocumentParser.from_pretrained()``).
 
 In a notebook, ``document`` displays as its Markdown and ``document.pages[0]`` as its layout
 overlay (``Page._repr_png_``); this script writes the same overlay to a PNG file instead.
@@ -32,7 +32,8 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_synthetic_model(Path(tmp) / "tiny", size="tiny")
-        parser = DocumentParser.from_pretrained(model, ParserOptions(progress=False))  # the "fast" preset
+        # the "fast" preset; prepared_cache=False: a throwaway model gets no entry in the prepared-model cache
+        parser = DocumentParser.from_pretrained(model, ParserOptions(progress=False), prepared_cache=False)
         # keep_page_images: the overlay below draws on the page image (released by default)
         document = parser.parse(HERE / "sample.pdf", replay=HERE / "sample_trace.json", keep_page_images=True)
     print(f"{document.name}: {document.status}, {len(document.pages)} page(s), model {parser.model_info.to_dict()}")
