@@ -1,6 +1,6 @@
 """One side of CI's wheel check: what an install of mineru-fast computes, as one JSON line.
 
-    python .ci/wheel_tokens.py MODEL_DIR [--no-compiler]
+    python .ci/wheel_tokens.py MODEL_DIR [--no-compiler] [--pytorch-decode-attention]
 
 Run once with the development install and once with the wheel installed into a fresh virtual
 environment, from outside the clone and with no compiler on PATH (``--no-compiler`` asserts that);
@@ -8,7 +8,9 @@ environment, from outside the clone and with no compiler on PATH (``--no-compile
 decodes a page's layout request and three crops of it greedily (tokens of the tiny random-weight
 model: every one depends on the language model's block-wise INT8), and ``examples/sample.pdf``
 is parsed end to end with its replay trace. Printed: where ``mineru_fast`` was imported from, the
-engine's numerics, the token ids, and the parse's status and Markdown.
+engine's numerics, the token ids, and the parse's status and Markdown. ``--pytorch-decode-attention``
+keeps the decode attention on PyTorch's operators even where the own kernel runs (the
+``avx512_vnni`` path only, with other float32 roundings), for a comparison with the other paths.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("--no-compiler", action="store_true", help="fail if a C or C++ compiler is on PATH")
+    ap.add_argument("--pytorch-decode-attention", action="store_true", help="never the own decode attention")
     args = ap.parse_args()
     if args.no_compiler:
         found = {name: shutil.which(name) for name in ("cc", "gcc", "c++", "g++", "clang", "clang++")}
@@ -40,6 +43,9 @@ def main() -> int:
             print(f"a compiler is reachable: {found}", file=sys.stderr)
             return 1
     parser = DocumentParser.from_pretrained(args.model, ParserOptions(progress=False))  # the fast preset
+    if args.pytorch_decode_attention:
+        parser.engine.lm.use_decode_kernel(None)
+        parser.engine.numerics["lm_decode_attention"] = "PyTorch operators and SDPA (--pytorch-decode-attention)"
     page = pypdfium2.PdfDocument(EXAMPLES / "sample.pdf")[0].render(scale=100 / 72).to_pil().convert("RGB")
     requests = [GenerationRequest(layout_image(page), prompt_for("layout"), SamplingParams(max_new_tokens=TOKENS))]
     crops = (("text", (0.1, 0.1, 0.9, 0.3)), ("table", (0.1, 0.4, 0.9, 0.7)), ("equation", (0.3, 0.8, 0.7, 0.9)))
