@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from mineru_fast.bench.roofline import best_seconds
+
 GEMM_OPS = {
     "onednn::qlinear_pointwise",
     "mineru_fast::int8_linear_rows",
@@ -45,13 +47,7 @@ ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_sc
 def _step_seconds(lm, context: int, repeat: int) -> float:
     tokens = torch.zeros(1, dtype=torch.long)
     position = torch.tensor([context])
-    lm.decode(tokens, position, position)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        lm.decode(tokens, position, position)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_seconds(lambda: lm.decode(tokens, position, position), repeat)
 
 
 def _linears_ms(lm, repeat: int) -> float:
@@ -65,13 +61,7 @@ def _linears_ms(lm, repeat: int) -> float:
         for layer, x in zip(linears, rows, strict=True):
             layer(x)
 
-    run()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
+    return best_seconds(run, repeat) * 1000
 
 
 def _profile(lm, context: int, steps: int = 5) -> dict[str, float]:

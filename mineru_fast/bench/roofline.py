@@ -22,7 +22,8 @@ import torch.nn.functional as F
 N_LAYOUT, VISION_DIM, VISION_MLP = 5476, 1280, 5120  # one 1036x1036 page through MinerU2.5 vision
 
 
-def _best_seconds(fn: Callable[[], object], repeat: int = 3) -> float:
+def best_seconds(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Seconds of the fastest of ``repeat`` calls of ``fn``, after one untimed warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -45,14 +46,14 @@ def gemm_peaks(dim: int = VISION_DIM, mlp: int = VISION_MLP, tokens: int = N_LAY
         giga = 2 * m * k * n / 1e9
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            out[name] = max(out[name], giga / _best_seconds(functools.partial(torch.matmul, a, b)))
+            out[name] = max(out[name], giga / best_seconds(functools.partial(torch.matmul, a, b)))
         a8 = torch.randint(-127, 127, (m, k), dtype=torch.int8)
         b8 = torch.randint(-127, 127, (k, n), dtype=torch.int8)
         linear = quantize_(torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)), Int8DynamicConfig())
         x = torch.randn(m, k)
         with torch.inference_mode():
-            int_mm = _best_seconds(functools.partial(torch._int_mm, a8, b8))
-            seconds = min(int_mm, _best_seconds(functools.partial(linear, x)))
+            int_mm = best_seconds(functools.partial(torch._int_mm, a8, b8))
+            seconds = min(int_mm, best_seconds(functools.partial(linear, x)))
         out["int8"] = max(out["int8"], giga / seconds)
     return out
 
@@ -61,7 +62,7 @@ def memory_bandwidth(mebibytes: int = 512) -> float:
     """GB/s of a float32 copy of ``mebibytes`` MiB (bytes read + written)."""
     src = torch.ones(mebibytes * 1024 * 1024 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src))
+    seconds = best_seconds(lambda: dst.copy_(src))
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
@@ -99,10 +100,10 @@ def achieved(engine, bytes_per_weight: float) -> dict[str, float]:
 
     out = torch.empty(N_LAYOUT, heads * config.head_dim)
     with torch.inference_mode():
-        linear_s = _best_seconds(linears, repeat=2)
-        attention_s = _best_seconds(attention, repeat=2)
+        linear_s = best_seconds(linears, repeat=2)
+        attention_s = best_seconds(attention, repeat=2)
         tokens, position = torch.zeros(1, dtype=torch.long), torch.full((1,), 1500)
-        decode_s = _best_seconds(lambda: engine.lm.decode(tokens, position, position), repeat=5)
+        decode_s = best_seconds(lambda: engine.lm.decode(tokens, position, position), repeat=5)
     weight_bytes = lm_weight_count(engine.lm.config) * bytes_per_weight
     return {
         "vision_linears_gops": linear_flops / linear_s / 1e9,
