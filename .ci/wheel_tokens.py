@@ -10,7 +10,8 @@ model: every one depends on the language model's block-wise INT8), and ``example
 is parsed end to end with its replay trace. Printed: where ``mineru_fast`` was imported from, the
 engine's numerics, the token ids, and the parse's status and Markdown. ``--pytorch-decode-attention``
 keeps the decode attention on PyTorch's operators even where the own kernel runs (the
-``avx512_vnni`` path only, with other float32 roundings), for a comparison with the other paths.
+``avx512_vnni`` and ``avx2`` paths, with other float32 roundings than PyTorch's), for a comparison
+with the portable path.
 """
 
 from __future__ import annotations

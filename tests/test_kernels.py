@@ -31,6 +31,7 @@ STATUS = kernels.kernel_status()
 needs_kernels = pytest.mark.skipif(STATUS.block is None, reason=STATUS.reason)
 needs_gemv = pytest.mark.skipif(STATUS.gemv is None, reason=STATUS.reason)
 CPU_PATHS = [p for p in kernels.PATHS if STATUS.block is not None and p in kernels._load_module().cpu_paths()]
+DECODE_PATHS = [p for p in kernels.DECODE_ATTENTION_PATHS if p in CPU_PATHS]  # the own decode attention's, here
 
 
 @pytest.fixture
@@ -207,7 +208,8 @@ def test_an_engine_gives_the_same_tokens_on_every_path_cold_and_warm(tiny_model,
     """The LM and head block-wise, from the checkpoint and from the prepared cache, on every path
     this CPU runs and in the PyTorch form: the same greedy tokens and log-probabilities, bit for bit,
     on a page's layout request and three crops. The decode attention is PyTorch's in every run (the
-    own one runs on the avx512_vnni path only, and rounds otherwise: its own test is below)."""
+    own one does not run on the portable path, and rounds otherwise than PyTorch: its tests are
+    below)."""
     block = {"lm_quant": Int8BlockConfig(), "lm_head_quant": Int8BlockConfig()}
     root = tmp_path / "prepared"
 
@@ -230,6 +232,21 @@ def test_an_engine_gives_the_same_tokens_on_every_path_cold_and_warm(tiny_model,
         a_start.cache_clear()
         assert a_start().path == (None if path == "pytorch" else path)
         assert outputs(make(**block)) == results[0], path
+
+
+@pytest.mark.skipif(len(DECODE_PATHS) < 2, reason=f"one decode attention path runs here ({DECODE_PATHS})")
+def test_an_engine_decodes_the_same_tokens_on_avx2_as_on_avx512(tiny_model, monkeypatch, a_start):
+    """The fast preset's language model (block kernel and own decode attention) on the avx2 path
+    gives the avx512_vnni path's greedy tokens and log-probabilities bit for bit."""
+    block = {"lm_quant": Int8BlockConfig(), "lm_head_quant": Int8BlockConfig()}
+    results = {}
+    for path in DECODE_PATHS:
+        monkeypatch.setenv(kernels.PATH_ENV, path)
+        a_start.cache_clear()
+        engine = make_engine(tiny_model, None, **block)
+        assert engine.decode_attention_reason.startswith(f"own decode attention ({path} path")
+        results[path] = outputs(engine)
+    assert results["avx2"] == results["avx512_vnni"]
 
 
 @needs_gemv
@@ -299,17 +316,19 @@ def test_without_the_kernels_the_fast_preset_keeps_its_arithmetic(monkeypatch, t
 
 @needs_kernels
 def test_the_path_follows_the_isa_class_and_the_path_variable(monkeypatch, a_start):
-    """An ISA cap that simulates an AVX2 CPU puts the block kernel on the avx2 path and the GEMV
-    off; MINERU_FAST_KERNEL_PATH lowers the path by name; a name that is no path is reported."""
+    """An ISA cap that simulates an AVX2 CPU puts the block kernel and the decode attention on the
+    avx2 path and the GEMV off; MINERU_FAST_KERNEL_PATH lowers the path by name (the portable path
+    has no decode attention); a name that is no path is reported."""
     if "avx2" not in CPU_PATHS:
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     status = a_start()
     assert status.path == "avx2" and status.gemv is None and "lowered" in status.reason
+    assert status.decode_attention is not None
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setenv(kernels.PATH_ENV, "portable")
     a_start.cache_clear()
-    assert a_start().path == "portable"
+    assert a_start().path == "portable" and a_start().decode_attention is None
     monkeypatch.setenv(kernels.PATH_ENV, "avx1024")
     a_start.cache_clear()
     status = a_start()
@@ -446,6 +465,16 @@ def test_an_engine_runs_vision_attention_on_the_kernel_only_where_asked(tiny_mod
 
 
 needs_decode_attention = pytest.mark.skipif(STATUS.decode_attention is None, reason=STATUS.reason)
+DECODE_SHAPES = [
+    (14, 2, 64, [1]),  # MinerU2.5's heads: a first step attends to its own key only
+    (14, 2, 64, [41]),
+    (14, 2, 64, [1500]),
+    (14, 2, 64, [17, 300, 1, 2048]),  # a batch: each row its own length, a 16-key block's tail
+    (4, 2, 16, [5, 33]),  # the tiny model's
+    (8, 8, 128, [100]),  # no grouping, the widest head
+    (6, 3, 48, [64, 65]),  # a head of three 16-lane chunks
+    (2, 1, 32, [8, 9, 24]),  # an 8-key block's tail alone in its 16-key block
+]
 
 
 def decode_layer(heads: int, kv_heads: int, d: int, slots: int, max_len: int, kernel):
@@ -479,30 +508,37 @@ def decode_once(layer, config, lengths: list[int], sharp: float = 1.0):
     return out, layer.kv_cache.k, layer.kv_cache.v
 
 
-@needs_decode_attention
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "d", "lengths"),
-    [
-        (14, 2, 64, [1]),  # MinerU2.5's heads: a first step attends to its own key only
-        (14, 2, 64, [41]),
-        (14, 2, 64, [1500]),
-        (14, 2, 64, [17, 300, 1, 2048]),  # a batch: each row its own length, a 16-key block's tail
-        (4, 2, 16, [5, 33]),  # the tiny model's
-        (8, 8, 128, [100]),  # no grouping, the widest head
-        (6, 3, 48, [64, 65]),  # a head of three 16-lane chunks
-    ],
-)
+@pytest.mark.parametrize("path", DECODE_PATHS)
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "lengths"), DECODE_SHAPES)
 @pytest.mark.parametrize("sharp", [1.0, 30.0])  # 30: scores of hundreds, attention on a few keys
-def test_the_decode_attention_gives_pytorchs_cache_bits_and_attention(heads, kv_heads, d, lengths, sharp):
-    """One decode step through the own kernel against the same layer's PyTorch operators: the keys
-    and values written are the same bits (the rotary embedding's three roundings), the attention
-    outputs agree within 1e-5 of their scale (float32 sums in another order, 2^x a polynomial of
-    relative error below 3e-7)."""
+def test_the_decode_attention_gives_pytorchs_cache_bits_and_attention(path, heads, kv_heads, d, lengths, sharp):
+    """One decode step through the own kernel (each path this CPU runs) against the same layer's
+    PyTorch operators: the keys and values written are the same bits (the rotary embedding's three
+    roundings), the attention outputs agree within 1e-5 of their scale (float32 sums in another
+    order, 2^x a polynomial of relative error below 3e-7)."""
     slots = len(lengths) + 1
-    got = decode_once(*decode_layer(heads, kv_heads, d, slots, 2048, STATUS.decode_attention), lengths, sharp)
+    kernel = kernels.decode_attention_kernel(path)
+    got = decode_once(*decode_layer(heads, kv_heads, d, slots, 2048, kernel), lengths, sharp)
     want = decode_once(*decode_layer(heads, kv_heads, d, slots, 2048, None), lengths, sharp)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5 * want[0].abs().max().item())
+
+
+@pytest.mark.skipif(len(DECODE_PATHS) < 2, reason=f"one decode attention path runs here ({DECODE_PATHS})")
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "lengths"), DECODE_SHAPES)
+@pytest.mark.parametrize("sharp", [1.0, 30.0])
+def test_the_decode_attention_gives_the_same_bits_on_avx2_as_on_avx512(heads, kv_heads, d, lengths, sharp):
+    """The AVX2 decode attention does the AVX-512 one's operations on half-width vectors: the same
+    bits, outputs and cache alike, so a machine's class never changes a token."""
+    slots = len(lengths) + 1
+    wide, narrow = (
+        decode_once(*decode_layer(heads, kv_heads, d, slots, 2048, kernels.decode_attention_kernel(p)), lengths, sharp)
+        for p in ("avx512_vnni", "avx2")
+    )
+    for a, b in zip(wide, narrow, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with pytest.raises(ValueError, match="no decode attention on the 'portable' path"):
+        kernels.decode_attention_kernel("portable")
 
 
 @needs_decode_attention

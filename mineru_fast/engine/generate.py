@@ -149,15 +149,17 @@ class FastEngine:
 
     def _decode_attention(self, kv_dtype: torch.dtype) -> str:
         """Put the language model's decode-step attention on the own kernel where it runs (float32
-        activations and KV buffers, the ``avx512_vnni`` path); the reason, one line, either way."""
+        activations and KV buffers, the ``avx512_vnni`` or ``avx2`` path); the reason, one line, either way."""
         sdpa = "PyTorch operators and SDPA"
         if self.dtype != torch.float32 or kv_dtype != torch.float32:
             return f"{sdpa} (the own decode attention takes float32 activations and KV buffers)"
         status = kernel_status()
         if status.decode_attention is None:
-            return f"{sdpa} (the own decode attention needs the kernels' avx512_vnni path: {status.reason})"
+            return f"{sdpa} (the own decode attention needs the kernels' avx512_vnni or avx2 path: {status.reason})"
         self.lm.use_decode_kernel(status.decode_attention)
-        return "own decode attention (AVX-512, float32): rotary embedding, KV write and attention in one call"
+        return (
+            f"own decode attention ({status.path} path, float32): rotary embedding, KV write and attention in one call"
+        )
 
     def _load(
         self, model_dir: Path, configs: dict[str, object | None], cache_root: Path | None

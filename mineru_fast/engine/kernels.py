@@ -1,7 +1,8 @@
 """The engine's own compiled kernels, built when the package is installed: the block-wise INT8 linear
 of the language model (``int8-block``, the fast preset's), the per-token INT8 GEMV of decode rows
 (``int8-dynamic`` on the ``gemv`` backend), the language model's decode-step attention
-(``KernelStatus.decode_attention``) and the vision encoder's bfloat16 attention (``attention_status``).
+(``KernelStatus.decode_attention``, on the ``avx512_vnni`` and ``avx2`` paths, the same bits) and
+the vision encoder's bfloat16 attention (``attention_status``).
 
 The C++ sources are in ``csrc/`` (``csrc/kernels.h`` states the block kernel's arithmetic), built by
 ``setup.py`` into the extension module ``mineru_fast.engine._kernels`` (CPython's limited API, no
@@ -20,7 +21,9 @@ same order; tested), and so do this module's PyTorch form of that arithmetic
 is ``runtime.cpu.isa_class`` (so the ISA caps ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` that
 simulate an older CPU lower the path too), and ``MINERU_FAST_KERNEL_PATH`` picks a lower path by
 name. The GEMV exists on the ``avx512_vnni`` path only; elsewhere ``torch._int_mm`` gives its
-outputs (the same numerics, see ``quantize.GemvInt8Linear``).
+outputs (the same numerics, see ``quantize.GemvInt8Linear``). The decode attention runs on the
+``avx512_vnni`` and ``avx2`` paths (the same bits; not the portable one, where PyTorch's operators
+run it).
 
 A development checkout (where ``csrc/`` sits beside this file) checks that the module was built from
 the sources there (``SOURCE_DIGEST``, written by ``setup.py``): a stale build is not used, and the
@@ -80,7 +83,7 @@ class KernelStatus:
         decode_attention: ``decode_attention(qkv, cos, sin, k_cache, v_cache, positions, heads,
             out)``, the language model's attention for one decode step (``csrc/kernels.h``'s
             ``DecodeAttention``; the checks and shapes: ``_decode_attention``), on the
-            ``avx512_vnni`` path only, else None.
+            ``avx512_vnni`` and ``avx2`` paths (the same bits), else None.
     """
 
     path: str | None
@@ -233,7 +236,27 @@ def _gemv_linear(module: ModuleType) -> GemvLinear:
     return gemv
 
 
-def _decode_attention(module: ModuleType) -> DecodeAttention:
+DECODE_ATTENTION_PATHS = ("avx512_vnni", "avx2")  # the paths with an own decode attention
+
+
+def decode_attention_kernel(path: str) -> DecodeAttention:
+    """The decode attention on one instruction-set path (one of ``DECODE_ATTENTION_PATHS``), whatever
+    the CPU class would choose (tests compare the paths; ``kernel_status().decode_attention`` is what
+    the engine runs).
+
+    Raises:
+        ImportError: the extension is not built (or stale).
+        ValueError: the path has no decode attention, or this CPU cannot run it.
+    """
+    module = _load_module()
+    if path not in DECODE_ATTENTION_PATHS or path not in module.cpu_paths():
+        raise ValueError(f"no decode attention on the {path!r} path here (this CPU runs {module.cpu_paths()})")
+    return _decode_attention(module, path)
+
+
+def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
+    path_id = _PATH_ID[path]
+
     def decode_attention(
         qkv: torch.Tensor,
         cos: torch.Tensor,
@@ -275,6 +298,7 @@ def _decode_attention(module: ModuleType) -> DecodeAttention:
             if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
                 raise ValueError(f"{name}: {list(shape)} contiguous {dtype}, got {t.dtype} {tuple(t.shape)}")
         module.decode_attention(
+            path_id,
             torch.get_num_threads(),
             qkv.data_ptr(),
             batch,
@@ -345,7 +369,7 @@ def kernel_status() -> KernelStatus:
         else f"the own INT8 GEMV needs the avx512_vnni path ({path} here): oneDNN"
     )
     reason = f"own block-wise INT8 kernel, {path} path{lowered}"
-    decode = _decode_attention(module) if path == "avx512_vnni" else None
+    decode = _decode_attention(module, path) if path in DECODE_ATTENTION_PATHS else None
     return KernelStatus(path, reason, _block_linear(module, path), gemv, rows, decode)
 
 

@@ -21,7 +21,7 @@
 
 #define ISA_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma"
 #include "isa_begin.h"
-#include "simd_exp2.h"
+#include "simd_math.h"
 
 namespace mineru_fast {
 

@@ -1,6 +1,7 @@
 // The language model's decode attention, AVX-512F: see kernels.h's DecodeAttention for the arithmetic.
 //
-// One work item is one query head of one row. Its rotated query (times scale * log2(e), so the
+// One work item is one query head of one row (decode_attention_avx2.cpp does the same operations
+// on 8-lane halves: the same bits). Its rotated query (times scale * log2(e), so the
 // softmax is a power of 2) is held in registers; the scores of 16 keys at a time are 16 vectors of
 // partial products summed across lanes by a transpose tree (sum16), then the probabilities
 // 2^(s - max), then the values summed with them. The keys and values of a row's group of query heads
@@ -15,7 +16,7 @@
 
 #define ISA_TARGET "avx512f,avx512dq,fma"
 #include "isa_begin.h"
-#include "simd_exp2.h"
+#include "simd_math.h"
 
 namespace mineru_fast {
 
@@ -106,7 +107,8 @@ void query_head(const DecodeAttention& a, int64_t row, int64_t head, float* scor
     const __m512 p0 = _mm512_set1_ps(scores[t]);
     for (int c = 0; c < DV; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(values + t * d + 16 * c), even[c]);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  const float total = sum_lanes(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
   float* y = a.out + (row * a.heads + head) * d;
   for (int c = 0; c < DV; ++c) _mm512_storeu_ps(y + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
 }

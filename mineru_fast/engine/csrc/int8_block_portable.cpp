@@ -1,5 +1,5 @@
-// Block-wise INT8 linear, portable path: plain C++ for any CPU (arithmetic: kernels.h), and the
-// activations' quantization of every path but AVX-512's. Built with -ffp-contract=off, so the only
+// Block-wise INT8 linear, portable path: plain C++ for any CPU (arithmetic: kernels.h), its
+// activations' quantization included. Built with -ffp-contract=off, so the only
 // fused multiply-add is the explicit std::fma of the arithmetic.
 
 #include <algorithm>

@@ -51,6 +51,7 @@ constexpr int64_t kStepTiles = 2;
 
 // Row x [k_size] -> q, scale and sum of every block (portable; the result is the same on every path).
 void quantize_blocks_portable(const float* x, int64_t k_size, const BlockActivations& a, int64_t row);
+void quantize_blocks_avx2(const float* x, int64_t k_size, const BlockActivations& a, int64_t row);
 void quantize_blocks_avx512(const float* x, int64_t k_size, const BlockActivations& a, int64_t row);
 
 // Outputs of all rows for the tiles of steps [step_begin, step_end).
@@ -112,7 +113,8 @@ void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t blo
 void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
                                const BF16AttentionBuffers& b);
 
-// The language model's attention for one decode step (decode_attention_avx512.cpp, AVX-512F), for
+// The language model's attention for one decode step (decode_attention_avx512.cpp, AVX-512F, and
+// decode_attention_avx2.cpp, AVX2 + FMA: the same operations, the same bits), for
 // rows b = 0..batch-1 (slot b of the KV cache, float32):
 //   1. the rotary embedding of row b's key heads, k' = k * cos + roll(k, d / 2) * signed_sin (three
 //      roundings, as model.apply_rotary), k' and v written at position positions[b] of the slot;
@@ -137,5 +139,7 @@ struct DecodeAttention {
 // with scores a buffer of at least max(positions) + 1 rounded up to 16 floats.
 void decode_write_avx512(const DecodeAttention& a, int64_t row);
 void decode_heads_avx512(const DecodeAttention& a, int64_t item_begin, int64_t item_end, float* scores);
+void decode_write_avx2(const DecodeAttention& a, int64_t row);
+void decode_heads_avx2(const DecodeAttention& a, int64_t item_begin, int64_t item_end, float* scores);
 
 }  // namespace mineru_fast

@@ -129,10 +129,11 @@ PyObject* block_linear(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS;
   parallel(threads, m, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      if (chosen == kAvx512Vnni)
-        mf::quantize_blocks_avx512(x + row * k, k, a, row);
-      else
-        mf::quantize_blocks_portable(x + row * k, k, a, row);
+      switch (chosen) {
+        case kAvx512Vnni: mf::quantize_blocks_avx512(x + row * k, k, a, row); break;
+        case kAvx2: mf::quantize_blocks_avx2(x + row * k, k, a, row); break;
+        default: mf::quantize_blocks_portable(x + row * k, k, a, row);
+      }
     }
   });
   const int64_t steps = (tiles + mf::kStepTiles - 1) / mf::kStepTiles;
@@ -250,18 +251,19 @@ PyObject* attention_bf16(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// decode_attention(threads, qkv, batch, heads, kv_heads, d, cos, sin, k_cache, v_cache, slots, max_len,
+// decode_attention(path, threads, qkv, batch, heads, kv_heads, d, cos, sin, k_cache, v_cache, slots, max_len,
 //                  positions, out, scale)
 PyObject* decode_attention(PyObject*, PyObject* args) {
-  int threads;
+  int path, threads;
   unsigned long long qkv_p, cos_p, sin_p, k_p, v_p, pos_p, out_p;
   long long batch, heads, kv_heads, d, slots, max_len;
   float scale;
-  if (!PyArg_ParseTuple(args, "iKLLLLKKKKLLKKf", &threads, &qkv_p, &batch, &heads, &kv_heads, &d, &cos_p, &sin_p,
-                        &k_p, &v_p, &slots, &max_len, &pos_p, &out_p, &scale))
+  if (!PyArg_ParseTuple(args, "iiKLLLLKKKKLLKKf", &path, &threads, &qkv_p, &batch, &heads, &kv_heads, &d, &cos_p,
+                        &sin_p, &k_p, &v_p, &slots, &max_len, &pos_p, &out_p, &scale))
     return nullptr;
-  if (!cpu_has(kAvx512Vnni)) {
-    PyErr_SetString(PyExc_ValueError, "the decode attention runs on the AVX-512 VNNI path's CPUs only");
+  if ((path != kAvx2 && path != kAvx512Vnni) || !cpu_has(static_cast<Path>(path))) {
+    PyErr_Format(PyExc_ValueError, "the decode attention runs on the avx2 and avx512_vnni paths, not path %d here",
+                 path);
     return nullptr;
   }
   if (batch < 1 || batch > slots || kv_heads < 1 || heads < kv_heads || heads % kv_heads != 0 || d < 16 ||
@@ -296,7 +298,8 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
   const int64_t padded = (longest + 15) / 16 * 16;
   bool no_memory = false;
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t b = 0; b < batch; ++b) mf::decode_write_avx512(a, b);
+  const bool wide = path == kAvx512Vnni;
+  for (int64_t b = 0; b < batch; ++b) wide ? mf::decode_write_avx512(a, b) : mf::decode_write_avx2(a, b);
   parallel(threads, batch * heads, 1, [&](int64_t begin, int64_t end) {
     const std::unique_ptr<float[]> scores(new (std::nothrow) float[padded]);
     if (!scores) {
@@ -304,7 +307,10 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
       no_memory = true;
       return;
     }
-    mf::decode_heads_avx512(a, begin, end, scores.get());
+    if (wide)
+      mf::decode_heads_avx512(a, begin, end, scores.get());
+    else
+      mf::decode_heads_avx2(a, begin, end, scores.get());
   });
   Py_END_ALLOW_THREADS;
   if (no_memory) return PyErr_NoMemory();
