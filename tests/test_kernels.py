@@ -129,6 +129,8 @@ def test_the_layer_keeps_shapes_and_dtypes(dtype):
     rows = x.float().reshape(6, 100)
     expected = block_int8_reference(rows, layer.weight_packed, layer.weight_scale, layer.bias, 1000)
     assert torch.equal(layer(x), expected.to(dtype).reshape(2, 3, 1000))
+    strided = x.transpose(0, 1)  # not contiguous: copied first, the same rows' outputs
+    assert torch.equal(layer(strided), layer(x).transpose(0, 1))
     assert layer(torch.empty(0, 100)).shape == (0, 1000)
 
 

@@ -185,19 +185,19 @@ def _block_linear(module: ModuleType, path: str) -> BlockLinear:
     def block(
         x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, n_size: int
     ) -> torch.Tensor:
-        tiles, groups = weight.shape[:2]
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise ValueError(f"x: [M, K] contiguous float32, got {x.dtype} {tuple(x.shape)}")
-        y = torch.empty(x.shape[0], n_size)
+        m_size = x.size(0)
+        y = torch.empty(m_size, n_size)
         module.block_linear(
             path_id,
             torch.get_num_threads(),
             x.data_ptr(),
-            x.shape[0],
-            x.shape[1],
+            m_size,
+            x.size(1),
             weight.data_ptr(),
-            tiles,
-            groups * 4,
+            weight.size(0),
+            weight.size(1) * 4,
             weight_scale.data_ptr(),
             0 if bias is None else bias.data_ptr(),
             n_size,

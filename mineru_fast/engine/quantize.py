@@ -678,6 +678,10 @@ class BlockInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
+        if dtype == torch.float32 and self._kernel is not None and x.is_contiguous():
+            # a float32 model's every call (decode steps: ~97 a step): no cast, no copy, views only
+            y = self._kernel(x.view(-1, shape[-1]), self.weight_packed, self.weight_scale, self.bias, self.out_features)
+            return y.view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
         if self._kernel is not None:
             y = self._kernel(x2, self.weight_packed, self.weight_scale, self.bias, self.out_features)
