@@ -37,7 +37,16 @@ MinerU sends them), the real image from ``--workload`` when given. The machine's
 run is measured and printed (``mineru_fast.bench.load``).
 
     python benchmarks/llamacpp_side_by_side.py --model DIR [--native-server PATH | --build-native]
-        [--tools DIR] [--gguf DIR] [--workload DIR] [--threads 2] [--reps 2] [--items a,b] [--smoke] [-o DIR]
+        [--tools DIR] [--gguf DIR] [--workload DIR] [--threads 2] [--reps 2] [--items a,b] [--smoke]
+        [--simulate-isa avx2] [-o DIR]
+
+``--simulate-isa CLASS`` runs mineru-fast as on a CPU of that lower class (``avx2``: a CPU without
+AVX-512, where MinerU 4's llama.cpp build lives): its server gets
+``mineru_fast.runtime.cpu.simulation_env(CLASS)`` (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
+``FBGEMM_ENABLE_INSTRUCTIONS``, ``MKL_ENABLE_INSTRUCTIONS``), which PyTorch's kernels honour and
+which lowers the own kernels' path to that class's (``engine.kernels``); llama.cpp runs unchanged
+(the shipped build is AVX2 already). A simulation, not such a CPU: its caches, clocks and memory stay
+this machine's; the results say so.
 """
 
 from __future__ import annotations
@@ -140,6 +149,7 @@ class Server:
     log: object = None
     startup_s: float = 0.0
     samples: dict = field(default_factory=dict)
+    env: dict[str, str] | None = None  # the process's environment (None: this one's)
 
     def start(self, timeout: float = 900.0) -> None:
         """Start and wait until ``ready_path`` answers 200; ``startup_s`` is that wait.
@@ -149,7 +159,7 @@ class Server:
         """
         self.log = tempfile.TemporaryFile("w+")
         begin = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         while time.perf_counter() - begin < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}: {self._tail()}")
@@ -534,9 +544,18 @@ def markdown(results: dict) -> str:
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     s = results["settings"]
+    simulated = s.get("simulate_isa")
     notes = [
         "",
         f"- {s['threads']} threads per engine; {s['reps']} repetition(s) per figure, engines alternated; medians",
+        *(
+            [
+                f"- mineru-fast capped to the {simulated} class (a simulation on a CPU of a higher class): "
+                + " ".join(f"{k}={v}" for k, v in results["simulation_env"].items())
+            ]
+            if simulated
+            else []
+        ),
         f"- model: {results['model']['name']} ({results['model']['identity']}); GGUF: "
         + ", ".join(f"{g['file']} ({g['mib']:.1f} MiB)" for g in results["model"]["gguf"]),
         f"- median page: {results['workload']['page']} ({results['workload']['layout_tokens']} layout tokens, "
@@ -611,6 +630,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny output token counts: proves the harness, measures little")
     p.add_argument("--engines", default="mineru-fast,shipped,native", help="comma list of mineru-fast, shipped, native")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to be ready")
+    p.add_argument(
+        "--simulate-isa", choices=("avx2", "avx512", "avx512_vnni"), help="run mineru-fast capped to this ISA class"
+    )
     p.add_argument("-o", "--output", type=Path, default=Path("llamacpp-side-by-side"))
     args = p.parse_args(argv)
     args.items = [i for i in args.items.split(",") if i]
@@ -626,7 +648,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mineru_fast.runtime.cpu import read_topology
+    from mineru_fast.runtime.cpu import read_topology, simulation_env
     from mineru_fast.runtime.hub import synthetic_identity
 
     tools, pair, native = None, None, args.native_server
@@ -640,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"SKIPPED: llama.cpp cannot be installed or run here: {exc}")
             return 0
     workload = build_workload(args.model, args.workload, args.smoke, args.max_crops, args.long_context, args.page)
+    simulation = simulation_env(args.simulate_isa) if args.simulate_isa else {}
     servers = []
     if "mineru-fast" in args.engines:
         port = _free_port()
@@ -671,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                 ],
                 "/ready",
                 port,
+                env={**os.environ, **simulation} if simulation else None,
             )
         )
     binaries = [("shipped", "llama.cpp as MinerU 4 ships it", tools.server)] if tools else []
@@ -741,8 +765,10 @@ def main(argv: list[str] | None = None) -> int:
                 "max_crops",
                 "smoke",
                 "engines",
+                "simulate_isa",
             )
         },
+        "simulation_env": simulation,
         "command": "python benchmarks/llamacpp_side_by_side.py " + " ".join(_scrub(a) for a in (argv or sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": read_topology().model,

@@ -32,7 +32,7 @@ def test_two_socket_amx_machine(tmp_path, monkeypatch):
         off = collect(read_topology(sysfs, proc, affinity=set(range(16))))["choices"]["lm_quant_fast"]
     finally:
         kernels.kernel_status.cache_clear()
-    assert off["quant"] == "int8-block" and off["path"] == "pytorch"
+    assert off["quant"] == "int8-block" and off["path"] == off["decode_attention"] == "pytorch"
     assert off["reason"].startswith("own kernels off (MINERU_FAST_OWN_KERNELS=0)")
 
 
@@ -43,7 +43,9 @@ def test_an_avx2_machine_runs_the_block_kernels_avx2_path(tmp_path):
     assert info["choices"]["lm_quant_fast"] == {
         "quant": "int8-block",
         "path": "avx2",
-        "reason": "32-value INT8 scales on the own kernel's avx2 path (the same arithmetic on every path)",
+        "reason": "32-value INT8 scales on the own kernel's avx2 path (the same arithmetic on every path); "
+        "decode attention on the own kernel's avx2 path",
+        "decode_attention": "avx2",
     }
     # no AVX-512 BF16: the vision attention stays PyTorch's float32 SDPA, and the report says so
     assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.NO_BF16_ATTENTION}
@@ -67,3 +69,11 @@ def test_info_json_runs_here(capsys, tmp_path, monkeypatch):
     assert "Model:      opendatalab/MinerU2.5-Pro-2605-1.2B (pro-2605 protocol" in out
     assert "--model 2509 (opendatalab/MinerU2.5-2509-1.2B)" in out
     assert ("Renderer:   DocVortex" in out) == (info["renderer"]["docvortex"] is not None)
+
+
+def test_a_machine_without_avx2_runs_the_portable_path_and_pytorchs_decode_attention(tmp_path):
+    sysfs, proc = build_machine(tmp_path, 1, 2, flags="fpu sse2", vendor="GenuineIntel")
+    info = collect(read_topology(sysfs, proc, affinity=set(range(2))))
+    choice = info["choices"]["lm_quant_fast"]
+    assert choice["path"] == "portable" and choice["decode_attention"] == "pytorch"
+    assert "decode attention on PyTorch's operators (no own one on the portable path)" in render(info)

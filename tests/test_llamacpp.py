@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -208,3 +209,41 @@ def test_llamacpp_serves_a_converted_checkpoint(side_by_side):
         assert result["completion_tokens"] == 3 and result["prompt_tokens"] > result["image_tokens"] == 16
     finally:
         server.stop()
+
+
+def test_a_simulated_isa_reaches_the_server_and_the_report_says_so(side_by_side):
+    """``--simulate-isa avx2`` is parsed; a server's ``env`` is what its process sees (a child that
+    prints its environment); the report names the run a simulation, with the variables, and says
+    nothing of one otherwise."""
+    from mineru_fast.runtime.cpu import simulation_env
+
+    caps = simulation_env("avx2")
+    server = side_by_side.Server(
+        "mineru-fast",
+        "mineru-fast",
+        [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
+        "/ready",
+        0,
+        env={**os.environ, **caps},
+    )
+    seen = json.loads(subprocess.run(server.argv, env=server.env, capture_output=True, text=True).stdout)
+    assert {k: seen[k] for k in caps} == caps
+    load = {"cpus": 2, "other_cores": 0.0, "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0], "idle": True,
+            "busy_threshold_cores": 0.25}  # fmt: skip
+    results = {
+        "figures": {"mineru-fast": {"median_page_s": 100.0}, "llama.cpp": {"median_page_s": 200.0}},
+        "servers": [{"name": "mineru-fast"}, {"name": "llama.cpp"}],
+        "settings": {"threads": 2, "reps": 1, "batches": [1], "long_batches": [1], "simulate_isa": "avx2"},
+        "simulation_env": caps,
+        "model": {"name": "m", "identity": "synthetic", "gguf": []},
+        "workload": {"page": "p", "layout_tokens": 1, "crops": [], "image": "real page image"},
+        "preprocessing": [],
+        "versions": {},
+        "load": load,
+    }
+    text = side_by_side.markdown(results)
+    assert "mineru-fast capped to the avx2 class (a simulation" in text and "ONEDNN_MAX_CPU_ISA=AVX2" in text
+    results["settings"]["simulate_isa"] = None
+    assert "simulation" not in side_by_side.markdown(results)
+    args = side_by_side.parse_args(["--model", "m", "--simulate-isa", "avx2"])
+    assert args.simulate_isa == "avx2"

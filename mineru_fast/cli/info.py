@@ -101,17 +101,25 @@ def _fast_lm_quant(topology: Topology) -> dict[str, str]:
     """What runs the fast preset's ``lm_quant="int8-block"`` on ``topology``: the own kernel's
     instruction-set path its CPU class allows (every path is in the installed module, with the same
     arithmetic), or, where this install cannot load the module or it is turned off, why its PyTorch
-    form runs."""
-    from mineru_fast.engine.kernels import allowed_paths, kernel_status
+    form runs; and what runs its decode attention (``decode_attention``: the own kernel's path, or
+    ``"pytorch"``)."""
+    from mineru_fast.engine.kernels import DECODE_ATTENTION_PATHS, allowed_paths, kernel_status
 
     status = kernel_status()
     if status.block is None:
-        return {"quant": "int8-block", "path": "pytorch", "reason": status.reason}
+        return {"quant": "int8-block", "path": "pytorch", "reason": status.reason, "decode_attention": "pytorch"}
     path = (allowed_paths(topology) or ("portable",))[0]
+    own_attention = path in DECODE_ATTENTION_PATHS
     return {
         "quant": "int8-block",
         "path": path,
-        "reason": f"32-value INT8 scales on the own kernel's {path} path (the same arithmetic on every path)",
+        "reason": f"32-value INT8 scales on the own kernel's {path} path (the same arithmetic on every path); "
+        + (
+            f"decode attention on the own kernel's {path} path"
+            if own_attention
+            else "decode attention on PyTorch's operators (no own one on the portable path)"
+        ),
+        "decode_attention": path if own_attention else "pytorch",
     }
 
 
