@@ -153,6 +153,10 @@ def test_the_block_kernel_refuses_what_it_cannot_run():
         kernels.check_block_weight(weight, scale, torch.zeros(7), 32)
     with pytest.raises(ValueError, match="does not hold 33 outputs"):
         kernels.check_block_weight(weight, scale, None, 33)
+    minus_128 = weight.clone()
+    minus_128.view(-1)[5] = 0  # q = -128: outside the quantizer's range, and vpsignb cannot negate it
+    with pytest.raises(ValueError, match="q = -128"):
+        kernels.check_block_weight(minus_128, scale, None, 32)
 
 
 @needs_kernels

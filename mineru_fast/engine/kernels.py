@@ -145,7 +145,9 @@ def check_block_weight(
     """Check a block-wise layer's tensors against the kernel's layout before it ever reads them.
 
     Raises:
-        ValueError: a dtype, a shape or a memory layout the kernel cannot read.
+        ValueError: a dtype, a shape or a memory layout the kernel cannot read, or a weight outside
+            -127..127 (a stored 0, q = -128: the avx2 path's decode form negates weights with
+            ``vpsignb``, which cannot negate -128, so such a weight would give other bits there).
     """
     if weight.dtype != torch.uint8 or weight.dim() != 4 or weight.shape[2:] != (16, 4) or not weight.is_contiguous():
         raise ValueError(f"weight: [N/16, K/4, 16, 4] contiguous uint8, got {weight.dtype} {tuple(weight.shape)}")
@@ -158,6 +160,8 @@ def check_block_weight(
         raise ValueError("weight_scale: contiguous")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n_size,) or not bias.is_contiguous()):
         raise ValueError(f"bias: [{n_size}] contiguous float32")
+    if int(weight.min()) == 0:  # a reduction: no mask as large as the weight
+        raise ValueError("weight: a stored 0 (q = -128); block-wise weights are -127..127 (+ 128)")
 
 
 def _check_rows(x: torch.Tensor, k_size: int) -> None:

@@ -70,13 +70,10 @@ void block_tile(const BlockLinear& l, const BlockActivations& a, int64_t m, int6
   }
 }
 
-// Sixteen 256-bit registers: four rows of one tile keep their 8 accumulators, the tile's 4 weight
-// vectors and the broadcast x in registers (more rows or tiles spill); a row alone takes both
-// tiles of the step, for two independent weight streams.
 // One row (a decode step: bound by reading the weights, so the fewest operations per weight byte):
 // |q_x| broadcast against q_w with q_x's sign, one operation fewer per weight vector than the
-// rows' form (no |q_w|); |q_w| <= 127 (the weights' range), so each pair sum is at most
-// 2 * 127 * 128 < 32767, exact.
+// rows' form (no |q_w|). q_w is in -127..127 (kernels.check_block_weight refuses -128, which
+// vpsignb cannot negate), so each pair sum is at most 2 * 127 * 127 < 32767, exact.
 template <int NR>
 void row_tile(const BlockLinear& l, const BlockActivations& a, int64_t t) {
   const int64_t groups = a.k_pad / 4;
@@ -114,6 +111,9 @@ void row_tile(const BlockLinear& l, const BlockActivations& a, int64_t t) {
   }
 }
 
+// Sixteen 256-bit registers: four rows of one tile keep their 8 accumulators, the tile's 4 weight
+// vectors and the broadcast x in registers (more rows or tiles spill); a row alone takes both
+// tiles of the step, for two independent weight streams.
 template <int NR>
 void rows_of_tiles(const BlockLinear& l, const BlockActivations& a, int64_t t) {
   if (l.m_size == 1) {
