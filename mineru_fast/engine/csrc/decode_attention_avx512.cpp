@@ -132,31 +132,13 @@ void write_row(const DecodeAttention& a, int64_t row) {
 }  // namespace
 
 void decode_write_avx512(const DecodeAttention& a, int64_t row) {
-  switch (a.d / 16) {
-    case 1: write_row<1>(a, row); break;
-    case 2: write_row<2>(a, row); break;
-    case 3: write_row<3>(a, row); break;
-    case 4: write_row<4>(a, row); break;
-    case 5: write_row<5>(a, row); break;
-    case 6: write_row<6>(a, row); break;
-    case 7: write_row<7>(a, row); break;
-    default: write_row<8>(a, row);
-  }
+  with_chunks(a.d, [&](auto chunks) { write_row<decltype(chunks)::value>(a, row); });
 }
 
 void decode_heads_avx512(const DecodeAttention& a, int64_t item_begin, int64_t item_end, float* scores) {
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t row = item / a.heads, head = item % a.heads;
-    switch (a.d / 16) {
-      case 1: query_head<1>(a, row, head, scores); break;
-      case 2: query_head<2>(a, row, head, scores); break;
-      case 3: query_head<3>(a, row, head, scores); break;
-      case 4: query_head<4>(a, row, head, scores); break;
-      case 5: query_head<5>(a, row, head, scores); break;
-      case 6: query_head<6>(a, row, head, scores); break;
-      case 7: query_head<7>(a, row, head, scores); break;
-      default: query_head<8>(a, row, head, scores);
-    }
+    with_chunks(a.d, [&](auto chunks) { query_head<decltype(chunks)::value>(a, row, head, scores); });
   }
 }
 #else

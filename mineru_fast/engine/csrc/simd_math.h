@@ -1,12 +1,32 @@
 // Vector math shared by the attention kernels, the same operations on every width (the same bits):
-// 2^x for x <= 0 in AVX-512F and in AVX2 + FMA, and a sum of 8 lanes in a fixed order. Included after
+// 2^x for x <= 0 in AVX-512F and in AVX2 + FMA, and a sum of 8 lanes in a fixed order; and the
+// dispatch of a head width to its compiled form. Included after
 // isa_begin.h, outside any namespace, by a file that defines MINERU_FAST_EXP2_AVX2 before it when its
 // target is AVX2 (the AVX-512 form of 2^x is the default).
 
 #pragma once
 
+#include <cstdint>
+#include <type_traits>
+
 #if defined(MINERU_FAST_X86)
 namespace mineru_fast {
+
+// f(std::integral_constant<int, C>{}) with C = d / 16, the 16-value chunks of a head of d values
+// (16 to 128, a multiple of 16: the callers check it), so per-head code is compiled for each width.
+template <class F>
+inline void with_chunks(int64_t d, F&& f) {
+  switch (d / 16) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{});
+  }
+}
 
 // x = i + f with i the nearest integer and |f| <= 1/2; 2^f by a degree-5 polynomial (fitted on
 // Chebyshev nodes; relative error below 3e-7), scaled by 2^i. x below -150 gives +0, a NaN stays a NaN.
