@@ -115,6 +115,11 @@ class ParserOptions:
         repetition_window: fast engine repetition guard: a free-running sequence whose last N
             tokens are near-periodic (a loop, even one the no-repeat-n-gram rule keeps breaking)
             is ended with ``finish_reason="repetition"`` and its page marked partial (0 disables).
+        speculative: fast engine speculative decoding: the most draft tokens a decode step verifies
+            per request (``engine.speculative``: n-gram drafts from the request's own output and, in
+            the advanced tier on a PDF page with a text layer, from the block's text there); 0
+            (default) = off. The tokens are plain decoding's either way (bit for bit on the
+            ``fast`` preset's arithmetic); only the number of decode steps changes.
         backend: ``"stock"`` (PyTorch), ``"ipex"`` (Intel Extension for PyTorch when installed and
             matching torch; the stock backend with a warning otherwise) or ``"auto"`` (what the
             recorded measurement says is faster on this CPU); fast engine only (see
@@ -170,6 +175,7 @@ class ParserOptions:
     max_seq_len: int | None = None
     page_window: int = 4
     repetition_window: int = 512
+    speculative: int = 0
     backend: str = "stock"
     threads: int | None = None
     max_pages: int = DEFAULT_MAX_PAGES
@@ -219,6 +225,8 @@ class ParserOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.repetition_window < 0:
             raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
+        if self.speculative < 0:
+            raise ValueError(f"speculative must be >= 0 (0 = off), got {self.speculative}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels", "max_pages"):

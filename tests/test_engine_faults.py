@@ -4,6 +4,7 @@ they get alone), and the heap is trimmed when the loop goes idle. Stepped by han
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import replace
 
@@ -119,12 +120,13 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_submit(engine):
 STAGES = ("vision", "start_prefill", "prefill", "reset_row", "decode", "rules")
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_fault_in_one_sequence_ends_it_alone(tiny_model, engine, stage):
+@pytest.mark.parametrize(("stage", "speculative"), [(stage, 0) for stage in STAGES] + [("decode", 4), ("rules", 4)])
+def test_a_fault_in_one_sequence_ends_it_alone(tiny_model, engine, stage, speculative):
     """A fault raised inside ``stage`` whenever the poisoned sequence takes part (batched stages
     raise for the whole batch holding it): the poisoned request ends ``"error"`` naming the stage,
     the two batched with it finish with the tokens they get alone, nothing is left in the loop,
-    and a later request runs."""
+    and a later request runs. With speculative decoding the decoding rules also run in the
+    verification rounds, where the fault fires as well."""
     scheduler = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048).scheduler
     scheduler.admission_budget_s = float("inf")  # all three are batched in every stage
     runner, rules = scheduler.runner, scheduler.rules
@@ -177,13 +179,13 @@ def test_a_fault_in_one_sequence_ends_it_alone(tiny_model, engine, stage):
     elif stage == "decode":
         decode = runner.lm.decode
 
-        def faulty_decode(tokens, rope, cache):
+        def faulty_decode(tokens, rope, cache, row_slots):
             decoding = [  # live sequences with a real row in this call (padding rows write one beyond)
                 seq for slot, seq in scheduler.live.items() if int(cache[slot]) == seq.prompt_len + len(seq.tokens) - 1
             ]
             if hit(decoding):
                 raise RuntimeError("injected decode fault")
-            return decode(tokens, rope, cache)
+            return decode(tokens, rope, cache, row_slots)
 
         runner.lm.decode = faulty_decode
     else:
@@ -199,8 +201,8 @@ def test_a_fault_in_one_sequence_ends_it_alone(tiny_model, engine, stage):
 
         scheduler.rules = FaultyRules()
 
-    others = [crop_request(seed=1), crop_request(seed=2)]
-    bad = scheduler.submit(crop_request(seed=3), start=False)
+    others = [dataclasses.replace(crop_request(seed=s), speculative=speculative) for s in (1, 2)]
+    bad = scheduler.submit(dataclasses.replace(crop_request(seed=3), speculative=speculative), start=False)
     scheduler._drain_inbox()
     poisoned.append(scheduler.waiting[0])
     handles = [scheduler.submit(r, start=False) for r in others]

@@ -510,7 +510,7 @@ def decode_once(layer, config, lengths: list[int], sharp: float = 1.0):
     positions = torch.tensor(lengths) - 1
     cos, sin = MRoPE(config)(positions.view(1, -1, 1).expand(3, -1, 1), torch.float32)
     with torch.inference_mode():
-        out = layer.decode(x, cos, sin, positions, lengths)
+        out = layer.decode(x, cos, sin, torch.arange(len(lengths)), positions, lengths)
     return out, layer.kv_cache.k, layer.kv_cache.v
 
 
@@ -552,8 +552,8 @@ def test_the_decode_attention_refuses_what_it_cannot_run():
     layer, config = decode_layer(4, 2, 16, 2, 64, STATUS.decode_attention)
     with pytest.raises(ValueError, match="outside the KV cache"):
         decode_once(layer, config, [65])
-    with pytest.raises(ValueError, match="batch=3"):
-        decode_once(layer, config, [1, 2, 3])  # more rows than slots
+    with pytest.raises(ValueError, match="slot 2 of row 2 is outside the KV cache"):
+        decode_once(layer, config, [1, 2, 3])  # a row for a third slot of two
     cache = layer.kv_cache
     ok = {
         "qkv": torch.zeros(1, 8 * 16),
@@ -561,6 +561,7 @@ def test_the_decode_attention_refuses_what_it_cannot_run():
         "sin": torch.zeros(1, 16),
         "k_cache": cache.k,
         "v_cache": cache.v,
+        "row_slots": torch.zeros(1, dtype=torch.long),
         "positions": torch.zeros(1, dtype=torch.long),
         "heads": 4,
         "out": torch.zeros(1, 64),
@@ -568,6 +569,7 @@ def test_the_decode_attention_refuses_what_it_cannot_run():
     for name, bad in {
         "k_cache": cache.k.bfloat16(),
         "positions": torch.zeros(1, dtype=torch.int32),
+        "row_slots": torch.zeros(2, dtype=torch.long),
         "qkv": torch.zeros(2, 128)[:, ::2].t(),
         "out": torch.zeros(1, 60),
     }.items():
@@ -576,7 +578,8 @@ def test_the_decode_attention_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="d=24"):
         wide = torch.zeros(1, 1, 4, 24)
         STATUS.decode_attention(torch.zeros(1, 6 * 24), torch.zeros(1, 24), torch.zeros(1, 24), wide, wide.clone(),
-                                torch.zeros(1, dtype=torch.long), 4, torch.zeros(1, 96))  # fmt: skip
+                                torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 4,
+                                torch.zeros(1, 96))  # fmt: skip
 
 
 @needs_decode_attention

@@ -112,9 +112,9 @@ def test_a_long_sequence_left_in_a_high_slot_moves_down_and_decodes_as_alone(tin
     widths: list[int] = []
     decode = scheduler.runner.lm.decode
 
-    def recorded(tokens, rope, cache):
+    def recorded(tokens, rope, cache, row_slots):
         widths.append(tokens.shape[0])
-        return decode(tokens, rope, cache)
+        return decode(tokens, rope, cache, row_slots)
 
     scheduler.runner.lm.decode = recorded
     scheduler.admission_budget_s = float("inf")  # all four admitted in the first step, whatever the timing
@@ -202,8 +202,8 @@ def test_repetition_guard_ends_a_looping_sequence_under_the_ngram_ban(tiny_model
     engine = FastEngine(tiny_model, precision="fp32", slots=2, max_seq_len=4096, repetition_window=256)
     decode = engine.lm.decode
 
-    def looping_decode(tokens, rope, cache):
-        logits = decode(tokens, rope, cache)
+    def looping_decode(tokens, rope, cache, row_slots):
+        logits = decode(tokens, rope, cache, row_slots)
         rigged = torch.linspace(0, -1, logits.shape[1]).repeat(logits.shape[0], 1)
         rigged[torch.arange(logits.shape[0]), 100 + (tokens - 99) % 5] = 10.0
         return rigged
@@ -255,9 +255,9 @@ def test_a_decode_step_waits_for_the_budget_or_one_unit_not_both(tiny_model):
         units.append(cost)
         return prefill_chunks(chunks)
 
-    def timed_decode(tokens, rope, cache):
+    def timed_decode(tokens, rope, cache, row_slots):
         now[0] += 0.01
-        return decode(tokens, rope, cache)
+        return decode(tokens, rope, cache, row_slots)
 
     engine.vision_steps, engine.lm.prefill_chunks, engine.lm.decode = timed_vision, timed_prefill, timed_decode
     first = scheduler.submit(crop_request(bound=400, forced_text=NUMBERS), start=False)

@@ -147,3 +147,35 @@ def test_every_block_path_gives_the_same_forced_logits(monkeypatch):
     for label, _ in runs[1:]:
         for ours, theirs in zip(logits[label], logits["chosen"], strict=True):
             assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), label
+
+
+def test_speculative_decoding_free_running_gives_the_plain_tokens():
+    """The trained LM free-running on the workload's content blocks (text, tables, equations; the
+    MinerU rules of each task on, 160 new tokens at most): speculative decoding on and off give the
+    same tokens and log-probabilities, bit for bit, and some drafts were accepted (a trained model
+    repeats its own n-grams, as real outputs do)."""
+    from dataclasses import replace
+
+    from mineru_fast import ParserOptions
+    from mineru_fast.bench.fidelity import content_requests
+    from mineru_fast.bench.workload import load_workload
+    from mineru_fast.engine.factory import build_engine
+    from mineru_fast.engine.preprocess import Preprocessor
+
+    folder = os.environ.get("MINERU_FAST_TRAINED_LM")
+    if not folder:
+        pytest.skip("MINERU_FAST_TRAINED_LM is not set (the trained-LM checkpoint of benchmarks/trained_lm.py)")
+    model = Path(folder)
+    counter = Preprocessor(model)
+    pages = load_workload(None, need(WORKLOAD))
+    _, free = content_requests(pages, ParserOptions(), lambda t: len(counter.forced_ids(t)), 0, 3)
+    requests = [replace(r, sampling=replace(r.sampling, max_new_tokens=160)) for _, r in free]
+    engine = build_engine(model, ParserOptions.preset("fast", threads=None, slots=4), prepared_cache=False)
+    try:
+        plain = engine.generate(requests)
+        drafted = engine.generate([replace(r, speculative=6) for r in requests])
+    finally:
+        engine.close()
+    for off, on in zip(plain, drafted, strict=True):
+        assert (on.token_ids, on.logprobs, on.finish_reason) == (off.token_ids, off.logprobs, off.finish_reason)
+    assert sum(r.accepted_tokens for r in drafted) > 0

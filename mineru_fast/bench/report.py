@@ -285,7 +285,25 @@ def markdown(results: dict) -> str:
         lines += ["", *_concurrency(results["concurrency"])]
     if "roofline" in results:
         lines += ["", *_roofline(results["roofline"])]
+    if "speculative" in results:
+        lines += ["", *_speculative(results["speculative"])]
     return "\n".join(lines)
+
+
+def _speculative(section: dict) -> list[str]:
+    """The drafts' acceptance per block type (``run.speculative_acceptance``)."""
+    lines = [
+        f"## Speculative decoding: drafts on the replayed workload (k = {section['k']}, batch 1, model-free)",
+        "",
+        "| block type | output tokens | decode steps plain | with drafts | drafts proposed | accepted | acceptance |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind, g in section["types"].items():
+        lines.append(
+            f"| {kind} | {g['tokens']} | {g['plain_steps']} | {g['decode_steps']} ({g['steps_ratio']:.2f}x) | "
+            f"{g['proposed']} | {g['accepted']} | {100 * g['acceptance']:.0f} % |"
+        )
+    return lines
 
 
 def plot(results: dict, path: Path) -> Path | None:

@@ -271,6 +271,27 @@ def summarize(rows: list[dict]) -> None:
         r["markdown_equal_first_row"] = r["markdown"] == base["markdown"]
 
 
+SPECULATIVE_K = 6  # the draft tokens per step the acceptance table assumes
+
+
+def speculative_acceptance(model: str, pages: list) -> dict:
+    """Speculative decoding's drafts on the workload's replayed requests, per block type
+    (``bench.speculative.acceptance_by_type`` with ``SPECULATIVE_K``): model-free, so only
+    meaningful on a real workload's ground truth (a synthetic one's filler text repeats itself)."""
+    from mineru_fast.bench.fidelity import page_requests
+    from mineru_fast.bench.speculative import acceptance_by_type
+    from mineru_fast.engine.preprocess import Preprocessor
+    from mineru_fast.options import ParserOptions
+
+    options = ParserOptions()
+    requests = [
+        (kind, r.prompt, r.forced_text or "", r.sampling.max_new_tokens)
+        for page in pages
+        for kind, r in page_requests(page, options)
+    ]
+    return {"k": SPECULATIVE_K, "types": acceptance_by_type(requests, Preprocessor(model), SPECULATIVE_K)}
+
+
 def select_rows(quick: bool, only: list[str] | None) -> tuple[list[Row], list[dict]]:
     """The rows to run and, as ``{"label", "reason"}``, the selected rows this machine cannot run.
 
@@ -380,6 +401,8 @@ def main(model: str | None, quick: bool, pages: int | None, workload: Path | Non
         with _environment(CACHE_ENV, prepared):
             _rows_and_tables(results, rows, unavailable, model, pages, workload, threads, profile, quick, only,
                              fidelity, out_dir)  # fmt: skip
+    if workload is not None:  # real ground truth: the drafts' acceptance means something
+        results["speculative"] = speculative_acceptance(model, load_workload(pages, workload, profile=profile))
     results["header"]["duration_s"] = time.time() - started
     results["load"] = monitor.stop().to_dict()
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))

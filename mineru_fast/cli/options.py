@@ -207,6 +207,13 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
         help="override the vision attention's arithmetic: bf16 (own kernel where the CPU has AVX-512 BF16) or fp32",
     )
     p.add_argument("--slots", type=positive_int, help="sequences the fast engine decodes together")
+    p.add_argument(
+        "--speculative",
+        type=int,
+        metavar="K",
+        help="speculative decoding: verify up to K draft tokens per decode step (the same output; "
+        "drafts from each output's own n-grams and a PDF's text layer); 0 = off (default)",
+    )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
     p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")
     p.add_argument(
@@ -251,7 +258,7 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
     overrides: dict = {"max_new_tokens": args.max_new_tokens, **fixed}
     for flag, field in (("threads", "threads"), ("page_window", "page_window"), ("precision", "precision"),
                         ("vision_mode", "vision_mode"), ("vision_attention", "vision_attention"),
-                        ("slots", "slots"), ("kv_dtype", "kv_dtype"),
+                        ("slots", "slots"), ("kv_dtype", "kv_dtype"), ("speculative", "speculative"),
                         ("backend", "backend"), ("int8_kernel", "int8_kernel"), ("tier", "tier"),
                         ("ocr_mode", "ocr_mode"), ("layout_model", "layout_model"),
                         ("layout_backend", "layout_backend"),

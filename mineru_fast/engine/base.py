@@ -45,6 +45,10 @@ class GenerationRequest:
             equal priorities keep submission order.
         stop: strings that end the output when it comes to hold one (``finish_reason="stop"``;
             the text is kept whole, stop string included: cutting it is the caller's choice).
+        speculative: most draft tokens a decode step verifies for this request (speculative
+            decoding, ``engine.speculative``; the output is the same either way); 0 = off.
+        draft_text: text the output is expected to hold (the PDF text layer of the block a crop
+            shows), a source of drafts when ``speculative`` is on; None = none.
     """
 
     image: Image.Image
@@ -56,6 +60,8 @@ class GenerationRequest:
     deadline: float | None = None
     priority: int = 0
     stop: tuple[str, ...] = ()
+    speculative: int = 0
+    draft_text: str | None = None
 
 
 @dataclass
@@ -76,6 +82,10 @@ class GenerationResult:
             distribution (softmax of the raw logits, before penalties, bans or forcing), one per
             ``token_ids`` entry. In replay these are the forced tokens' log-probabilities.
         error: the message when ``finish_reason == "error"``.
+        decode_steps: decode steps the sequence took part in (without speculative decoding, one
+            per generated token after the first, which its prefill gives).
+        draft_tokens / accepted_tokens: draft tokens verified for it, and how many of them were
+            the model's own choices (speculative decoding; 0 when off).
     """
 
     text: str
@@ -87,6 +97,9 @@ class GenerationResult:
     decode_s: float = 0.0
     logprobs: list[float] | None = None
     error: str | None = None
+    decode_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def failed(cls, exc: BaseException | str) -> GenerationResult:

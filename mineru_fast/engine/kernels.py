@@ -58,7 +58,18 @@ MAX_ROWS = 16  # rows of activations per GEMV call (csrc/kernels.h's kGemvMaxRow
 BlockLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
 GemvLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], None
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        torch.Tensor,
+    ],
+    None,
 ]
 
 
@@ -267,6 +278,7 @@ def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        row_slots: torch.Tensor,
         positions: torch.Tensor,
         heads: int,
         out: torch.Tensor,
@@ -278,8 +290,11 @@ def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
                 step's rows (query heads, then key heads, then value heads).
             cos, sin: ``[B, d]`` float32 contiguous, ``model.MRoPE``'s tables (``sin`` signed).
             k_cache, v_cache: ``[slots, kv_heads, max_len, d]`` float32 contiguous
-                (``kv_cache.KVCache``); row ``b`` writes slot ``b`` at ``positions[b]``.
-            positions: ``[B]`` int64 contiguous; row ``b`` attends to positions ``0..positions[b]``.
+                (``kv_cache.KVCache``); row ``b`` writes slot ``row_slots[b]`` at ``positions[b]``.
+            row_slots: ``[B]`` int64 contiguous, each in ``0..slots-1``. Rows may share a slot
+                (draft tokens at consecutive positions): every row writes before any attends.
+            positions: ``[B]`` int64 contiguous; row ``b`` attends to positions ``0..positions[b]``
+                of its slot.
             heads: query heads (a multiple of ``kv_heads``).
             out: ``[B, heads * d]`` float32 contiguous, written.
 
@@ -295,6 +310,7 @@ def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
             "sin": (sin, torch.float32, (batch, d)),
             "k_cache": (k_cache, torch.float32, (slots, kv_heads, max_len, d)),
             "v_cache": (v_cache, torch.float32, (slots, kv_heads, max_len, d)),
+            "row_slots": (row_slots, torch.int64, (batch,)),
             "positions": (positions, torch.int64, (batch,)),
             "out": (out, torch.float32, (batch, heads * d)),
         }
@@ -315,6 +331,7 @@ def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
             v_cache.data_ptr(),
             slots,
             max_len,
+            row_slots.data_ptr(),
             positions.data_ptr(),
             out.data_ptr(),
             d**-0.5,

@@ -109,20 +109,20 @@ class KVCache(nn.Module):
                 logger.warning("KV slots are not released (madvise MADV_REMOVE: %s)", exc)
 
     def write_decode(
-        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, row_slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one new key/value per slot and return the slots' keys/values for attention.
+        """Store one new key/value per row and return the whole buffers for attention.
 
         Args:
-            positions: ``[B]`` int64, where row ``b`` (slot ``b``) writes.
+            row_slots: ``[B]`` int64, the slot row ``b`` writes (rows may share a slot at distinct
+                positions).
+            positions: ``[B]`` int64, where row ``b`` writes.
             k, v: ``[B, kv_heads, 1, head_dim]`` (cast to the storage dtype).
 
         Returns:
-            ``(keys, values)``, views ``[B, kv_heads, L, head_dim]`` in the storage dtype with
-            ``L = max(positions) + 1``.
+            ``(keys, values)``: the buffers ``[slots, kv_heads, max_len, head_dim]`` in the storage
+            dtype, every row's key/value written.
         """
-        rows = torch.arange(k.shape[0])
-        self.k[rows, :, positions] = k[:, :, 0].to(self.dtype)
-        self.v[rows, :, positions] = v[:, :, 0].to(self.dtype)
-        length = int(positions.max()) + 1
-        return self.k[: k.shape[0], :, :length], self.v[: k.shape[0], :, :length]
+        self.k[row_slots, :, positions] = k[:, :, 0].to(self.dtype)
+        self.v[row_slots, :, positions] = v[:, :, 0].to(self.dtype)
+        return self.k, self.v

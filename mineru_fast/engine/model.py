@@ -160,10 +160,18 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def decode(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, lengths: list[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        row_slots: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: list[int],
     ) -> torch.Tensor:
-        """``x`` ``[B, 1, hidden]`` for slots ``0..B-1`` writing at ``positions`` ``[B]``; row ``b``
-        attends to the first ``lengths[b]`` cached positions of its slot.
+        """``x`` ``[B, 1, hidden]``, row ``b`` writing slot ``row_slots[b]`` (``[B]`` int64) at
+        ``positions[b]`` (``[B]`` int64) and attending to the first ``lengths[b]`` cached positions
+        of that slot. Rows may share a slot (draft tokens at consecutive positions, speculative
+        decoding): every row writes before any attends.
 
         Attention runs row by row over each row's own length, its query heads grouped by the
         key/value head they share (``[1, kv_heads, heads / kv_heads, head_dim]``, no copy of the
@@ -181,13 +189,14 @@ class Attention(nn.Module):
                 sin.view(batch, -1),
                 self.kv_cache.k,
                 self.kv_cache.v,
+                row_slots,
                 positions,
                 self.n_heads,
                 out,
             )
             return self.wo(out.view(batch, 1, -1))
         q, k, v = self._qkv(x, cos, sin)
-        keys, values = self.kv_cache.write_decode(positions, k, v)
+        keys, values = self.kv_cache.write_decode(row_slots, positions, k, v)
         group = self.n_heads // self.n_kv
         # Decode attention runs in float32: SDPA's bfloat16 kernel for one query row is slower on CPU
         # than upcasting a bfloat16 store (a no-op for a float32 one) and running the float32 one
@@ -196,9 +205,9 @@ class Attention(nn.Module):
         q = q.reshape(x.shape[0], self.n_kv, group, self.head_dim).float()
         rows = [
             F.scaled_dot_product_attention(
-                q[b : b + 1], keys[b : b + 1, :, :n].float(), values[b : b + 1, :, :n].float()
+                q[b : b + 1], keys[slot : slot + 1, :, :n].float(), values[slot : slot + 1, :, :n].float()
             )
-            for b, n in enumerate(lengths)
+            for b, (slot, n) in enumerate(zip(row_slots.tolist(), lengths, strict=True))
         ]
         out = torch.cat(rows)  # [B, kv_heads, group, head_dim]
         return self.wo(out.to(x.dtype).reshape(x.shape[0], 1, -1))
@@ -330,21 +339,35 @@ class Qwen2LM(nn.Module):
         last = torch.tensor(list(itertools.accumulate(length for _, _, length in parts))) - 1
         return self._logits(h[0, last])
 
-    def decode(self, tokens: torch.Tensor, rope_positions: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
-        """One step for slots ``0..B-1``.
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        rope_positions: torch.Tensor,
+        cache_positions: torch.Tensor,
+        row_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step: ``B`` rows of one token each.
 
         Args:
-            tokens: ``[B]`` int64, the last token of each slot.
+            tokens: ``[B]`` int64, each row's token (a slot's last token, or a draft token).
             rope_positions: ``[B]`` int64 M-RoPE position (equal on the three axes for text).
-            cache_positions: ``[B]`` int64 index in the slot's KV buffer to write.
+            cache_positions: ``[B]`` int64 index in the row's slot's KV buffer to write; the row
+                attends to that slot's positions up to it.
+            row_slots: ``[B]`` int64, the slot of each row; None: row ``b`` is slot ``b``. Rows may
+                share a slot at consecutive positions (speculative decoding's verification). A
+                row's logits are those of a step of its token alone, bit for bit, wherever the
+                linears' arithmetic does not depend on the row count (the fast preset's block
+                kernel; a float32 GEMM may round otherwise at another row count, as in any batch).
 
         Returns:
             Logits ``[B, vocab]`` float32.
         """
+        if row_slots is None:
+            row_slots = torch.arange(tokens.shape[0])
         h = self.embed_tokens(tokens)[:, None]  # [B, 1, hidden]
         cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
         lengths = (cache_positions + 1).tolist()
         for layer in self.decoder_layers:
-            h = h + layer.attention.decode(layer.attention_norm(h), cos, sin, cache_positions, lengths)
+            h = h + layer.attention.decode(layer.attention_norm(h), cos, sin, row_slots, cache_positions, lengths)
             h = h + layer.feed_forward(layer.ffn_norm(h))
         return self._logits(h[:, 0])

@@ -6,7 +6,13 @@ submitting thread). The loop, on its own thread, repeats one *step*:
 1. take new requests from the inbox; end cancelled requests and those past their deadline;
 2. one decode step for every live sequence (one token each, all slots batched); live sequences
    are first moved down into slots freed below them (KV and decoding rules), so the step's width
-   is the number of live sequences, not the highest slot a long one happened to take;
+   is the number of live sequences, not the highest slot a long one happened to take. A sequence
+   with speculative decoding on (``GenerationRequest.speculative``) may add draft tokens as more
+   rows of the step (``engine.speculative``; at most ``speculative_rows`` rows in all): its tokens
+   are then chosen position by position, each with every decoding rule applied as in a plain step,
+   and each next position's logits used only while the chosen token equals the draft token fed
+   there. The output is the plain decode's (a row's logits do not depend on the other rows of a
+   step); the cache positions of rejected drafts are written over by the next step;
 3. admission work within ``admission_budget_s`` (at least one unit): a unit is either one
    batched prefill forward (chunks of waiting prompts, at most ``prefill_chunk_tokens`` tokens in
    all, each into its own slot) or one block of the vision encoder over the current pack of images
@@ -56,6 +62,7 @@ from mineru_fast.engine.model import Qwen2LM
 from mineru_fast.engine.preprocess import EncodedRequest, Preprocessor
 from mineru_fast.engine.repetition import loop_period
 from mineru_fast.engine.sampling import BatchLogitsProcessor
+from mineru_fast.engine.speculative import DraftProposer
 from mineru_fast.protocol.spec import SamplingParams
 from mineru_fast.runtime.threads import one_torch_thread
 
@@ -123,6 +130,10 @@ class SequenceState:
     decode_s: float = 0.0
     ended: FinishReason | None = None  # set when cancelled / timed out outside the decode batch
     alone: bool = False  # its vision pack failed: it is encoded in a pack of its own
+    proposer: DraftProposer | None = None  # speculative decoding on
+    decode_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def order(self) -> tuple[int, int]:
@@ -172,6 +183,9 @@ class Scheduler:
         vision_pack_patches: most patches in one vision pack (a layout image has 5476).
         repetition_window: loop guard window in tokens (0 disables; see ``repetition``); replayed
             sequences are never cut.
+        speculative_rows: most rows of a decode step once draft tokens are added (live sequences
+            first: a step of this many live sequences or more verifies no drafts, since a wide
+            step's extra rows cost more than they save).
     """
 
     def __init__(
@@ -183,8 +197,12 @@ class Scheduler:
         prefill_chunk_tokens: int = 512,
         vision_pack_patches: int = 8192,
         repetition_window: int = 0,
+        speculative_rows: int = 8,
     ) -> None:
         self.runner = runner
+        self.speculative_rows = speculative_rows
+        self.draft_tokens = 0  # verified draft tokens, all sequences so far
+        self.accepted_tokens = 0  # of them, the model's own choices
         self.slots, self.max_seq_len = slots, max_seq_len
         self.admission_budget_s = admission_budget_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -242,13 +260,29 @@ class Scheduler:
             if "" in request.stop:
                 raise ValueError("a stop string must not be empty")
             self._validate(encoded)
+            proposer = self._proposer(request)
         except Exception as exc:  # a bad request fails alone, with its reason
             handle.set_result(GenerationResult.failed(exc))
             return handle
-        self.inbox.put(SequenceState(next(self._counter), request, encoded, handle))
+        self.inbox.put(SequenceState(next(self._counter), request, encoded, handle, proposer=proposer))
         if start:
             self._ensure_thread()
         return handle
+
+    def _proposer(self, request: GenerationRequest) -> DraftProposer | None:
+        """The request's draft proposer (None with speculative decoding off); its prompt text and
+        ``draft_text`` tokenized here, in the submitting thread.
+
+        Raises:
+            ValueError: a negative ``speculative``.
+        """
+        if request.speculative < 0:
+            raise ValueError(f"speculative must be 0 (off) or a number of draft tokens, got {request.speculative}")
+        if not request.speculative:
+            return None
+        pre = self.runner.preprocessor
+        reference = pre.text_ids(request.draft_text) if request.draft_text else []
+        return DraftProposer(pre.text_ids(request.prompt), reference, max_length=request.speculative)
 
     def _validate(self, encoded: EncodedRequest) -> None:
         """Refuse model inputs the loop's shared tensors cannot take (ValueError): token ids outside
@@ -557,12 +591,17 @@ class Scheduler:
             self.rules.move_row(top, free)
             self.live[free] = seq
 
-    def _decode_inputs(self, rows: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token, M-RoPE position and cache position ``[width]`` (int64) of a decode step over
-        slots ``0..max(live)``, with the live sequences of ``rows`` decoding. Every other row is
-        padding that writes where its slot writes next: a prefilling slot's next chunk, a live
-        slot's next token (one beyond this step's, which stays as it is). A live sequence never
-        holds its whole slot (prompt + bound fits), so that position exists."""
+    def _decode_inputs(
+        self, rows: set[int], drafts: dict[int, list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token, M-RoPE position, cache position and slot ``[width + drafted]`` (int64) of a
+        decode step over slots ``0..max(live)``, with the live sequences of ``rows`` decoding.
+        Every other slot's row is padding that writes where its slot writes next: a prefilling
+        slot's next chunk, a live slot's next token (one beyond this step's, which stays as it
+        is). A live sequence never holds its whole slot (prompt + bound fits), so that position
+        exists. Then the rows of ``drafts`` (slot -> draft tokens, slots in order): each draft
+        token at the positions after its sequence's last token (``_drafts`` keeps them within
+        the bound)."""
         width = max(self.live) + 1
         tokens = torch.zeros(width, dtype=torch.long)
         rope = torch.zeros(width, dtype=torch.long)
@@ -577,27 +616,98 @@ class Scheduler:
                 cache[slot] = seq.prompt_len + len(seq.tokens)
             elif slot in self.prefilling:
                 cache[slot] = self.prefilling[slot].prefilled
-        return tokens, rope, cache
+        row_slots = torch.arange(width)
+        if drafts:
+            slots = sorted(drafts)
+            ahead = torch.cat([torch.arange(1, len(drafts[s]) + 1) for s in slots])
+            owners = torch.cat([torch.full((len(drafts[s]),), s) for s in slots])
+            tokens = torch.cat([tokens, torch.tensor([t for s in slots for t in drafts[s]], dtype=torch.long)])
+            rope = torch.cat([rope, rope[owners] + ahead])
+            cache = torch.cat([cache, cache[owners] + ahead])
+            row_slots = torch.cat([row_slots, owners])
+        return tokens, rope, cache, row_slots
+
+    def _drafts(self) -> dict[int, list[int]]:
+        """Draft tokens of this step's speculating live sequences (slot -> tokens, none empty):
+        each at most its request's ``speculative``, within its ``max_new_tokens`` (the last draft
+        token's logits choose at most its last allowed token), and all within
+        ``speculative_rows`` rows."""
+        room = self.speculative_rows - len(self.live)
+        drafts: dict[int, list[int]] = {}
+        for slot, seq in sorted(self.live.items()):
+            if seq.proposer is None:
+                continue
+            bound = seq.request.sampling.max_new_tokens - len(seq.tokens) - 1
+            draft = seq.proposer.propose(seq.tokens, min(seq.request.speculative, bound, room))
+            if draft:
+                drafts[slot] = draft
+                room -= len(draft)
+        return drafts
 
     def _decode_step(self) -> None:
         start = self.clock()
         self._compact()
+        drafts = self._drafts()
         try:
-            logits = self.runner.lm.decode(*self._decode_inputs(set(self.live)))
+            logits = self.runner.lm.decode(*self._decode_inputs(set(self.live), drafts))
         except Exception as exc:
             if len(self.live) == 1:
                 (seq,) = self.live.values()
                 self._fail(seq, "decode", exc)
                 return
             logger.warning("decode step failed for %d sequences (%s); running them one by one", len(self.live), exc)
-            logits = self._decode_alone()
+            logits, drafts = self._decode_alone(), {}
         slots = sorted(self.live)
         if not slots:
             return
         share = (self.clock() - start) / len(slots)
         for slot in slots:
             self.live[slot].decode_s += share
+            self.live[slot].decode_steps += 1
+        drafted = {slot: (self.live[slot], len(self.live[slot].tokens)) for slot in drafts}
         self._choose(slots, logits[slots])
+        if drafts:
+            self._verify(drafts, drafted, logits, width=slots[-1] + 1)
+
+    def _verify(
+        self,
+        drafts: dict[int, list[int]],
+        drafted: dict[int, tuple[SequenceState, int]],
+        logits: torch.Tensor,
+        width: int,
+    ) -> None:
+        """Go on choosing the drafted sequences' tokens after the step's first ones: while the last
+        token chosen equals the draft token fed at its position, that row's logits choose the next
+        token (``_choose``, rules and all). ``drafted``: each slot's sequence and its token count
+        when the step began (one that ended meanwhile stops; one whose token was not appended, its
+        rules or listener having failed, accepts nothing more); ``logits``: the step's rows, drafts
+        from ``width`` on in slot order (``_decode_inputs``)."""
+        rows, first = {}, width
+        for slot in sorted(drafts):
+            rows[slot] = range(first, first + len(drafts[slot]))
+            first += len(drafts[slot])
+        for slot, draft in drafts.items():
+            drafted[slot][0].draft_tokens += len(draft)
+            self.draft_tokens += len(draft)
+        accepted = dict.fromkeys(drafts, 0)
+        for i in range(max(len(d) for d in drafts.values())):
+            chosen = []
+            for slot, draft in drafts.items():
+                seq, before = drafted[slot]
+                chose = accepted[slot] == i and len(seq.tokens) == before + i + 1  # this round's token is in
+                if chose and i < len(draft) and seq.tokens[-1] == draft[i]:
+                    accepted[slot] = i + 1
+                    seq.accepted_tokens += 1  # counted now: a sequence that ends here publishes its result
+                    self.accepted_tokens += 1
+                    if self.live.get(slot) is seq:
+                        chosen.append(slot)
+            if not chosen:
+                break
+            self._choose(chosen, logits[[rows[slot][i] for slot in chosen]])
+        for slot, draft in drafts.items():
+            proposer = drafted[slot][0].proposer
+            assert proposer is not None
+            proposer.record(len(draft), accepted[slot])
 
     def _decode_alone(self) -> torch.Tensor:
         """The decode step run once per live sequence (the others padding, see ``_decode_inputs``):
@@ -701,6 +811,9 @@ class Scheduler:
             decode_s=seq.decode_s,
             logprobs=seq.logprobs,
             error=error,
+            decode_steps=seq.decode_steps,
+            draft_tokens=seq.draft_tokens,
+            accepted_tokens=seq.accepted_tokens,
         )
         if seq.handle is not None:
             seq.handle.set_result(result)

@@ -15,6 +15,7 @@ parser once it is done and yielded. A page that fails is a page result; the othe
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -31,11 +32,18 @@ from mineru_fast.engine.base import GenerationRequest, GenerationResult, Request
 from mineru_fast.engine.interface import Engine
 from mineru_fast.errors import InputError, MineruFastError, TraceError
 from mineru_fast.inputs.documents import OpenedDocument, PageLimits, Source, open_document
-from mineru_fast.inputs.pdftext import PageText
+from mineru_fast.inputs.pdftext import PageText, block_text
 from mineru_fast.layout import LayoutDetector
 from mineru_fast.layout import PageLayout as DetectedLayout
 from mineru_fast.options import ParserOptions
-from mineru_fast.pipeline.standard import INLINE_FORMULA_TYPE, PagePlan, pdf_contents, plan_page, protocol_layout
+from mineru_fast.pipeline.standard import (
+    INLINE_FORMULA_TYPE,
+    TEXT_FROM_PDF,
+    PagePlan,
+    pdf_contents,
+    plan_page,
+    protocol_layout,
+)
 from mineru_fast.protocol.layout_trace import LayoutTrace, load_layout_trace
 from mineru_fast.protocol.page import ContentOutput, PageLayout, layout_from_blocks, plan_content, read_layout
 from mineru_fast.protocol.spec import LAYOUT_TASK, detect_model_version, layout_image, prompt_for
@@ -82,7 +90,7 @@ class _PageWork:
     contents: dict[int, RequestHandle] = field(default_factory=dict)  # block index -> request
     done: bool = False
     awaiting_detection: bool = False  # standard tier: rendered, layout model not run yet
-    page_text: PageText | None = None  # standard tier, "txt" documents: the page's text layer
+    page_text: PageText | None = None  # the page's text layer: standard tier "txt" documents; advanced tier drafts
     plan: PagePlan | None = None  # standard tier: what the PDF filled and what the VLM reads
     formulas: dict[int, RequestHandle] = field(default_factory=dict)  # inline formula index -> request
 
@@ -447,6 +455,12 @@ class DocumentParser:
                 for handle in work.handles():
                     handle.cancel()
 
+    def _submit(self, request: GenerationRequest) -> RequestHandle:
+        """``request`` to the engine, with the options' speculative decoding."""
+        if self.options.speculative:
+            request = dataclasses.replace(request, speculative=self.options.speculative)
+        return self.engine.submit(request)
+
     def _start_page(self, opened, index: int, trace: Trace | None, text_mode: tuple[str, str] | None) -> _PageWork:
         page = Page(index, tier=self.tier)
         work = _PageWork(page, self._page_trace(trace, index))
@@ -476,6 +490,11 @@ class DocumentParser:
                     page.timings["text_layer"] = time.perf_counter() - start
             return work
         page.ocr_mode, page.ocr_reason = "ocr", "the advanced tier reads every block from the page image"
+        if page.image is not None and self.options.speculative:
+            try:  # drafts for the text blocks (speculative decoding); None for an image
+                work.page_text = opened.page_text(index)
+            except InputError as exc:
+                logger.info("page %d: text layer not read for drafts (%s)", index + 1, exc)
         if page.image is not None:
             request = GenerationRequest(
                 layout_image(page.image),
@@ -484,7 +503,7 @@ class DocumentParser:
                 forced_text=work.trace.layout if work.trace else None,
             )
             try:
-                work.layout = self.engine.submit(request)
+                work.layout = self._submit(request)
             except Exception as exc:  # engines report failures as results; this guards a broken one
                 logger.exception("page %d: the engine refused its layout request", index + 1)
                 page.status, page.errors = "failure", [ParseError.from_exception(exc, index, "engine_error")]
@@ -557,7 +576,7 @@ class DocumentParser:
             forced = _replayed(forced, request.task, trace is not None)
             if trace is not None and forced is None:
                 page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
-            work.contents[request.block_index] = self.engine.submit(
+            work.contents[request.block_index] = self._submit(
                 GenerationRequest(
                     request.image,
                     request.prompt,
@@ -571,7 +590,7 @@ class DocumentParser:
             for request in plan_content(page.image, boxes, image_analysis=False):
                 formula = formulas[request.block_index].formula
                 assert formula is not None
-                work.formulas[formula] = self.engine.submit(
+                work.formulas[formula] = self._submit(
                     GenerationRequest(request.image, request.prompt, self.options.sampling(INLINE_FORMULA_TYPE))
                 )
 
@@ -612,9 +631,11 @@ class DocumentParser:
                 if forced is None:
                     page.warnings.append(f"trace has no content for block {request.block_index}; it is decoded")
             sampling = self.options.sampling(request.task, replayed=forced is not None)
-            work.contents[request.block_index] = self.engine.submit(
-                GenerationRequest(request.image, request.prompt, sampling, forced)
+            draft = _draft_text(work.page_text, page_layout.blocks[request.block_index])
+            work.contents[request.block_index] = self._submit(
+                GenerationRequest(request.image, request.prompt, sampling, forced, draft_text=draft)
             )
+        work.page_text = None
 
     def _read_contents(self, work: _PageWork) -> None:
         """Content results -> final blocks (``results.finish.finish_blocks``); cut or failed blocks
@@ -675,3 +696,13 @@ class DocumentParser:
         if index >= len(trace.pages):
             raise TraceError(f"trace has no page {index + 1}")
         return trace.pages[index]
+
+
+def _draft_text(page_text: PageText | None, block: dict) -> str | None:
+    """The text layer's text of a text-like ``block`` (``read_layout``'s form: ``type``,
+    normalized ``bbox``) as drafts for its recognition, or None: no text layer, another type, no
+    characters there, or text ``block_text`` does not trust (white or hidden text)."""
+    if page_text is None or block["type"] not in TEXT_FROM_PDF:
+        return None
+    assembled = block_text(page_text, tuple(block["bbox"]))
+    return assembled.text if assembled.chars and not assembled.suspicious else None

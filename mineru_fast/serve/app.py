@@ -28,6 +28,7 @@ the workers. Before any of that, the request bodies in flight are bounded in byt
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -147,6 +148,19 @@ def create_app(
         "Request-body bytes reserved by the requests in flight (--max-body-buffer-mb)",
         registry=service.metrics.registry,
     ).set_function(lambda: float(body_budget.used))
+
+    def scheduler_count(name: str) -> float:
+        """A counter of the fast engine's scheduler (0 before it is loaded, or on another engine)."""
+        scheduler = getattr(service.parser.engine, "scheduler", None) if service.parser is not None else None
+        return float(getattr(scheduler, name, 0))
+
+    for name, help_text in (
+        ("draft_tokens", "Draft tokens speculative decoding verified (--speculative)"),
+        ("accepted_tokens", "Verified draft tokens that were the model's own choices"),
+    ):
+        Gauge(f"mineru_fast_speculative_{name}", help_text, registry=service.metrics.registry).set_function(
+            functools.partial(scheduler_count, name)
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

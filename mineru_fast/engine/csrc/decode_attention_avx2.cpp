@@ -55,7 +55,7 @@ template <int DH>
 void query_head(const DecodeAttention& a, int64_t row, int64_t head, float* scores) {
   constexpr int64_t d = DH * 8;
   const int64_t width = (a.heads + 2 * a.kv_heads) * d, group = a.heads / a.kv_heads;
-  const int64_t n = a.positions[row] + 1, slot_offset = (row * a.kv_heads + head / group) * a.max_len * d;
+  const int64_t n = a.positions[row] + 1, slot_offset = (a.row_slots[row] * a.kv_heads + head / group) * a.max_len * d;
   const float* keys = a.k_cache + slot_offset;
   const float* values = a.v_cache + slot_offset;
   __m256 q[DH];
@@ -124,7 +124,7 @@ void write_row(const DecodeAttention& a, int64_t row) {
   const int64_t width = (a.heads + 2 * a.kv_heads) * d, position = a.positions[row];
   const float* x = a.qkv + row * width;
   for (int64_t h = 0; h < a.kv_heads; ++h) {
-    const int64_t at = ((row * a.kv_heads + h) * a.max_len + position) * d;
+    const int64_t at = ((a.row_slots[row] * a.kv_heads + h) * a.max_len + position) * d;
     __m256 k[DH];
     rotate<DH>(x + (a.heads + h) * d, a.cos + row * d, a.sin + row * d, k);
     for (int c = 0; c < DH; ++c) {

@@ -128,15 +128,18 @@ struct DecodeAttention {
   const float* qkv;  // [batch][(heads + 2 kv_heads) d]: the query heads, the key heads, the value heads
   const float* cos;  // [batch][d]
   const float* sin;  // [batch][d], its first half negated
-  float* k_cache;    // [slots >= batch][kv_heads][max_len][d]
+  float* k_cache;    // [slots][kv_heads][max_len][d]
   float* v_cache;
+  const int64_t* row_slots;  // [batch], each below slots: the slot each row writes and attends to
   const int64_t* positions;  // [batch], each below max_len
   float* out;                // [batch][heads d]
   int64_t batch, heads, kv_heads, d, max_len;  // d a multiple of 16, at most 128
   float scale;
 };
 // Step 1 for one row; then step 2 for work items [item_begin, item_end), item = row * heads + head,
-// with scores a buffer of at least max(positions) + 1 rounded up to 16 floats.
+// with scores a buffer of at least max(positions) + 1 rounded up to 16 floats. Several rows may share
+// a slot (speculative decoding verifies draft tokens at consecutive positions): every row's step 1
+// runs before any row's step 2, so a row attends to the keys the step's earlier positions wrote.
 void decode_write_avx512(const DecodeAttention& a, int64_t row);
 void decode_heads_avx512(const DecodeAttention& a, int64_t item_begin, int64_t item_end, float* scores);
 void decode_write_avx2(const DecodeAttention& a, int64_t row);

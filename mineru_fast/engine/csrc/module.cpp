@@ -252,35 +252,42 @@ PyObject* attention_bf16(PyObject*, PyObject* args) {
 }
 
 // decode_attention(path, threads, qkv, batch, heads, kv_heads, d, cos, sin, k_cache, v_cache, slots, max_len,
-//                  positions, out, scale)
+//                  row_slots, positions, out, scale)
 PyObject* decode_attention(PyObject*, PyObject* args) {
   int path, threads;
-  unsigned long long qkv_p, cos_p, sin_p, k_p, v_p, pos_p, out_p;
+  unsigned long long qkv_p, cos_p, sin_p, k_p, v_p, row_slots_p, pos_p, out_p;
   long long batch, heads, kv_heads, d, slots, max_len;
   float scale;
-  if (!PyArg_ParseTuple(args, "iiKLLLLKKKKLLKKf", &path, &threads, &qkv_p, &batch, &heads, &kv_heads, &d, &cos_p,
-                        &sin_p, &k_p, &v_p, &slots, &max_len, &pos_p, &out_p, &scale))
+  if (!PyArg_ParseTuple(args, "iiKLLLLKKKKLLKKKf", &path, &threads, &qkv_p, &batch, &heads, &kv_heads, &d, &cos_p,
+                        &sin_p, &k_p, &v_p, &slots, &max_len, &row_slots_p, &pos_p, &out_p, &scale))
     return nullptr;
   if ((path != kAvx2 && path != kAvx512Vnni) || !cpu_has(static_cast<Path>(path))) {
     PyErr_Format(PyExc_ValueError, "the decode attention runs on the avx2 and avx512_vnni paths, not path %d here",
                  path);
     return nullptr;
   }
-  if (batch < 1 || batch > slots || kv_heads < 1 || heads < kv_heads || heads % kv_heads != 0 || d < 16 ||
-      d > 128 || d % 16 != 0 || max_len < 1) {
+  if (batch < 1 || slots < 1 || kv_heads < 1 || heads < kv_heads || heads % kv_heads != 0 || d < 16 || d > 128 ||
+      d % 16 != 0 || max_len < 1) {
     PyErr_Format(PyExc_ValueError,
-                 "sizes: batch=%lld (1 to slots=%lld) heads=%lld kv_heads=%lld (a divisor) d=%lld (16 to 128, a "
+                 "sizes: batch=%lld slots=%lld (at least 1) heads=%lld kv_heads=%lld (a divisor) d=%lld (16 to 128, a "
                  "multiple of 16) max_len=%lld",
                  batch, slots, heads, kv_heads, d, max_len);
     return nullptr;
   }
-  if (qkv_p == 0 || cos_p == 0 || sin_p == 0 || k_p == 0 || v_p == 0 || pos_p == 0 || out_p == 0) {
+  if (qkv_p == 0 || cos_p == 0 || sin_p == 0 || k_p == 0 || v_p == 0 || row_slots_p == 0 || pos_p == 0 ||
+      out_p == 0) {
     PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
     return nullptr;
   }
+  const int64_t* row_slots = as_pointer<const int64_t>(row_slots_p);
   const int64_t* positions = as_pointer<const int64_t>(pos_p);
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) {
+    if (row_slots[b] < 0 || row_slots[b] >= slots) {
+      PyErr_Format(PyExc_ValueError, "slot %lld of row %lld is outside the KV cache (%lld slots)",
+                   (long long)row_slots[b], (long long)b, slots);
+      return nullptr;
+    }
     if (positions[b] < 0 || positions[b] >= max_len) {
       PyErr_Format(PyExc_ValueError, "position %lld of row %lld is outside the KV cache (max_len %lld)",
                    (long long)positions[b], (long long)b, max_len);
@@ -290,11 +297,11 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
   }
   const mf::DecodeAttention a{as_pointer<const float>(qkv_p), as_pointer<const float>(cos_p),
                               as_pointer<const float>(sin_p), as_pointer<float>(k_p),
-                              as_pointer<float>(v_p),        positions,
-                              as_pointer<float>(out_p),      batch,
-                              heads,                         kv_heads,
-                              d,                             max_len,
-                              scale};
+                              as_pointer<float>(v_p),        row_slots,
+                              positions,                     as_pointer<float>(out_p),
+                              batch,                         heads,
+                              kv_heads,                      d,
+                              max_len,                       scale};
   const int64_t padded = (longest + 15) / 16 * 16;
   bool no_memory = false;
   Py_BEGIN_ALLOW_THREADS;
