@@ -442,3 +442,56 @@ def test_fuzzed_chat_bodies_never_break_normal_requests_or_leak_slots(server):
     assert normal and all(answer == (200, expected) for answer in normal), normal
     assert 200 in statuses and 400 in statuses and 422 in statuses  # the run reached every kind of answer
     assert chat_in_flight(server) == 0
+
+
+def test_a_re_sent_request_after_the_first_finished_is_answered_from_the_cache(server):
+    """MinerU's client re-sends after its own time-out: once the first try has finished, the
+    re-send gets the same answer without a generation (the hit counted); another bound is another
+    request."""
+    body = mineru_body(CROP, prompt_for("text") + " again", max_tokens=12)
+    started = metric(server, "mineru_fast_chat_generations_started_total")
+    hits = metric(server, "mineru_fast_chat_answer_cache_hits_total")
+    first = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    again = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json()["choices"] == first.json()["choices"] and again.json()["usage"] == first.json()["usage"]
+    assert metric(server, "mineru_fast_chat_generations_started_total") == started + 1
+    assert metric(server, "mineru_fast_chat_answer_cache_hits_total") == hits + 1
+    assert metric(server, "mineru_fast_chat_answer_cache_entries") >= 1
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    assert streamed_text(sse_events(streamed.text)) == first.json()["choices"][0]["message"]["content"]
+    other = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 11}, timeout=120)
+    assert other.status_code == 200
+    assert metric(server, "mineru_fast_chat_generations_started_total") == started + 2
+    assert chat_in_flight(server) == 0
+
+
+def test_the_answer_cache_is_bounded_in_entries_and_bytes_and_keeps_whole_answers_only():
+    from mineru_fast.engine.base import GenerationResult
+    from mineru_fast.serve.answer_cache import AnswerCache, answer_bytes
+
+    def answer(text: str, reason="stop") -> GenerationResult:
+        return GenerationResult(text, list(range(len(text))), reason, logprobs=[0.0] * len(text))
+
+    size = answer_bytes(answer("x" * 10))
+    assert size == 10 + 80 + 80 + 256
+    cache = AnswerCache(max_entries=2, max_bytes=10 * size)
+    cache.put("a", answer("x" * 10))
+    cache.put("b", answer("y" * 10))
+    assert cache.get("a") is not None  # now the most recent
+    cache.put("c", answer("z" * 10))
+    assert cache.get("b") is None and cache.get("a") is not None and len(cache) == 2  # b was least recent
+    for reason in ("cancelled", "timeout", "error"):
+        cache.put(reason, answer("w", reason))
+        assert cache.get(reason) is None
+    small = AnswerCache(max_entries=10, max_bytes=2 * size)
+    for key in "pqr":
+        small.put(key, answer("x" * 10))
+    assert len(small) == 2 and small.bytes == 2 * size and small.get("p") is None
+    small.put("huge", answer("x" * 10_000))  # larger than the whole cache: not kept
+    assert small.get("huge") is None and len(small) == 2
+    off = AnswerCache(max_entries=0)
+    off.put("a", answer("x"))
+    assert len(off) == 0
+    with pytest.raises(ValueError, match="bounds"):
+        AnswerCache(max_entries=-1)

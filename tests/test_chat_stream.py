@@ -298,10 +298,11 @@ def first_token(response: httpx.Response) -> Iterator[str]:
 
 def test_a_streamed_answer_comes_in_token_chunks_that_join_to_the_answer(server):
     body = mineru_body(CROP, prompt_for("text"), max_tokens=12)
+    # streamed first: the same request after it is answered from the finished-answer cache
+    streamed = post(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
     answer = post(server, body)
     assert answer.status_code == 200, answer.text
     expected = answer.json()["choices"][0]["message"]["content"]
-    streamed = post(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
     events = sse_events(streamed.text)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}

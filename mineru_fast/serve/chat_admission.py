@@ -16,7 +16,9 @@ A generation whose last waiter has gone is an *orphan*: dropped at once while it
 place; once it has one, it keeps running for ``orphan_grace`` seconds (time for a re-send to join
 it) only while no generation with a waiter waits (for a place, or for its first token: the
 engine's slots are fewer than the places), and it counts against ``max_requests`` until it has
-ended. Orphans therefore run on idle capacity only, and at most one per place.
+ended. Orphans therefore run on idle capacity only, and at most one per place. Once a generation
+has finished, a twin that comes later is answered from the ``AnswerCache`` (bounded in entries and
+bytes) with the same result, without decoding again.
 
 Everything here runs on the event loop's thread; the engine's thread only calls the token waker,
 through ``loop.call_soon_threadsafe``.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from mineru_fast.engine.base import GenerationResult, RequestHandle
+from mineru_fast.serve.answer_cache import AnswerCache
 from mineru_fast.serve.errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -110,10 +113,19 @@ class ChatAdmission:
         orphan_grace: seconds a running generation without waiters keeps running before it is
             cancelled (sooner when a generation with a waiter waits).
         registry: where the door's metrics go.
+        answers: finished answers kept for later twins (default: ``AnswerCache()``'s bounds).
     """
 
-    def __init__(self, places: int, max_requests: int, orphan_grace: float, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        places: int,
+        max_requests: int,
+        orphan_grace: float,
+        registry: CollectorRegistry,
+        answers: AnswerCache | None = None,
+    ) -> None:
         self.places, self.max_requests, self.orphan_grace = places, max_requests, orphan_grace
+        self.answers = AnswerCache() if answers is None else answers
         self.in_flight = 0  # requests
         self._holders: set[ChatGeneration] = set()  # generations holding a place
         self._orphans: set[ChatGeneration] = set()  # holders without waiters, until they end
@@ -139,6 +151,15 @@ class ChatAdmission:
         )
         self.started = Counter("mineru_fast_chat_generations_started", "Chat generations submitted", registry=r)
         self.joins = Counter("mineru_fast_chat_twin_joins", "Chat requests that joined a running twin", registry=r)
+        self.answer_hits = Counter(
+            "mineru_fast_chat_answer_cache_hits", "Chat requests answered from the finished-answer cache", registry=r
+        )
+        Gauge("mineru_fast_chat_answer_cache_entries", "Answers the cache keeps", registry=r).set_function(
+            lambda: float(len(self.answers))
+        )
+        Gauge("mineru_fast_chat_answer_cache_bytes", "Bytes of the answers the cache keeps", registry=r).set_function(
+            lambda: float(self.answers.bytes)
+        )
         self.orphans_cancelled = Counter(
             "mineru_fast_chat_orphans_cancelled",
             "Chat generations cancelled once no request waited, by when: queued (at once), "
@@ -168,10 +189,18 @@ class ChatAdmission:
     # -- generations -----------------------------------------------------------------------------
 
     def join(self, key: str) -> ChatGeneration | None:
-        """The queued or running generation of ``key``, now with one waiter more; None when none."""
+        """The queued or running generation of ``key``, now with one waiter more, or an ended one
+        holding the cached answer of ``key``; None when neither."""
         generation = self.generations.get(key)
         if generation is None or generation.cancelled:
-            return None
+            answer = self.answers.get(key)
+            if answer is None:
+                return None
+            self.answer_hits.inc()
+            generation = ChatGeneration(key, 0, lambda: None, waiters=1, result=answer, generating=True)
+            generation.placed.set()
+            generation.done.set()
+            return generation
         generation.waiters += 1
         self._orphans.discard(generation)
         self.joins.inc()
@@ -227,6 +256,7 @@ class ChatAdmission:
             if generation.cancelled:
                 handle.cancel()
             generation.result = await asyncio.wrap_future(handle.future)
+            self.answers.put(generation.key, generation.result)
         except ApiError as exc:
             generation.error = exc
         except Exception:
