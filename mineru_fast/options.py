@@ -23,6 +23,24 @@ TASKS = (LAYOUT_TASK, "text", "table", "equation")
 TIERS = ("standard", "advanced")  # MinerU 4's names (effort "high" and "xhigh"); see README "Tiers"
 OCR_MODES = ("auto", "txt", "ocr")  # as pdftext.OCR_MODES
 LAYOUT_BACKENDS = ("auto", "onnx", "torch")  # as layout.detector.BACKENDS
+# Most draft tokens per request and decode step. A step holds at most 8 rows (the scheduler's
+# speculative_rows), so larger values never verify more; the bound refuses a value in another unit.
+MAX_SPECULATIVE = 32
+
+
+def check_speculative(value: object) -> None:
+    """Refuse a ``speculative`` bound (``ParserOptions.speculative``,
+    ``GenerationRequest.speculative``) that is not an ``int`` from 0 to ``MAX_SPECULATIVE``.
+
+    Raises:
+        TypeError: not an ``int`` (a ``bool`` or ``float`` included).
+        ValueError: outside 0..``MAX_SPECULATIVE``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"speculative must be an int (draft tokens, 0 = off), got {value!r}")
+    if not 0 <= value <= MAX_SPECULATIVE:
+        raise ValueError(f"speculative must be 0 (off) to {MAX_SPECULATIVE} draft tokens, got {value}")
+
 
 __all__ = ["ParserOptions", "PRESETS", "TokenBounds"]
 
@@ -116,10 +134,12 @@ class ParserOptions:
             tokens are near-periodic (a loop, even one the no-repeat-n-gram rule keeps breaking)
             is ended with ``finish_reason="repetition"`` and its page marked partial (0 disables).
         speculative: fast engine speculative decoding: the most draft tokens a decode step verifies
-            per request (``engine.speculative``: n-gram drafts from the request's own output and, in
-            the advanced tier on a PDF page with a text layer, from the block's text there); 0
-            (default) = off. The tokens are plain decoding's either way (bit for bit on the
-            ``fast`` preset's arithmetic); only the number of decode steps changes.
+            per request, an ``int`` from 0 (default: off) to ``MAX_SPECULATIVE``; 6 is what
+            ``benchmarks/speculative.py`` measured (module ``mineru_fast.engine.speculative``:
+            n-gram drafts from the request's own output and, in the advanced tier on a PDF page
+            with a text layer, from the block's text there). The tokens are plain decoding's either
+            way (bit for bit on the ``fast`` preset's arithmetic); only the number of decode steps
+            changes. The reference engine refuses it.
         backend: ``"stock"`` (PyTorch), ``"ipex"`` (Intel Extension for PyTorch when installed and
             matching torch; the stock backend with a warning otherwise) or ``"auto"`` (what the
             recorded measurement says is faster on this CPU); fast engine only (see
@@ -225,8 +245,9 @@ class ParserOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.repetition_window < 0:
             raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
-        if self.speculative < 0:
-            raise ValueError(f"speculative must be >= 0 (0 = off), got {self.speculative}")
+        check_speculative(self.speculative)
+        if self.engine == "reference" and self.speculative:
+            raise ValueError("speculative applies to the fast engine only")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         for name in ("slots", "page_window", "dpi", "max_side", "max_image_pixels", "max_pages"):

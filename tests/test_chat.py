@@ -212,7 +212,8 @@ def server(tiny_model, tmp_path_factory):
     # tokens for tables by default), which random weights may decode to the end; the fuzz test's
     # bodies must stay short whatever they ask.
     bounds = "layout=24,text=12,table=24,equation=24"
-    args = ("--max-new-tokens", bounds, "--max-chat-requests", str(MAX_CHAT))
+    # speculative decoding on: every chat test then checks that drafts leave the answers alone
+    args = ("--max-new-tokens", bounds, "--max-chat-requests", str(MAX_CHAT), "--speculative", "4")
     with running_server(tiny_model, tmp_path_factory.mktemp("chat"), *args) as s:
         yield s
 
@@ -464,6 +465,17 @@ def test_a_re_sent_request_after_the_first_finished_is_answered_from_the_cache(s
     assert other.status_code == 200
     assert metric(server, "mineru_fast_chat_generations_started_total") == started + 2
     assert chat_in_flight(server) == 0
+
+
+def test_chat_requests_speculate_as_the_server_was_told(server):
+    """The server runs with ``--speculative 4``: a chat request (MinerU 4's path to the model) is
+    decoded with drafts, as the server's own parses are; the answer is checked against plain
+    decoding in ``test_chat_gives_the_tokens_of_the_parsers_own_request``."""
+    body = mineru_body(CROP, prompt_for("table"), max_tokens=24)
+    drafts = metric(server, "mineru_fast_speculative_draft_tokens")
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert metric(server, "mineru_fast_speculative_draft_tokens") > drafts
 
 
 def test_the_answer_cache_is_bounded_in_entries_and_bytes_and_keeps_whole_answers_only():

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from conftest import CORPUS, WORKLOAD
+from stepping import stepped_generate
 
 from mineru_fast.engine.base import GenerationRequest
 from mineru_fast.engine.speculative import FIRST_LENGTH, DraftProposer
@@ -75,6 +76,19 @@ def fast_engine(tiny_model):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def stepped_engine(tiny_model):
+    """The fast preset's engine with a slot for every request of a workload page (39 at most),
+    used only through ``stepping.stepped_generate``: runs compared bit for bit group their prefill
+    and vision work the same way."""
+    from mineru_fast.engine.factory import build_engine
+    from mineru_fast.options import ParserOptions
+
+    engine = build_engine(tiny_model, ParserOptions.preset("fast", slots=40), prepared_cache=False)
+    yield engine
+    engine.close()
+
+
 def workload_requests(name: str, traces) -> list[GenerationRequest]:
     """The replayed layout and content requests of one workload page (as ``DocumentParser`` makes
     them), each content request with the tiny model's ``max_new_tokens`` room."""
@@ -105,14 +119,16 @@ def workload_pages() -> list:
 
 @pytest.mark.skipif(not WORKLOAD.exists(), reason="../shared workload not present")
 @pytest.mark.parametrize("name", workload_pages())
-def test_every_replayed_block_of_a_workload_page_gets_the_same_tokens_and_logprobs(fast_engine, workload_traces, name):
+def test_every_replayed_block_of_a_workload_page_gets_the_same_tokens_and_logprobs(
+    stepped_engine, workload_traces, name
+):
     """Every block of the page (its layout request and every content request, ground truth forced
     as the model's choices) decoded with and without drafts: the same tokens and the same
-    log-probabilities bit for bit (every verified position's logits are a plain step's), in fewer
-    decode steps where drafts were accepted."""
+    log-probabilities bit for bit (every verified position's logits are a plain step's, at another
+    row count and beside other slots' rows), in fewer decode steps where drafts were accepted."""
     requests = workload_requests(name, workload_traces)
-    plain = fast_engine.generate(requests)
-    drafted = fast_engine.generate([dataclasses.replace(r, speculative=6) for r in requests])
+    plain = stepped_generate(stepped_engine, requests)
+    drafted = stepped_generate(stepped_engine, [dataclasses.replace(r, speculative=6) for r in requests])
     for off, on in zip(plain, drafted, strict=True):
         assert off.finish_reason == on.finish_reason == "stop", (off.error, on.error)
         assert on.token_ids == off.token_ids
@@ -123,7 +139,7 @@ def test_every_replayed_block_of_a_workload_page_gets_the_same_tokens_and_logpro
     assert sum(r.accepted_tokens for r in drafted) > 0
 
 
-def test_free_running_sequences_speculating_beside_plain_ones_keep_their_tokens(fast_engine, tiny_model):
+def test_free_running_sequences_speculating_beside_plain_ones_keep_their_tokens(stepped_engine):
     """Free-running requests (the tiny model's own choices, penalties and the n-gram ban of the
     task's rules on), half of them speculating in the same steps as the others: each gets the
     tokens and log-probabilities it gets without drafts; a step already ``speculative_rows`` wide
@@ -143,17 +159,19 @@ def test_free_running_sequences_speculating_beside_plain_ones_keep_their_tokens(
         sampling = dataclasses.replace(rules, max_new_tokens=120)
         requests.append(GenerationRequest(crop_block(page, LayoutBlock(kind, box)), prompt_for(kind), sampling))
     requests.append(dataclasses.replace(requests[0], sampling=SP(max_new_tokens=120)))  # no rules
-    plain = fast_engine.generate(requests)
-    mixed = fast_engine.generate([dataclasses.replace(r, speculative=4 * (i % 2)) for i, r in enumerate(requests)])
+    plain = stepped_generate(stepped_engine, requests)
+    mixed = stepped_generate(
+        stepped_engine, [dataclasses.replace(r, speculative=4 * (i % 2)) for i, r in enumerate(requests)]
+    )
     for off, on in zip(plain, mixed, strict=True):
         assert (on.token_ids, on.logprobs) == (off.token_ids, off.logprobs)
     assert mixed[0].draft_tokens == 0 and sum(r.draft_tokens for r in mixed) > 0
-    scheduler = fast_engine.scheduler
+    scheduler = stepped_engine.scheduler
     before = scheduler.draft_tokens, scheduler.accepted_tokens
     assert before >= (sum(r.draft_tokens for r in mixed), sum(r.accepted_tokens for r in mixed))
     scheduler.speculative_rows = 1  # a step of one live sequence is already as wide as allowed
     try:
-        narrow = fast_engine.generate([dataclasses.replace(r, speculative=4) for r in requests])
+        narrow = stepped_generate(stepped_engine, [dataclasses.replace(r, speculative=4) for r in requests])
     finally:
         scheduler.speculative_rows = 8
     assert [r.token_ids for r in narrow] == [r.token_ids for r in plain]
@@ -173,7 +191,7 @@ def test_the_pytorch_decode_attention_verifies_the_same(tiny_model):
     try:
         engine.lm.use_decode_kernel(None)
         request = GenerationRequest(text_page(), prompt_for("text"), SP(max_new_tokens=150))
-        off, on = engine.generate([request, dataclasses.replace(request, speculative=5)])
+        off, on = stepped_generate(engine, [request, dataclasses.replace(request, speculative=5)])
         assert (on.token_ids, on.logprobs) == (off.token_ids, off.logprobs)
         assert on.accepted_tokens > 0
     finally:
@@ -183,12 +201,21 @@ def test_the_pytorch_decode_attention_verifies_the_same(tiny_model):
 def test_a_bad_speculative_value_fails_alone(fast_engine):
     from samples import text_page
 
+    from mineru_fast.options import MAX_SPECULATIVE, ParserOptions
     from mineru_fast.protocol.spec import prompt_for
 
     request = GenerationRequest(text_page(), prompt_for("text"), SP(max_new_tokens=5))
-    bad, good = fast_engine.generate([dataclasses.replace(request, speculative=-1), request])
-    assert bad.finish_reason == "error" and "speculative must be 0" in bad.error
+    values = [-1, MAX_SPECULATIVE + 1, 1.5, True, "4"]
+    *bad, good = fast_engine.generate([*(dataclasses.replace(request, speculative=v) for v in values), request])
+    for value, result in zip(values, bad, strict=True):
+        assert result.finish_reason == "error" and "speculative must be" in result.error, value
     assert good.finish_reason in ("stop", "length")
+    for value in values:
+        with pytest.raises((TypeError, ValueError), match="speculative must be"):
+            ParserOptions(speculative=value)
+    with pytest.raises(ValueError, match="fast engine only"):
+        ParserOptions(engine="reference", speculative=4)
+    assert ParserOptions(speculative=MAX_SPECULATIVE).speculative == MAX_SPECULATIVE
 
 
 def test_draft_text_feeds_the_drafts(fast_engine):
@@ -242,6 +269,15 @@ def test_the_advanced_tier_drafts_text_blocks_from_the_pdf_text_layer(fast_engin
     assert body is not None and "lorem" in body.lower()  # the page's words under the text block
     assert all(r.draft_text is None for r in drafted if r.prompt == seen[0].prompt)  # the layout request's
     assert [b.to_dict() for b in docs[4].pages[0].blocks] == [b.to_dict() for b in docs[0].pages[0].blocks]
+    # the page's counts say what the drafts did (and only when they were on)
+    off, on = docs[0].pages[0].counts, docs[4].pages[0].counts
+    assert "draft_tokens" not in off and on["generated_tokens"] == off["generated_tokens"]
+    assert on["draft_tokens"] >= on["accepted_tokens"] >= 0
+    # a request's first token comes from its prefill, each accepted draft token saves a step, but
+    # for one that ends its output
+    plain_steps = on["generated_tokens"] - on["requests"] - on["accepted_tokens"]
+    assert 0 <= on["decode_steps"] - plain_steps <= on["requests"]
+    assert docs[4].counts["draft_tokens"] == on["draft_tokens"]  # summed per document
 
 
 @pytest.mark.skipif(not WORKLOAD.exists(), reason="../shared workload not present")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKLOAD, need
+from stepping import stepped_generate
 
 from mineru_fast.bench.fidelity import LLAMA_CPP_ROW, PER_CHANNEL, run_content
 from mineru_fast.runtime.hub import lm_source
@@ -170,10 +171,12 @@ def test_speculative_decoding_free_running_gives_the_plain_tokens():
     pages = load_workload(None, need(WORKLOAD))
     _, free = content_requests(pages, ParserOptions(), lambda t: len(counter.forced_ids(t)), 0, 3)
     requests = [replace(r, sampling=replace(r.sampling, max_new_tokens=160)) for _, r in free]
-    engine = build_engine(model, ParserOptions.preset("fast", threads=None, slots=4), prepared_cache=False)
+    # a slot per request and the loop stepped here: both runs group their prefill work alike (stepping)
+    options = ParserOptions.preset("fast", threads=None, slots=len(requests))
+    engine = build_engine(model, options, prepared_cache=False)
     try:
-        plain = engine.generate(requests)
-        drafted = engine.generate([replace(r, speculative=6) for r in requests])
+        plain = stepped_generate(engine, requests)
+        drafted = stepped_generate(engine, [replace(r, speculative=6) for r in requests])
     finally:
         engine.close()
     for off, on in zip(plain, drafted, strict=True):

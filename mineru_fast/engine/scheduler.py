@@ -63,6 +63,7 @@ from mineru_fast.engine.preprocess import EncodedRequest, Preprocessor
 from mineru_fast.engine.repetition import loop_period
 from mineru_fast.engine.sampling import BatchLogitsProcessor
 from mineru_fast.engine.speculative import DraftProposer
+from mineru_fast.options import check_speculative
 from mineru_fast.protocol.spec import SamplingParams
 from mineru_fast.runtime.threads import one_torch_thread
 
@@ -274,10 +275,10 @@ class Scheduler:
         ``draft_text`` tokenized here, in the submitting thread.
 
         Raises:
-            ValueError: a negative ``speculative``.
+            TypeError, ValueError: a ``speculative`` that is not an int from 0 to
+                ``options.MAX_SPECULATIVE`` (``options.check_speculative``).
         """
-        if request.speculative < 0:
-            raise ValueError(f"speculative must be 0 (off) or a number of draft tokens, got {request.speculative}")
+        check_speculative(request.speculative)
         if not request.speculative:
             return None
         pre = self.runner.preprocessor

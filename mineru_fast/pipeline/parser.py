@@ -62,11 +62,18 @@ CUT_REASONS = ("length", "repetition", "timeout", "cancelled")
 """Finish reasons of an output that ended before the model did: the block's text may be incomplete."""
 
 
-def _add_result(page: Page, result: GenerationResult) -> None:
-    """Add a request's seconds to the page's timings and its tokens to the page's counts."""
+def _add_result(page: Page, result: GenerationResult, speculative: bool) -> None:
+    """Add a request's seconds to the page's timings and its tokens to the page's counts (with
+    ``speculative``, its decode steps and its drafts' tokens too)."""
     for key, value in (("vision", result.vision_s), ("prefill", result.prefill_s), ("decode", result.decode_s)):
         page.timings[key] = page.timings.get(key, 0.0) + value
     counts = {"requests": 1, "prompt_tokens": result.prompt_tokens, "generated_tokens": len(result.token_ids)}
+    if speculative:
+        counts |= {
+            "decode_steps": result.decode_steps,
+            "draft_tokens": result.draft_tokens,
+            "accepted_tokens": result.accepted_tokens,
+        }
     for name, count in counts.items():
         page.counts[name] = page.counts.get(name, 0) + count
 
@@ -611,7 +618,7 @@ class DocumentParser:
         page, trace = work.page, work.trace
         assert work.layout is not None and page.image is not None
         layout = work.layout.result()
-        _add_result(page, layout)
+        _add_result(page, layout, self.options.speculative > 0)
         if layout.finish_reason == "error":
             raise _EngineFailure(f"layout step failed: {layout.error}")
         page.layout_raw = layout.text
@@ -645,7 +652,7 @@ class DocumentParser:
         assert work.page_layout is not None
         for i, handle in work.contents.items():
             result = handle.result()
-            _add_result(page, result)
+            _add_result(page, result, self.options.speculative > 0)
             logprobs = result.logprobs
             if logprobs and result.finish_reason == "stop":  # the end token is no part of the block's text
                 logprobs = logprobs[:-1]
@@ -658,7 +665,7 @@ class DocumentParser:
             formula_outputs: dict[int, str | None] = {}
             for k, handle in work.formulas.items():
                 result = handle.result()
-                _add_result(page, result)
+                _add_result(page, result, self.options.speculative > 0)
                 formula_outputs[k] = result.text if result.finish_reason != "error" else None
                 if result.finish_reason in CUT_REASONS or result.finish_reason == "error":
                     page.warnings.append(f"inline formula {k} was not read in full: {result.finish_reason}")

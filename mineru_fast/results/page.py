@@ -180,7 +180,9 @@ class Page:
         errors: what made the page fail (``ParseError``s); warnings: what made it partial (text).
         timings: seconds by stage (``render``, ``vision``, ``prefill``, ``decode``, ``total``).
         counts: the page's engine work: ``requests``, ``prompt_tokens`` (image tokens included)
-            and ``generated_tokens`` (end tokens included).
+            and ``generated_tokens`` (end tokens included); with speculative decoding on, also
+            ``decode_steps``, ``draft_tokens`` (verified) and ``accepted_tokens`` (of them, the
+            model's own choices).
         image: the rendered page (None after a render failure, and once the parser releases it
             unless asked to keep page images); the layout overlay needs it.
         crops: the images the outputs reference (``images/<name>``), cut from the page when the

@@ -308,8 +308,9 @@ class ChatPlan:
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
-    def request(self, image: Image.Image) -> GenerationRequest:
-        """The engine request, with the decoded ``image``."""
+    def request(self, image: Image.Image, speculative: int = 0) -> GenerationRequest:
+        """The engine request, with the decoded ``image`` and the server's ``speculative`` bound
+        (``ParserOptions.speculative``: drafts change the decode steps, never the answer)."""
         return GenerationRequest(
             image=image,
             prompt=self.prompt,
@@ -319,6 +320,7 @@ class ChatPlan:
             text_before_image=self.text_before_image,
             priority=self.priority,
             stop=self.stop,
+            speculative=speculative,
         )
 
 
@@ -653,7 +655,9 @@ def add_chat_routes(app: FastAPI, service: Service) -> None:
                 if generation.cancelled:
                     return None
                 image = await run_in_threadpool(decoder.decode, plan.image_data)
-            return None if generation.cancelled else await run_in_threadpool(parser.engine.submit, plan.request(image))
+            if generation.cancelled:
+                return None
+            return await run_in_threadpool(parser.engine.submit, plan.request(image, options.speculative))
 
         return admission.start(key, plan.priority, decoder.release, run)
 
