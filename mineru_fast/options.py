@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -28,18 +29,23 @@ LAYOUT_BACKENDS = ("auto", "onnx", "torch")  # as layout.detector.BACKENDS
 MAX_SPECULATIVE = 32
 
 
-def check_speculative(value: object) -> None:
-    """Refuse a ``speculative`` bound (``ParserOptions.speculative``,
-    ``GenerationRequest.speculative``) that is not an ``int`` from 0 to ``MAX_SPECULATIVE``.
+def check_speculative(value: object) -> int:
+    """A ``speculative`` bound (``ParserOptions.speculative``, ``GenerationRequest.speculative``)
+    as an ``int`` from 0 to ``MAX_SPECULATIVE``: an integer of any integer type (``numpy.int64``
+    too), never a ``bool``, ``float`` or string.
 
     Raises:
-        TypeError: not an ``int`` (a ``bool`` or ``float`` included).
-        ValueError: outside 0..``MAX_SPECULATIVE``.
+        ValueError: not an integer, or outside 0..``MAX_SPECULATIVE``.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"speculative must be an int (draft tokens, 0 = off), got {value!r}")
-    if not 0 <= value <= MAX_SPECULATIVE:
-        raise ValueError(f"speculative must be 0 (off) to {MAX_SPECULATIVE} draft tokens, got {value}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"speculative must be an integer (draft tokens, 0 = off), got {value!r}") from None
+    if not 0 <= count <= MAX_SPECULATIVE:
+        raise ValueError(f"speculative must be 0 (off) to {MAX_SPECULATIVE} draft tokens, got {count}")
+    return count
 
 
 __all__ = ["ParserOptions", "PRESETS", "TokenBounds"]
@@ -134,7 +140,7 @@ class ParserOptions:
             tokens are near-periodic (a loop, even one the no-repeat-n-gram rule keeps breaking)
             is ended with ``finish_reason="repetition"`` and its page marked partial (0 disables).
         speculative: fast engine speculative decoding: the most draft tokens a decode step verifies
-            per request, an ``int`` from 0 (default: off) to ``MAX_SPECULATIVE``; 6 is what
+            per request, an integer from 0 (default: off) to ``MAX_SPECULATIVE``; 6 is what
             ``benchmarks/speculative.py`` measured (module ``mineru_fast.engine.speculative``:
             n-gram drafts from the request's own output and, in the advanced tier on a PDF page
             with a text layer, from the block's text there). The tokens are plain decoding's either
@@ -245,7 +251,7 @@ class ParserOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.repetition_window < 0:
             raise ValueError(f"repetition_window must be >= 0, got {self.repetition_window}")
-        check_speculative(self.speculative)
+        object.__setattr__(self, "speculative", check_speculative(self.speculative))
         if self.engine == "reference" and self.speculative:
             raise ValueError("speculative applies to the fast engine only")
         if self.max_seq_len is not None and self.max_seq_len < 1:

@@ -212,7 +212,7 @@ def server(tiny_model, tmp_path_factory):
     # tokens for tables by default), which random weights may decode to the end; the fuzz test's
     # bodies must stay short whatever they ask.
     bounds = "layout=24,text=12,table=24,equation=24"
-    # speculative decoding on: every chat test then checks that drafts leave the answers alone
+    # speculative decoding on: the chat tests' answers come from decoding with drafts
     args = ("--max-new-tokens", bounds, "--max-chat-requests", str(MAX_CHAT), "--speculative", "4")
     with running_server(tiny_model, tmp_path_factory.mktemp("chat"), *args) as s:
         yield s
@@ -283,6 +283,10 @@ def test_chat_gives_the_tokens_of_the_parsers_own_request(server, tiny_model):
     models = httpx.get(f"{server.url}/v1/models").json()
     (model,) = models["data"]
     body = mineru_body(CROP, prompt_for("text"), model=model["id"], max_tokens=12)
+    # streamed first: decoded live, drafts and all (the answer cache then answers the same body)
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and streamed_text(events) == expected.text
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -290,9 +294,6 @@ def test_chat_gives_the_tokens_of_the_parsers_own_request(server, tiny_model):
     assert choice["message"]["content"] == expected.text
     assert choice["finish_reason"] == ("stop" if expected.finish_reason == "stop" else "length")
     assert answer["usage"]["completion_tokens"] == len(expected.token_ids)
-    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
-    events = sse_events(streamed.text)
-    assert events[-1] == "[DONE]" and streamed_text(events) == expected.text
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "temperature": 1.0, "top_k": 40})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_sampling"
 
@@ -471,7 +472,8 @@ def test_chat_requests_speculate_as_the_server_was_told(server):
     """The server runs with ``--speculative 4``: a chat request (MinerU 4's path to the model) is
     decoded with drafts, as the server's own parses are; the answer is checked against plain
     decoding in ``test_chat_gives_the_tokens_of_the_parsers_own_request``."""
-    body = mineru_body(CROP, prompt_for("table"), max_tokens=24)
+    body = mineru_body(CROP, prompt_for("table") + " (drafted)", max_tokens=24)  # a body no other test sends
+    assert chat_in_flight(server) == 0 and metric(server, "mineru_fast_chat_orphans") == 0  # nothing else decodes
     drafts = metric(server, "mineru_fast_speculative_draft_tokens")
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text

@@ -211,9 +211,9 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         type=int,
         metavar="K",
-        help="speculative decoding: verify up to K (0-32; 6 measured) draft tokens per decode step (the "
-        "same output; drafts from each output's own n-grams and, in the advanced tier, a PDF's text "
-        "layer; pages count decode_steps, draft_tokens, accepted_tokens); 0 = off (default)",
+        help="speculative decoding: verify up to K draft tokens per decode step (0-32, at most 7 fit a "
+        "step; 6 measured; the same output; drafts from each output's own n-grams and, in the advanced "
+        "tier, a PDF's text layer; pages count decode_steps, draft_tokens, accepted_tokens); 0 = off (default)",
     )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="storage dtype of the fast engine's KV buffers")
     p.add_argument("--backend", choices=BACKENDS, help="stock PyTorch, IPEX, or auto (measured faster here)")

@@ -275,7 +275,7 @@ class Scheduler:
         ``draft_text`` tokenized here, in the submitting thread.
 
         Raises:
-            TypeError, ValueError: a ``speculative`` that is not an int from 0 to
+            ValueError: a ``speculative`` that is not an integer from 0 to
                 ``options.MAX_SPECULATIVE`` (``options.check_speculative``).
         """
         check_speculative(request.speculative)
@@ -632,8 +632,8 @@ class Scheduler:
         """Draft tokens of this step's speculating live sequences (slot -> tokens, none empty):
         each at most its request's ``speculative``, within its ``max_new_tokens`` (the last draft
         token's logits choose at most its last allowed token), and all within
-        ``speculative_rows`` rows."""
-        room = self.speculative_rows - len(self.live)
+        ``speculative_rows`` rows (padding rows of the slots below the highest live one count)."""
+        room = self.speculative_rows - (max(self.live) + 1)
         drafts: dict[int, list[int]] = {}
         for slot, seq in sorted(self.live.items()):
             if seq.proposer is None:
@@ -666,7 +666,10 @@ class Scheduler:
             self.live[slot].decode_s += share
             self.live[slot].decode_steps += 1
         drafted = {slot: (self.live[slot], len(self.live[slot].tokens)) for slot in drafts}
-        self._choose(slots, logits[slots])
+        for slot, draft in drafts.items():  # counted before a token can end the sequence (its result)
+            self.live[slot].draft_tokens += len(draft)
+            self.draft_tokens += len(draft)
+        self._choose(slots, logits[slots], {slot: draft[0] for slot, draft in drafts.items()})
         if drafts:
             self._verify(drafts, drafted, logits, width=slots[-1] + 1)
 
@@ -679,17 +682,15 @@ class Scheduler:
     ) -> None:
         """Go on choosing the drafted sequences' tokens after the step's first ones: while the last
         token chosen equals the draft token fed at its position, that row's logits choose the next
-        token (``_choose``, rules and all). ``drafted``: each slot's sequence and its token count
-        when the step began (one that ended meanwhile stops; one whose token was not appended, its
-        rules or listener having failed, accepts nothing more); ``logits``: the step's rows, drafts
-        from ``width`` on in slot order (``_decode_inputs``)."""
+        token (``_choose``, rules and all, counting it accepted when it equals the next draft
+        token). ``drafted``: each slot's sequence and its token count when the step began (one that
+        ended meanwhile stops; one whose token was not appended, its rules or listener having
+        failed, accepts nothing more); ``logits``: the step's rows, drafts from ``width`` on in slot
+        order (``_decode_inputs``)."""
         rows, first = {}, width
         for slot in sorted(drafts):
             rows[slot] = range(first, first + len(drafts[slot]))
             first += len(drafts[slot])
-        for slot, draft in drafts.items():
-            drafted[slot][0].draft_tokens += len(draft)
-            self.draft_tokens += len(draft)
         accepted = dict.fromkeys(drafts, 0)
         for i in range(max(len(d) for d in drafts.values())):
             chosen = []
@@ -698,13 +699,12 @@ class Scheduler:
                 chose = accepted[slot] == i and len(seq.tokens) == before + i + 1  # this round's token is in
                 if chose and i < len(draft) and seq.tokens[-1] == draft[i]:
                     accepted[slot] = i + 1
-                    seq.accepted_tokens += 1  # counted now: a sequence that ends here publishes its result
-                    self.accepted_tokens += 1
                     if self.live.get(slot) is seq:
                         chosen.append(slot)
             if not chosen:
                 break
-            self._choose(chosen, logits[[rows[slot][i] for slot in chosen]])
+            expected = {slot: drafts[slot][i + 1] for slot in chosen if i + 1 < len(drafts[slot])}
+            self._choose(chosen, logits[[rows[slot][i] for slot in chosen]], expected)
         for slot, draft in drafts.items():
             proposer = drafted[slot][0].proposer
             assert proposer is not None
@@ -727,8 +727,10 @@ class Scheduler:
             logits[slot] = row
         return logits
 
-    def _choose(self, slots: list[int], logits: torch.Tensor) -> None:
+    def _choose(self, slots: list[int], logits: torch.Tensor, drafted: dict[int, int] | None = None) -> None:
         """Pick each row's token (rules applied), record it with its log-probability, finish rows.
+        ``drafted``: slot -> the draft token at this position; a chosen token equal to it counts
+        as accepted (before the token can end the sequence and publish its result).
 
         If the rules raise for the batch, each row is chosen alone: a row that fails alone ends
         its sequence with ``"error"``."""
@@ -740,13 +742,16 @@ class Scheduler:
                 self._fail(self.live[slots[0]], "decoding rules", exc)
                 return
             for i, slot in enumerate(slots):
-                self._choose([slot], logits[i : i + 1])
+                self._choose([slot], logits[i : i + 1], drafted)
             return
         logprobs = (logits.gather(1, chosen[:, None])[:, 0] - log_norm).tolist()
         for slot, token, logprob in zip(slots, chosen.tolist(), logprobs, strict=True):
             seq = self.live[slot]
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
+            if drafted and drafted.get(slot) == token:
+                seq.accepted_tokens += 1
+                self.accepted_tokens += 1
             seq.rope_next += 1
             self.rules.observe([token], rows=[slot])
             if seq.handle is not None:

@@ -500,8 +500,8 @@ class DocumentParser:
         if page.image is not None and self.options.speculative:
             try:  # drafts for the text blocks (speculative decoding); None for an image
                 work.page_text = opened.page_text(index)
-            except InputError as exc:
-                logger.info("page %d: text layer not read for drafts (%s)", index + 1, exc)
+            except Exception as exc:  # drafts are optional: the page is read from its image as without them
+                logger.warning("page %d: text layer not read for drafts (%s: %s)", index + 1, type(exc).__name__, exc)
         if page.image is not None:
             request = GenerationRequest(
                 layout_image(page.image),
@@ -708,8 +708,13 @@ class DocumentParser:
 def _draft_text(page_text: PageText | None, block: dict) -> str | None:
     """The text layer's text of a text-like ``block`` (``read_layout``'s form: ``type``,
     normalized ``bbox``) as drafts for its recognition, or None: no text layer, another type, no
-    characters there, or text ``block_text`` does not trust (white or hidden text)."""
+    characters there, text ``block_text`` does not trust (white or hidden text), or text it could
+    not assemble (logged: drafts are optional, the block is read as without them)."""
     if page_text is None or block["type"] not in TEXT_FROM_PDF:
         return None
-    assembled = block_text(page_text, tuple(block["bbox"]))
+    try:
+        assembled = block_text(page_text, tuple(block["bbox"]))
+    except Exception as exc:
+        logger.warning("no drafts for a %s block (%s: %s)", block["type"], type(exc).__name__, exc)
+        return None
     return assembled.text if assembled.chars and not assembled.suspicious else None
