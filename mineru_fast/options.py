@@ -142,8 +142,8 @@ class ParserOptions:
         speculative: fast engine speculative decoding: the most draft tokens a decode step verifies
             per request, an integer from 0 (default: off) to ``MAX_SPECULATIVE``; 6 is what
             ``benchmarks/speculative.py`` measured (module ``mineru_fast.engine.speculative``:
-            n-gram drafts from the request's own output and, in the advanced tier on a PDF page
-            with a text layer, from the block's text there). The tokens are plain decoding's either
+            n-gram drafts from the request's prompt text and own output and, in the advanced tier
+            on a PDF page with a text layer, from the block's text there). The tokens are plain decoding's either
             way (bit for bit on the ``fast`` preset's arithmetic); only the number of decode steps
             changes. The reference engine refuses it.
         backend: ``"stock"`` (PyTorch), ``"ipex"`` (Intel Extension for PyTorch when installed and

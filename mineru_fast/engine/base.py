@@ -45,7 +45,7 @@ class GenerationRequest:
             equal priorities keep submission order.
         stop: strings that end the output when it comes to hold one (``finish_reason="stop"``;
             the text is kept whole, stop string included: cutting it is the caller's choice).
-        speculative: most draft tokens a decode step verifies for this request: an ``int`` from
+        speculative: most draft tokens a decode step verifies for this request: an integer from
             0 (off) to ``options.MAX_SPECULATIVE`` (speculative decoding, module
             ``mineru_fast.engine.speculative``; the output is the same either way). The fast
             engine drafts; the reference engine decodes plainly (its results count no drafts).

@@ -727,9 +727,9 @@ class Scheduler:
             logits[slot] = row
         return logits
 
-    def _choose(self, slots: list[int], logits: torch.Tensor, drafted: dict[int, int] | None = None) -> None:
+    def _choose(self, slots: list[int], logits: torch.Tensor, expected: dict[int, int] | None = None) -> None:
         """Pick each row's token (rules applied), record it with its log-probability, finish rows.
-        ``drafted``: slot -> the draft token at this position; a chosen token equal to it counts
+        ``expected``: slot -> the draft token at this position; a chosen token equal to it counts
         as accepted (before the token can end the sequence and publish its result).
 
         If the rules raise for the batch, each row is chosen alone: a row that fails alone ends
@@ -742,14 +742,14 @@ class Scheduler:
                 self._fail(self.live[slots[0]], "decoding rules", exc)
                 return
             for i, slot in enumerate(slots):
-                self._choose([slot], logits[i : i + 1], drafted)
+                self._choose([slot], logits[i : i + 1], expected)
             return
         logprobs = (logits.gather(1, chosen[:, None])[:, 0] - log_norm).tolist()
         for slot, token, logprob in zip(slots, chosen.tolist(), logprobs, strict=True):
             seq = self.live[slot]
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            if drafted and drafted.get(slot) == token:
+            if expected and expected.get(slot) == token:
                 seq.accepted_tokens += 1
                 self.accepted_tokens += 1
             seq.rope_next += 1
