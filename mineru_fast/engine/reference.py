@@ -30,7 +30,7 @@ from mineru_fast.engine.base import (
     generate_with_follow_ups,
 )
 from mineru_fast.engine.preprocess import Preprocessor
-from mineru_fast.engine.sampling import BatchLogitsProcessor
+from mineru_fast.engine.sampling import BatchLogitsProcessor, log_normalizer
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class ReferenceEngine:
             timer.remove()
         token_ids = output.sequences[0, prompt_len:].tolist()
         logits = torch.cat(output.logits).float()  # [steps, vocab], raw (before the rules)
-        logprobs = (logits.gather(1, torch.tensor(token_ids)[:, None])[:, 0] - logits.logsumexp(-1)).tolist()
+        logprobs = (logits.gather(1, torch.tensor(token_ids)[:, None])[:, 0] - log_normalizer(logits)).tolist()
         if stop.reason is not None:
             reason = stop.reason
         elif token_ids and token_ids[-1] in self.end_ids:

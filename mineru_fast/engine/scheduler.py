@@ -61,7 +61,7 @@ from mineru_fast.engine.memory import trim_heap
 from mineru_fast.engine.model import Qwen2LM
 from mineru_fast.engine.preprocess import EncodedRequest, Preprocessor
 from mineru_fast.engine.repetition import loop_period
-from mineru_fast.engine.sampling import BatchLogitsProcessor
+from mineru_fast.engine.sampling import BatchLogitsProcessor, log_normalizer
 from mineru_fast.engine.speculative import DraftProposer
 from mineru_fast.options import check_speculative
 from mineru_fast.protocol.spec import SamplingParams
@@ -734,7 +734,7 @@ class Scheduler:
 
         If the rules raise for the batch, each row is chosen alone: a row that fails alone ends
         its sequence with ``"error"``."""
-        log_norm = torch.logsumexp(logits, dim=-1)
+        log_norm = log_normalizer(logits)
         try:
             chosen = self.rules(logits.clone(), rows=slots).argmax(dim=-1)
         except Exception as exc:
