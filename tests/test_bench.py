@@ -91,7 +91,17 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert 0 < results["roofline"]["fraction"]["decode_batch1_of_bandwidth"]
     assert results["header"]["model_identity"] == "synthetic (random weights, size=tiny, seed=0, version=pro-2605)"
     assert results["roofline"]["full_size"] is False
+    # the median page by phase: its layout request, then its crops at once, split by engine stage
+    layout, crops = results["phases"]
+    assert (layout["phase"], layout["requests"], crops["phase"]) == ("layout pass", 1, "crops, all at once")
+    assert crops["requests"] >= 1 and layout["output_tokens"] > 0 and crops["output_tokens"] > 0
+    for phase in (layout, crops):
+        assert phase["errors"] == [] and phase["loop_other_s"] >= 0
+        assert phase["stages_s"]["vision_linears"] > 0 and phase["stages_s"]["decode_forward"] > 0
+        assert sum(phase["stages_s"].values()) + phase["loop_other_s"] == pytest.approx(phase["wall_s"])
+    assert "phases" not in rows[1]
     out = capsys.readouterr().out
+    assert "## Where the median page's time goes" in out and "| crops, all at once (" in out
     assert "## Stage table" in out and f"| {baseline} |" in out and "+ IPEX backend" in out
     assert "- machine load during the run: other processes kept" in out and "auto's pick is the fastest" not in out
     assert "Not a full-size model" in out and "| top-1 vs fp32 % | logits cosine |" in out
@@ -150,7 +160,7 @@ def test_only_runs_the_selected_rows_and_no_other_section(tiny_model, tiny_profi
     assert main(str(tiny_model), True, 1, None, 1, tmp_path, plot=False, only=["continuous"], profile=tiny_profile) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["label"] for r in results["rows"]] == ["+ continuous batching"]
-    assert "concurrency" not in results and "roofline" not in results
+    assert "concurrency" not in results and "roofline" not in results and "phases" not in results
     out = capsys.readouterr().out
     assert "| + continuous batching |" in out and "## Concurrency" not in out and "## Roofline" not in out
 

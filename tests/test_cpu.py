@@ -26,6 +26,15 @@ def test_one_socket_without_smt(tmp_path):
     assert (topo.model, topo.vendor, topo.quota_cpus) == ("Fake CPU", "AuthenticAMD", None)
 
 
+def test_the_model_name_carries_the_family_and_model_numbers(tmp_path):
+    """A virtual machine's CPU name may leave out the generation ("AMD EPYC" for Zen 4 and Zen 5
+    alike): the family and model numbers are added where /proc/cpuinfo has them."""
+    sysfs, proc = build_machine(tmp_path, sockets=1, cores_per_socket=2)
+    fields = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+    (proc / "cpuinfo").write_text(fields + "flags\t\t: avx2\n\nprocessor\t: 1\nmodel\t\t: 9\n")
+    assert read_topology(sysfs, proc, affinity={0, 1}).model == "AMD EPYC (family 26, model 2)"
+
+
 def test_two_sockets_with_smt(tmp_path):
     sysfs, proc = build_machine(tmp_path, sockets=2, cores_per_socket=4, smt=2, flags=SPR_FLAGS, vendor="GenuineIntel")
     topo = read_topology(sysfs, proc, affinity=set(range(16)))

@@ -520,3 +520,71 @@ def test_rms_norm_on_float32_is_the_operator_form_bit_for_bit(rows):
         wide = xb.float()
         expected = nb.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
         assert torch.equal(nb(xb), expected)
+
+
+def test_lm_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):
+    """A prefill's MLP runs ``model.MLP_CHUNK_ROWS`` rows at a time (its ``w_gate_up`` output then
+    stays under the mmap threshold). Each row's MLP is its own, and the fast preset's block
+    kernel's arithmetic does not depend on the row count: bit for bit against one call over all
+    rows, for chunk sizes that divide the rows and ones that leave a remainder."""
+    from mineru_fast.engine import model
+    from mineru_fast.engine.quantize import BlockInt8Linear
+
+    torch.manual_seed(0)
+    config = model.TextConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        mrope_section=(2, 3, 3),
+        tie_word_embeddings=True,
+    )
+    mlp = model.FeedForward(config)
+    mlp.w_gate_up, mlp.w_down = BlockInt8Linear(mlp.w_gate_up), BlockInt8Linear(mlp.w_down)
+    x = torch.randn(1, 300, 64)
+    outputs = []
+    with torch.inference_mode():
+        for rows in (300, 1, 7, 96, 100):
+            monkeypatch.setattr(model, "MLP_CHUNK_ROWS", rows)
+            outputs.append(mlp(x))
+    whole, *chunked = outputs
+    assert whole.shape == x.shape
+    assert all(torch.equal(y, whole) for y in chunked)
+
+
+def test_stage_seconds_account_for_a_batch(tiny_model):
+    """``FastEngine.stage_seconds``: every stage of a batch of requests is counted (vision split
+    into linears, attention and the rest; prefill; decode forward and the rest of its steps), none
+    negative, and together they fit in the wall time between the two calls (the loop's wait for
+    work in progress at a call counts as idle up to it)."""
+    import time
+
+    engine = FastEngine(tiny_model, precision="fp32", slots=4, max_seq_len=2048)
+    try:
+        engine.generate(page_requests(text_page())[:1])  # the loop has started and is waiting
+        start = time.perf_counter()
+        before = engine.stage_seconds()
+        results = engine.generate(page_requests(text_page()))
+        after = engine.stage_seconds()
+        wall = time.perf_counter() - start
+    finally:
+        engine.close()
+    assert all(r.finish_reason != "error" for r in results)
+    spent = {stage: after[stage] - before[stage] for stage in after}
+    assert set(spent) == {
+        "vision_linears",
+        "vision_attention",
+        "vision_other",
+        "prefill",
+        "decode_forward",
+        "decode_other",
+        "idle",
+    }
+    worked = ("vision_linears", "vision_attention", "prefill", "decode_forward", "decode_other")
+    assert all(spent[stage] > 0 for stage in worked)
+    assert all(seconds >= 0 for seconds in spent.values())
+    assert sum(spent.values()) <= wall

@@ -196,6 +196,39 @@ def _roofline(rf: dict) -> list[str]:
     ]
 
 
+PHASE_COLUMNS = (  # (stage of FastEngine.stage_seconds, column heading)
+    ("vision_linears", "vision linears"),
+    ("vision_attention", "vision attention"),
+    ("vision_other", "vision other"),
+    ("prefill", "prefill"),
+    ("decode_forward", "decode forward"),
+    ("decode_other", "decode rules, sampling"),
+    ("idle", "loop idle"),
+)
+
+
+def phases_table(phases: list[dict]) -> list[str]:
+    """The shipped row's median page by phase and engine stage (``rows.phase_breakdown``)."""
+    heads = " | ".join(title for _, title in PHASE_COLUMNS)
+    lines = [
+        "## Where the median page's time goes (shipped preset, engine stages, seconds)",
+        "",
+        f"| phase | wall | {heads} | loop other |",
+        "|---|---|" + "---|" * (len(PHASE_COLUMNS) + 1),
+    ]
+    for p in phases:
+        cells = " | ".join(f"{p['stages_s'][stage]:.2f}" for stage, _ in PHASE_COLUMNS)
+        lines.append(f"| {p['phase']} ({p['requests']} requests, {p['output_tokens']} tokens) | {p['wall_s']:.2f} "
+                     f"| {cells} | {p['loop_other_s']:.2f} |")  # fmt: skip
+        lines += [f"- {p['phase']}: failed request: {error}" for error in p["errors"]]
+    lines += [
+        "",
+        "- vision other: norms, activations, residual additions, the patch embedding and the merger;"
+        " loop other: the loop's own work between units and time its thread waited for a CPU.",
+    ]
+    return lines
+
+
 def _startup(rows: list[dict]) -> list[str]:
     lines = [
         "Start-up of the fast preset, each case a fresh process (load + warm-up; see `bench.startup`):",
@@ -283,6 +316,8 @@ def markdown(results: dict) -> str:
         lines += ["", *memory]
     if "concurrency" in results:
         lines += ["", *_concurrency(results["concurrency"])]
+    if "phases" in results:
+        lines += ["", *phases_table(results["phases"])]
     if "roofline" in results:
         lines += ["", *_roofline(results["roofline"])]
     if "speculative" in results:

@@ -160,6 +160,8 @@ def run_row(spec: dict) -> dict:
     if spec.get("concurrency"):
         single = wall_s if len(pages) == 1 else None  # one call of the median page: the stage parse itself
         extras["concurrency"] = concurrency_table(parser, pages[0], tuple(spec["concurrency"]), single)
+    if spec.get("phases") and hasattr(parser.engine, "stage_seconds"):
+        extras["phases"] = phase_breakdown(parser, pages[0])
     if spec.get("roofline"):
         extras["roofline"] = roofline(parser.engine)
     return {
@@ -218,6 +220,38 @@ def concurrency_table(parser, page, levels: tuple[int, ...], single_s: float | N
                     "p50_s": statistics.median(latencies), "p95_s": _percentile(latencies, 0.95),
                     "measured": "here"})  # fmt: skip
     return out
+
+
+def phase_breakdown(parser, page) -> list[dict]:
+    """Where ``page``'s time goes in the fast engine: its layout request alone, then all its crop
+    requests at once (as the parser sends them, replayed: ``fidelity.page_requests``), each phase
+    with its wall seconds and the engine loop's seconds per stage over it
+    (``FastEngine.stage_seconds``: vision linears / attention / other, prefill, decode forward /
+    other, idle) and ``loop_other_s``, the wall time left (the loop's own work between units,
+    waiting for a CPU). Failed requests are listed by their errors.
+    """
+    from mineru_fast.bench.fidelity import page_requests
+
+    engine = parser.engine
+    requests = [request for _, request in page_requests(page, parser.options)]
+    phases = []
+    for name, batch in (("layout pass", requests[:1]), ("crops, all at once", requests[1:])):
+        start = time.perf_counter()  # the two readings lie within the wall time
+        before = engine.stage_seconds()
+        results = engine.generate(batch)
+        after = engine.stage_seconds()
+        wall_s = time.perf_counter() - start
+        stages = {stage: seconds - before[stage] for stage, seconds in after.items()}
+        phases.append({
+            "phase": name,
+            "requests": len(batch),
+            "output_tokens": sum(len(r.token_ids) for r in results),
+            "wall_s": wall_s,
+            "stages_s": stages,
+            "loop_other_s": wall_s - sum(stages.values()),
+            "errors": [r.error for r in results if r.finish_reason == "error"],
+        })  # fmt: skip
+    return phases
 
 
 def roofline(engine) -> dict:

@@ -114,7 +114,8 @@ def run_rows(
     extras: dict | None = None,
 ) -> list[dict]:
     """Each row in a fresh process, the machine's load measured over each (``row["load"]``);
-    failures are recorded, not raised. ``extras`` (``{"concurrency": levels, "roofline": True}``)
+    failures are recorded, not raised. ``extras`` (``{"concurrency": levels, "roofline": True,
+    "phases": True}``)
     go to the spec of the shipped preset's row (``SHIPPED``)."""
     results = []
     for row in rows:
@@ -324,11 +325,12 @@ def _rows_and_tables(results: dict[str, Any], rows: list[Row], unavailable: list
     """The stage rows (the shipped one with the concurrency table and roofline unless ``only``), then the
     fidelity run."""
     levels = (1, 2) if quick else (1, 2, 4)
-    extras = None if only else {"concurrency": list(levels), "roofline": True}  # --only: neither section
+    # --only: none of these sections
+    extras = None if only else {"concurrency": list(levels), "roofline": True, "phases": True}
     results["rows"] = run_rows(rows, model, pages, workload, threads, profile, extras)
     summarize(results["rows"])
     shipped = next((r for r in results["rows"] if r.get("shipped") and "error" not in r), None)
-    for section in ("concurrency", "roofline"):
+    for section in ("concurrency", "roofline", "phases"):
         if shipped is not None and section in shipped:
             results[section] = shipped.pop(section)
     results["extra_rows"] = unavailable

@@ -36,7 +36,7 @@ from mineru_fast.engine.prepared import PreparedCache, PreparedCacheError, cache
 from mineru_fast.engine.preprocess import Preprocessor
 from mineru_fast.engine.quantize import quantize_linear
 from mineru_fast.engine.scheduler import Scheduler, SequenceState
-from mineru_fast.engine.vision import VisionEncoder, pack_qkv_by_head_group
+from mineru_fast.engine.vision import VISION_STAGES, VisionEncoder, pack_qkv_by_head_group
 from mineru_fast.engine.vision_runner import make_vision_runner
 
 logger = logging.getLogger(__name__)
@@ -254,6 +254,22 @@ class FastEngine:
         known += report["embedding"]["resident"] or 0
         report["other"] = None if report["rss"] is None else report["rss"] - known
         return report
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds the engine loop spent per stage since it was built, cumulative (take the
+        difference of two calls for a span of work; read between requests, not during them):
+        ``vision_linears``, ``vision_attention`` and ``vision_other`` (the vision units split by
+        ``VisionEncoder.seconds``; ``other`` is norms, activations, residual additions, the patch
+        embedding and the merger), ``prefill``, ``decode_forward``, ``decode_other`` and ``idle``
+        (``scheduler.LOOP_STAGES``). A span's wall time less their sum is the loop's own work
+        between units (admission, expiry, publishing results) and time the loop thread waited for
+        a CPU. A traced or compiled vision runner is not split (all its time is ``vision_other``);
+        vision passes run outside the loop (``encode_images``) add to the split alone."""
+        loop = self.scheduler.stage_seconds()
+        vision = self.vision.seconds
+        stages = {f"vision_{name}": vision[name] for name in VISION_STAGES}
+        stages["vision_other"] = loop.pop("vision") - sum(stages.values())
+        return stages | loop
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -69,6 +69,11 @@ from mineru_fast.runtime.threads import one_torch_thread
 
 logger = logging.getLogger(__name__)
 
+LOOP_STAGES = ("vision", "prefill", "decode_forward", "decode_other", "idle")
+"""The engine loop's stages (``Scheduler.stage_s``): vision units (the encoder's blocks), prefill
+units (embedding, forward, the first token's choice), each decode step's forward and the rest of
+the step (compaction, drafts, decoding rules, log-probabilities, results), and waiting for work."""
+
 
 class ModelRunner(Protocol):
     """What the scheduler drives: the model side of one engine (``generate.FastEngine``).
@@ -226,6 +231,10 @@ class Scheduler:
         self.clock: Callable[[], float] = time.perf_counter  # budgets and timings (tests step a fake clock)
         # seconds per patch of the last vision block, per token of the last prefill forward
         self._rate: dict[str, float] = {}
+        # where the loop's time went so far (``stage_seconds``), by the loop's clock
+        self.stage_s = dict.fromkeys(LOOP_STAGES, 0.0)
+        self._forward_s = 0.0  # the current decode step's forward
+        self._idle_since: float | None = None  # when the loop began waiting for work, while it waits
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
@@ -328,6 +337,7 @@ class Scheduler:
         with torch.inference_mode():
             while not self._closed:
                 if not self.has_work():
+                    self._idle_since = waited = self.clock()
                     try:
                         item = self.inbox.get(timeout=1.0)
                     except queue.Empty:  # idle for a second: give a burst's freed memory back
@@ -335,6 +345,9 @@ class Scheduler:
                             trim_heap()
                             untrimmed = False
                         continue
+                    finally:  # stage_seconds counts a wait in progress itself: never both at once
+                        self._idle_since = None
+                        self.stage_s["idle"] += self.clock() - waited
                     if item is None:
                         break
                     self._admit(item)
@@ -346,6 +359,15 @@ class Scheduler:
                     for seq in self._all_sequences():
                         self._end(seq, "error", "the engine loop failed (see the log)")
                     self.vision_pack, self.vision_job = [], None
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds the loop spent per stage so far (``LOOP_STAGES``), a wait for work in progress
+        included up to now: the difference of two calls is what happened between them."""
+        stages = dict(self.stage_s)
+        since = self._idle_since
+        if since is not None:
+            stages["idle"] += self.clock() - since
+        return stages
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.vision_pack or self.ready or self.prefilling or self.live)
@@ -364,10 +386,12 @@ class Scheduler:
         while (unit := self._next_unit()) is not None:
             if units and self.live and self.clock() - start + self._estimate(unit) > self.admission_budget_s:
                 break
+            began = self.clock()
             if unit == "vision":
                 self._vision_unit()
             else:
                 self._prefill_unit()
+            self.stage_s[unit] += self.clock() - began
             worked, units = True, units + 1
         if had_live:
             wait = self.clock() - start
@@ -647,10 +671,25 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         start = self.clock()
+        try:
+            self._decode_rows()
+        finally:
+            total = self.clock() - start
+            self.stage_s["decode_other"] += total - self._forward_s
+            self.stage_s["decode_forward"] += self._forward_s
+
+    def _decode_rows(self) -> None:
+        """The decode step (``_decode_step`` times it): the forward of every live row and its
+        drafts (``_forward_s`` its seconds), then each sequence's tokens chosen."""
+        start = self.clock()
+        self._forward_s = 0.0
         self._compact()
         drafts = self._drafts()
         try:
-            logits = self.runner.lm.decode(*self._decode_inputs(set(self.live), drafts))
+            inputs = self._decode_inputs(set(self.live), drafts)
+            began = self.clock()
+            logits = self.runner.lm.decode(*inputs)
+            self._forward_s = self.clock() - began
         except Exception as exc:
             if len(self.live) == 1:
                 (seq,) = self.live.values()

@@ -8,6 +8,7 @@ matrix. Rotary tables depend only on the grid and the most recently used ones ar
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,14 @@ ATTENTION_HEAD_GROUP = 2
 # grids vary with each block's size: an unbounded cache grew with every new crop size over a
 # server's life (a table pair is 640 bytes per patch: 3.5 MB for a layout image).
 ROPE_CACHE_GRIDS = 32
+# What the encoder's blocks time (VisionEncoder.seconds).
+VISION_STAGES = ("linears", "attention")
+
+
+def _clock() -> float:
+    """``time.perf_counter()`` for the blocks' timers, 0.0 while ``torch.compile`` traces them
+    (a timer is no part of a compiled graph: it would break it)."""
+    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,10 @@ class VisionBlock(nn.Module):
     # VisionEncoder.use_attention_kernel; None: PyTorch's SDPA in the activations' dtype.
     attention_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, seconds: dict[str, float] | None = None) -> None:
         super().__init__()
+        # seconds in the linears and in attention, added to (VisionEncoder.seconds)
+        self.seconds = seconds if seconds is not None else dict.fromkeys(VISION_STAGES, 0.0)
         dim, hidden = config.embed_dim, config.embed_dim * config.mlp_ratio
         self.num_heads = config.num_heads
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
@@ -89,7 +100,11 @@ class VisionBlock(nn.Module):
         """``x`` ``[n, dim]`` contiguous, the normed patches of one image, with its rotary tables
         ``[1, n, head_dim]`` -> ``[n, dim]``. ``x`` is consumed: the heads' outputs are written
         into its storage (see ``_heads``)."""
-        return self.proj(self._heads(x, cos, sin))
+        heads = self._heads(x, cos, sin)
+        start = _clock()
+        out = self.proj(heads)
+        self.seconds["linears"] += _clock() - start
+        return out
 
     def _heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention heads' outputs ``[n, dim]``, in ``x``'s storage.
@@ -104,15 +119,20 @@ class VisionBlock(nn.Module):
         n = x.shape[0]
         out = x.view(n, self.num_heads, -1)  # [n, H, d]
         kernel = self.attention_kernel if x.dtype == torch.float32 else None
+        start, attention = _clock(), 0.0
         for h, qkv in zip(range(0, self.num_heads, ATTENTION_HEAD_GROUP), self._qkv_by_head_group(x), strict=True):
+            began = _clock()
             q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)  # [G, n, d]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if kernel is not None:  # writes the group's heads into out[:, h : h + G] itself
                 kernel(q.contiguous(), k.contiguous(), v.contiguous(), out[:, h : h + q.shape[0]].view(n, -1))
-                continue
-            # 4-D [1, G, n, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
-            attended = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
-            out[:, h : h + ATTENTION_HEAD_GROUP] = attended.transpose(0, 1)
+            else:
+                # 4-D [1, G, n, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
+                attended = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+                out[:, h : h + ATTENTION_HEAD_GROUP] = attended.transpose(0, 1)
+            attention += _clock() - began
+        self.seconds["attention"] += attention
+        self.seconds["linears"] += _clock() - start - attention  # the qkv projection
         return out.view(n, -1)
 
     def _qkv_by_head_group(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -139,11 +159,19 @@ class VisionBlock(nn.Module):
             rows = slice(start, start + n)
             x[rows].add_(self.attention(self.norm1(x[rows]), cos[:, rows], sin[:, rows]))
             start += n
+        linears = 0.0
         for start in range(0, x.shape[0], MLP_CHUNK_ROWS):
             chunk = x[start : start + MLP_CHUNK_ROWS]
-            h = self.fc1(self.norm2(chunk))
-            gate = h.mul(1.702).sigmoid_()  # quick_gelu(h) = h * sigmoid(1.702 h)
-            chunk.add_(self.fc2(gate.mul_(h)))
+            normed = self.norm2(chunk)
+            began = _clock()
+            h = self.fc1(normed)
+            linears += _clock() - began
+            gated = h.mul(1.702).sigmoid_().mul_(h)  # quick_gelu(h) = h * sigmoid(1.702 h)
+            began = _clock()
+            projected = self.fc2(gated)
+            linears += _clock() - began
+            chunk.add_(projected)
+        self.seconds["linears"] += linears
         return x
 
 
@@ -198,8 +226,13 @@ class VisionEncoder(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
+        # Seconds the blocks spent in their linears (qkv, proj, fc1, fc2) and in attention (rotary
+        # embedding, the heads' copies and the attention itself) so far; the rest of a pass is
+        # norms, activations, residual additions, the patch embedding and the merger. Read by
+        # ``FastEngine.stage_seconds``.
+        self.seconds = dict.fromkeys(VISION_STAGES, 0.0)
         self.patch_embed = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(VisionBlock(config, self.seconds) for _ in range(config.depth))
         self.merger = PatchMerger(config)
         half = config.head_dim // 2  # h and w each rotate a quarter of the head (cos/sin pairs)
         # A plain float32 CPU attribute, not a buffer: it must not follow the weights' dtype.

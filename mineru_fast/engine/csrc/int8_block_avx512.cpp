@@ -36,6 +36,8 @@ void block_tile(const BlockLinear& l, const BlockActivations& a, int64_t m, int6
       const __m512i start = _mm512_set1_epi32(-128 * a.sum[(m + j) * a.blocks + b]);
       for (int r = 0; r < NR; ++r) acc[j][r] = start;
     }
+    // unrolled whole: GCC otherwise keeps the accumulators in a rotating chain of register copies
+#pragma GCC unroll 8
     for (int64_t g = b * (kBlock / 4); g < (b + 1) * (kBlock / 4); ++g) {
       __m512i wv[NR];
       for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_si512(l.weight + ((t + r) * groups + g) * 64);
