@@ -31,7 +31,9 @@ def main() -> None:
     args = parser.parse_args()
     doc_parser = DocumentParser.from_pretrained(args.model, ParserOptions.preset("fast", threads=args.threads))
     warm_up(doc_parser)
-    page = load_workload(1, args.workload if args.workload.is_dir() else None)[0]
+    if not args.workload.is_dir():
+        raise SystemExit(f"no workload folder at {args.workload} (OmniDocBench format: annotations.json, images/)")
+    page = load_workload(1, args.workload)[0]
     runs = [phase_breakdown(doc_parser, page) for _ in range(args.reps)]
     for phases in runs:
         print("\n".join(phases_table(phases)), end="\n\n")

@@ -96,9 +96,12 @@ def test_quick_bench_on_the_tiny_model(tiny_model, tiny_profile, tmp_path, capsy
     assert (layout["phase"], layout["requests"], crops["phase"]) == ("layout pass", 1, "crops, all at once")
     assert crops["requests"] >= 1 and layout["output_tokens"] > 0 and crops["output_tokens"] > 0
     for phase in (layout, crops):
-        assert phase["errors"] == [] and phase["loop_other_s"] >= 0
-        assert phase["stages_s"]["vision_linears"] > 0 and phase["stages_s"]["decode_forward"] > 0
-        assert sum(phase["stages_s"].values()) + phase["loop_other_s"] == pytest.approx(phase["wall_s"])
+        stages = phase["stages_s"]
+        assert phase["errors"] == [] and all(seconds >= 0 for seconds in stages.values())
+        assert stages["vision_linears"] > 0 and stages["vision_attention"] > 0 and stages["decode_forward"] > 0
+        # the loop's work lies within the phase's wall time (the last step's rest, under a
+        # millisecond, may land in the next phase's reading)
+        assert sum(stages.values()) <= phase["wall_s"] + 0.05
     assert "phases" not in rows[1]
     out = capsys.readouterr().out
     assert "## Where the median page's time goes" in out and "| crops, all at once (" in out

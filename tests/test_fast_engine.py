@@ -523,10 +523,11 @@ def test_rms_norm_on_float32_is_the_operator_form_bit_for_bit(rows):
 
 
 def test_lm_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):
-    """A prefill's MLP runs ``model.MLP_CHUNK_ROWS`` rows at a time (its ``w_gate_up`` output then
-    stays under the mmap threshold). Each row's MLP is its own, and the fast preset's block
-    kernel's arithmetic does not depend on the row count: bit for bit against one call over all
-    rows, for chunk sizes that divide the rows and ones that leave a remainder."""
+    """On the fast preset's block INT8 linears a prefill's MLP runs ``model.MLP_CHUNK_ROWS`` rows at
+    a time (its ``w_gate_up`` output then stays under the mmap threshold): each row's MLP is its
+    own and the block kernel's arithmetic does not depend on the row count, so bit for bit against
+    one call over all rows, for chunk sizes that divide the rows and ones that leave a remainder.
+    Float linears run the rows in one call."""
     from mineru_fast.engine import model
     from mineru_fast.engine.quantize import BlockInt8Linear
 
@@ -544,10 +545,18 @@ def test_lm_mlp_gives_the_same_values_whatever_the_chunk_rows(monkeypatch):
         tie_word_embeddings=True,
     )
     mlp = model.FeedForward(config)
-    mlp.w_gate_up, mlp.w_down = BlockInt8Linear(mlp.w_gate_up), BlockInt8Linear(mlp.w_down)
     x = torch.randn(1, 300, 64)
-    outputs = []
     with torch.inference_mode():
+        # float linears run the rows whole: a GEMM may round otherwise at another row count
+        monkeypatch.setattr(model, "MLP_CHUNK_ROWS", 7)
+        rows_per_call = []
+        whole_rows = mlp._rows
+        monkeypatch.setattr(mlp, "_rows", lambda h: rows_per_call.append(h.numel() // 64) or whole_rows(h))
+        mlp(x)
+        assert rows_per_call == [300]
+        monkeypatch.undo()
+        mlp.w_gate_up, mlp.w_down = BlockInt8Linear(mlp.w_gate_up), BlockInt8Linear(mlp.w_down)
+        outputs = []
         for rows in (300, 1, 7, 96, 100):
             monkeypatch.setattr(model, "MLP_CHUNK_ROWS", rows)
             outputs.append(mlp(x))
@@ -587,4 +596,6 @@ def test_stage_seconds_account_for_a_batch(tiny_model):
     worked = ("vision_linears", "vision_attention", "prefill", "decode_forward", "decode_other")
     assert all(spent[stage] > 0 for stage in worked)
     assert all(seconds >= 0 for seconds in spent.values())
-    assert sum(spent.values()) <= wall
+    # within the wall time, but for the first batch's last decode step, whose rest (after its
+    # results were out, under a millisecond) may come after the first reading
+    assert sum(spent.values()) <= wall + 0.05

@@ -202,7 +202,7 @@ PHASE_COLUMNS = (  # (stage of FastEngine.stage_seconds, column heading)
     ("vision_other", "vision other"),
     ("prefill", "prefill"),
     ("decode_forward", "decode forward"),
-    ("decode_other", "decode rules, sampling"),
+    ("decode_other", "decode other (rules, sampling, drafts)"),
     ("idle", "loop idle"),
 )
 
@@ -218,13 +218,15 @@ def phases_table(phases: list[dict]) -> list[str]:
     ]
     for p in phases:
         cells = " | ".join(f"{p['stages_s'][stage]:.2f}" for stage, _ in PHASE_COLUMNS)
-        lines.append(f"| {p['phase']} ({p['requests']} requests, {p['output_tokens']} tokens) | {p['wall_s']:.2f} "
+        requests = f"{p['requests']} request{'s' * (p['requests'] != 1)}"
+        lines.append(f"| {p['phase']} ({requests}, {p['output_tokens']} tokens) | {p['wall_s']:.2f} "
                      f"| {cells} | {p['loop_other_s']:.2f} |")  # fmt: skip
-        lines += [f"- {p['phase']}: failed request: {error}" for error in p["errors"]]
     lines += [
         "",
-        "- vision other: norms, activations, residual additions, the patch embedding and the merger;"
-        " loop other: the loop's own work between units and time its thread waited for a CPU.",
+        "- vision other: norms, activations, residual additions, the patch embedding, the merger and"
+        " the pack's pixels and outputs; loop other: the loop's own work between units and time its"
+        " thread waited for a CPU.",
+        *[f"- {p['phase']}: failed request: {error}" for p in phases for error in p["errors"]],
     ]
     return lines
 

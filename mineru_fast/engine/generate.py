@@ -260,11 +260,13 @@ class FastEngine:
         difference of two calls for a span of work; read between requests, not during them):
         ``vision_linears``, ``vision_attention`` and ``vision_other`` (the vision units split by
         ``VisionEncoder.seconds``; ``other`` is norms, activations, residual additions, the patch
-        embedding and the merger), ``prefill``, ``decode_forward``, ``decode_other`` and ``idle``
-        (``scheduler.LOOP_STAGES``). A span's wall time less their sum is the loop's own work
-        between units (admission, expiry, publishing results) and time the loop thread waited for
-        a CPU. A traced or compiled vision runner is not split (all its time is ``vision_other``);
-        vision passes run outside the loop (``encode_images``) add to the split alone."""
+        embedding, the merger, rotary tables, the pack's pixels and outputs and the heap trim),
+        ``prefill``, ``decode_forward``, ``decode_other`` and ``idle`` (``scheduler.LOOP_STAGES``).
+        A span's wall time less their sum is the loop's own work between units (admission,
+        expiry) and time the loop thread waited for a CPU. Eager blocks are split; a compiled
+        runner's passes, and a traced one's once traced for a grid, count as ``vision_other``.
+        Vision passes run outside the loop in the span (``encode_images``) make ``vision_other``
+        smaller, even negative: read spans of the loop's work alone."""
         loop = self.scheduler.stage_seconds()
         vision = self.vision.seconds
         stages = {f"vision_{name}": vision[name] for name in VISION_STAGES}

@@ -213,12 +213,14 @@ class Attention(nn.Module):
         return self.wo(out.to(x.dtype).reshape(x.shape[0], 1, -1))
 
 
-# Rows of the MLP per call in a prefill: its [rows, 2 * 4864] float32 ``w_gate_up`` output (3.6 MiB)
-# stays under the mmap threshold the engine pins (engine.memory.MMAP_THRESHOLD_BYTES, 4 MiB), so
-# it is reused from the heap; a 512-row chunk's 19 MiB came from a fresh mapping at every layer,
+# Rows of the MLP per call in a prefill, where its linears allow it (``rows_independent``: the fast
+# preset's block INT8 layers): the [rows, 2 * 4864] float32 ``w_gate_up`` output (3.6 MiB) stays
+# under the mmap threshold the engine pins (engine.memory.MMAP_THRESHOLD_BYTES, 4 MiB), so it is
+# reused from the heap; a 512-row chunk's 19 MiB came from a fresh mapping at every layer,
 # page-faulted and zeroed by the kernel (a [1394, 9728] output: 12.6 ms fresh, 0.8 ms reused; EPYC,
-# 2 threads). Each row's MLP is independent: on the block kernel (whose arithmetic does not depend
-# on the row count) the outputs are bit-identical for any chunking.
+# 2 threads). The outputs are bit-identical for any chunking there. Other linears run the chunk
+# whole: a float GEMM may round otherwise at another row count, per-tensor INT8 scales over the
+# rows, and the bfloat16-stored and weight-only layers would rebuild their weight at every call.
 MLP_CHUNK_ROWS = 96
 
 
@@ -229,8 +231,10 @@ class FeedForward(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., hidden]`` -> ``[..., hidden]``, ``MLP_CHUNK_ROWS`` rows at a time."""
-        if x.numel() <= MLP_CHUNK_ROWS * x.shape[-1]:  # a decode step's rows: no reshape
+        """``x`` ``[..., hidden]`` -> ``[..., hidden]``, ``MLP_CHUNK_ROWS`` rows at a time where the
+        linears' rows are independent (see ``MLP_CHUNK_ROWS``)."""
+        chunked = all(getattr(layer, "rows_independent", False) for layer in (self.w_gate_up, self.w_down))
+        if not chunked or x.numel() <= MLP_CHUNK_ROWS * x.shape[-1]:
             return self._rows(x)
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty_like(rows)

@@ -630,6 +630,9 @@ class BlockInt8Linear(nn.Module):
 
     weight_packed: torch.Tensor  # buffers: [N'/16, K'/4, 16, 4] uint8, [N'/16, K'/32, 16] float32
     weight_scale: torch.Tensor
+    # each output row's arithmetic is its own and the weight is used as stored: a caller may split
+    # the rows over calls and get the same bits at no extra weight work (model.FeedForward)
+    rows_independent = True
     bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:

@@ -70,9 +70,13 @@ from mineru_fast.runtime.threads import one_torch_thread
 logger = logging.getLogger(__name__)
 
 LOOP_STAGES = ("vision", "prefill", "decode_forward", "decode_other", "idle")
-"""The engine loop's stages (``Scheduler.stage_s``): vision units (the encoder's blocks), prefill
-units (embedding, forward, the first token's choice), each decode step's forward and the rest of
-the step (compaction, drafts, decoding rules, log-probabilities, results), and waiting for work."""
+"""The engine loop's stages (``Scheduler.stage_s``): vision units (the encoder's steps, the pack's
+pixels and outputs, the heap trim after a pass), prefill units (embedding, forward, the first
+token's choice), each decode step's forward and the rest of the step (compaction, drafts, decoding
+rules, log-probabilities, results; a failed step's forwards one by one), and waiting for work (with
+the heap trim after a second of it). A step's rest is counted once its results are out: a reading
+right after a request's result may miss the last step's rest (under a millisecond), which the next
+reading then has."""
 
 
 class ModelRunner(Protocol):
@@ -674,9 +678,7 @@ class Scheduler:
         try:
             self._decode_rows()
         finally:
-            total = self.clock() - start
-            self.stage_s["decode_other"] += total - self._forward_s
-            self.stage_s["decode_forward"] += self._forward_s
+            self.stage_s["decode_other"] += self.clock() - start - self._forward_s
 
     def _decode_rows(self) -> None:
         """The decode step (``_decode_step`` times it): the forward of every live row and its
@@ -690,6 +692,7 @@ class Scheduler:
             began = self.clock()
             logits = self.runner.lm.decode(*inputs)
             self._forward_s = self.clock() - began
+            self.stage_s["decode_forward"] += self._forward_s  # before any result of the step is out
         except Exception as exc:
             if len(self.live) == 1:
                 (seq,) = self.live.values()

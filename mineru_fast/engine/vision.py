@@ -96,6 +96,12 @@ class VisionBlock(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
+    def _count(self, stage: str, seconds: float) -> None:
+        """Add ``seconds`` to the count of ``stage`` (``self.seconds``); nothing while
+        ``torch.compile`` traces (a compiled graph holds no timer)."""
+        if not torch.compiler.is_compiling():
+            self.seconds[stage] += seconds
+
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``[n, dim]`` contiguous, the normed patches of one image, with its rotary tables
         ``[1, n, head_dim]`` -> ``[n, dim]``. ``x`` is consumed: the heads' outputs are written
@@ -103,7 +109,7 @@ class VisionBlock(nn.Module):
         heads = self._heads(x, cos, sin)
         start = _clock()
         out = self.proj(heads)
-        self.seconds["linears"] += _clock() - start
+        self._count("linears", _clock() - start)
         return out
 
     def _heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,8 +137,8 @@ class VisionBlock(nn.Module):
                 attended = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
                 out[:, h : h + ATTENTION_HEAD_GROUP] = attended.transpose(0, 1)
             attention += _clock() - began
-        self.seconds["attention"] += attention
-        self.seconds["linears"] += _clock() - start - attention  # the qkv projection
+        self._count("attention", attention)
+        self._count("linears", _clock() - start - attention)  # the qkv projection
         return out.view(n, -1)
 
     def _qkv_by_head_group(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -171,7 +177,7 @@ class VisionBlock(nn.Module):
             projected = self.fc2(gated)
             linears += _clock() - began
             chunk.add_(projected)
-        self.seconds["linears"] += linears
+        self._count("linears", linears)
         return x
 
 

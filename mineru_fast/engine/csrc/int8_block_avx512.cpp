@@ -36,7 +36,9 @@ void block_tile(const BlockLinear& l, const BlockActivations& a, int64_t m, int6
       const __m512i start = _mm512_set1_epi32(-128 * a.sum[(m + j) * a.blocks + b]);
       for (int r = 0; r < NR; ++r) acc[j][r] = start;
     }
-    // unrolled whole: GCC otherwise keeps the accumulators in a rotating chain of register copies
+    // unrolled whole (kBlock / 4 = 8 groups): GCC otherwise keeps the accumulators in a rotating
+    // chain of register copies
+    static_assert(kBlock / 4 == 8, "the unroll count below is kBlock / 4");
 #pragma GCC unroll 8
     for (int64_t g = b * (kBlock / 4); g < (b + 1) * (kBlock / 4); ++g) {
       __m512i wv[NR];
