@@ -229,7 +229,13 @@ def test_orphans_are_dropped_while_queued_yield_to_waiting_requests_and_count_ag
 
 
 KEYS = {"alice": "alice-secret-1", "bob": "bob-secret-22", "mallory": "mallory-secret-333"}
-LONG = 4096  # tokens: minutes of the tiny model's decoding (about 23 a second), never reached in a test
+# A text answer of the tiny model loops (random weights), which the fast preset's loop guard ends after
+# 512 tokens: about half a second here, less than a loaded lane may take between two steps of a test.
+# The servers below whose answers must outlast a test turn the guard off and bound text answers at
+# LONG tokens: tens of seconds of the tiny model's decoding, never reached in a test (the prompt
+# and LONG stay within its 32,768 positions).
+LONG = 30000
+NO_LOOP_GUARD = ["--repetition-window", "0"]
 
 
 def key_file(folder) -> str:
@@ -245,11 +251,11 @@ def auth(name: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     # One slot (two engine places): more requests than places queue. Text answers of random weights
-    # run to their bound (the tiny model repeats a newline), so a text request is long enough to
-    # disconnect from; a keep-alive of 0.05 s makes every answer that waits at all a streamed one.
-    # API keys: twins are shared within a key only.
+    # run to their bound (the loop guard off), so a text request is long enough to disconnect from;
+    # a keep-alive of 0.05 s makes every answer that waits at all a streamed one. API keys: twins
+    # are shared within a key only.
     folder = tmp_path_factory.mktemp("chat_stream")
-    args = ["--slots", "1", "--max-new-tokens", f"layout=24,text={LONG},table=24,equation=24"]
+    args = ["--slots", "1", "--max-new-tokens", f"layout=24,text={LONG},table=24,equation=24", *NO_LOOP_GUARD]
     args += ["--chat-keepalive", "0.05", "--chat-orphan-grace", "0", "--api-key-file", key_file(folder)]
     with running_server(tiny_model, folder, *args) as s:
         yield s
@@ -294,6 +300,23 @@ def first_token(response: httpx.Response) -> Iterator[str]:
         if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
             return lines
     raise AssertionError("the stream ended before a token came")
+
+
+def test_the_loop_guard_is_a_serve_flag_and_off_a_looping_answer_runs_to_its_bound(server):
+    """``--repetition-window 0`` (this module's server): the tiny model's looping text answer is not
+    ended at the fast preset's 512-token window but runs to ``max_tokens``."""
+    import argparse
+
+    from mineru_fast.cli.options import add_options_arguments, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_options_arguments(p)
+    assert options_from_args(p.parse_args([])).repetition_window == 512  # the fast preset's guard
+    assert options_from_args(p.parse_args(["--repetition-window", "0"])).repetition_window == 0
+    answer = post(server, mineru_body(CROP, prompt_for("text"), max_tokens=700))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 700
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_streamed_answer_comes_in_token_chunks_that_join_to_the_answer(server):
@@ -373,7 +396,7 @@ def test_twins_are_shared_within_an_api_key_only(server):
     body = mineru_body(text_page(size=(260, 100), lines=2), prompt_for("text"), max_tokens=LONG)
     before = metrics(server)
     with contextlib.ExitStack() as streams:
-        held = [first_token(streams.enter_context(stream(server, body, "alice")))]  # generating, for minutes
+        held = [first_token(streams.enter_context(stream(server, body, "alice")))]  # generating, LONG tokens
         for key in ("bob", "alice"):  # the role chunk comes once the request has been admitted
             held.append(streams.enter_context(stream(server, body, key)).iter_lines())
             assert next(held[-1]).startswith("data: {")
@@ -389,9 +412,9 @@ def test_orphans_of_a_key_whose_clients_gave_up_never_delay_another_keys_request
     """N8 end to end, one slot (two places), a grace of 600 s. One key's two requests hold the
     places (one generating, one waiting for the slot) and four more wait for a place; then every
     client gives up. The four are dropped at once, the two run on as orphans, and another key's
-    request makes both yield and is answered, where they would otherwise have run for minutes
-    (4,096 tokens each) before it."""
-    args = ["--slots", "1", "--max-new-tokens", f"layout=24,text={LONG},table=24,equation=24"]
+    request makes both yield and is answered, where they would otherwise have run on for LONG tokens
+    each before it."""
+    args = ["--slots", "1", "--max-new-tokens", f"layout=24,text={LONG},table=24,equation=24", *NO_LOOP_GUARD]
     args += ["--chat-keepalive", "0.05", "--chat-orphan-grace", "600", "--api-key-file", key_file(tmp_path)]
     # the engine's one slot is this test's alone: the canary page, parsed after ready by default,
     # is other work the orphans may yield to (seen in a loaded lane: one orphan gone before bob came)

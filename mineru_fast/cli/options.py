@@ -243,6 +243,13 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
         help=f"per-task generation bounds, tasks {', '.join(TASKS)}",
     )
     p.add_argument(
+        "--repetition-window",
+        type=int,
+        metavar="N",
+        help="fast engine loop guard: end a free-running answer whose last N tokens are near-periodic "
+        "(finish_reason repetition, its page partial); 0 turns it off (default: the preset's, 512 for fast)",
+    )
+    p.add_argument(
         "--confidence-threshold",
         type=float,
         metavar="LOGPROB",
@@ -262,7 +269,7 @@ def options_from_args(args: argparse.Namespace, **fixed: object) -> ParserOption
                         ("slots", "slots"), ("kv_dtype", "kv_dtype"), ("speculative", "speculative"),
                         ("backend", "backend"), ("int8_kernel", "int8_kernel"), ("tier", "tier"),
                         ("ocr_mode", "ocr_mode"), ("layout_model", "layout_model"),
-                        ("layout_backend", "layout_backend"),
+                        ("layout_backend", "layout_backend"), ("repetition_window", "repetition_window"),
                         ("confidence_threshold", "confidence_threshold")):  # fmt: skip
         if getattr(args, flag) is not None:
             overrides[field] = getattr(args, flag)
