@@ -505,7 +505,7 @@ def test_vision_rotary_cache_keeps_the_most_recent_grids(monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 3, 700])
 def test_rms_norm_on_float32_is_the_operator_form_bit_for_bit(rows):
-    """``RMSNorm`` runs ``F.rms_norm`` on float32: the same bits as transformers' operators one by one."""
+    """``RMSNorm`` runs ``torch.rms_norm`` on float32: the same bits as transformers' operators one by one."""
     from mineru_fast.engine.model import RMSNorm
 
     generator = torch.Generator().manual_seed(rows)

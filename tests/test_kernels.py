@@ -160,6 +160,50 @@ def test_the_block_kernel_refuses_what_it_cannot_run():
 
 
 @needs_kernels
+def test_a_layers_bound_kernel_checks_once_its_weights_and_every_call_its_input():
+    """``bind_block_linear``: the layer's tensors checked when bound (inputs past the weight's last
+    block refused), each call's ``x`` checked (dtype, last dimension, layout); leading dimensions
+    kept, and the same bits as the unbound kernel."""
+    layer = BlockInt8Linear(nn.Linear(70, 40))
+    weight, scale, bias = layer.weight_packed, layer.weight_scale, layer.bias
+    bound = kernels.bind_block_linear(weight, scale, bias, 40, 70)
+    assert bound is not None
+    x = rows_of_every_kind(6, 70)
+    assert torch.equal(bound(x.view(2, 3, 70)).view(6, 40), STATUS.block(x, weight, scale, bias, 40))
+    for bad in (x.double(), x[:, :64], torch.zeros(70, 6).t()):  # another dtype, width (same blocks), layout
+        with pytest.raises(ValueError, match=r"x: \[\.\.\., 70\] contiguous float32"):
+            bound(bad)
+    with pytest.raises(ValueError, match="does not hold 100 inputs"):
+        kernels.bind_block_linear(weight, scale, bias, 40, 100)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.bind_block_linear(weight, scale, bias[:7], 40, 70)
+
+
+@needs_kernels
+def test_a_layer_whose_buffers_are_replaced_runs_on_the_new_ones():
+    """A buffer replaced after the kernel was bound (an assignment, ``Module.to``), or whose storage
+    moved in place (``set_``, as ``share_memory_`` does), is bound again (checked) before the next
+    call: the kernel never reads storage its layer no longer holds."""
+    torch.manual_seed(7)
+    layer = BlockInt8Linear(nn.Linear(64, 48, bias=False))
+    x = torch.randn(3, 64)
+    before = layer(x)
+    layer.weight_scale = layer.weight_scale * 2  # every product and sum doubles exactly
+    doubled = block_int8_reference(x, layer.weight_packed, layer.weight_scale, None, 48)
+    assert torch.equal(layer(x), doubled) and torch.equal(doubled, before * 2)
+    assert layer._bound is not None and layer._bound.tensors[1] is layer.weight_scale
+    moved, good = layer.weight_packed, layer.weight_packed.clone()
+    moved.set_(good.clone())  # the same tensor object, another storage
+    assert layer._bound.tensors[0] is moved and torch.equal(layer(x), doubled)
+    moved.set_(good[:1].clone())  # in place into a shape the kernel cannot read: refused
+    with pytest.raises(ValueError, match="does not hold 48 outputs"):
+        layer(x)
+    moved.set_(good)
+    with pytest.raises(ValueError, match="weight_scale"):
+        layer.to(torch.float64)(x)  # a float64 scale: refused, never read as float32
+
+
+@needs_kernels
 @pytest.mark.parametrize("path", CPU_PATHS)
 def test_the_block_kernel_passes_a_nan_on_instead_of_hiding_it(path):
     """A NaN in a row's input makes that row's outputs NaN (as float math would), not finite
@@ -314,7 +358,7 @@ def test_without_the_kernels_the_fast_preset_keeps_its_arithmetic(monkeypatch, t
     assert status.path is None and status.block is None and status.gemv is None
     engine = build_engine(tiny_model, ParserOptions(threads=1), prepared_cache=False)
     try:
-        assert int8_kinds(engine.lm) == {BlockInt8Linear} and engine.lm.lm_head._kernel is None
+        assert int8_kinds(engine.lm) == {BlockInt8Linear} and engine.lm.lm_head._bound is None
         assert engine.numerics["lm_int8_block"].startswith("own kernels off (MINERU_FAST_OWN_KERNELS=0)")
     finally:
         engine.close()

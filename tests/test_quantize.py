@@ -212,7 +212,7 @@ def test_block_int8_reference_computes_the_documented_math(n, k, bias):
     torch.manual_seed(n * k)
     linear = nn.Linear(k, n, bias=bias)
     layer = BlockInt8Linear(linear)
-    layer._kernel = None  # the reference path, even where the kernel is built
+    layer._bound = None  # the reference path, even where the kernel is built
     x = torch.randn(7, k) * torch.logspace(-2, 2, 7)[:, None]
     x[0] = 0.0  # an all-zero row: scale 0, output = bias
     x[1, : min(k, 32)] = 0.0  # and an all-zero block inside a row
@@ -228,7 +228,7 @@ def test_block_int8_reference_computes_the_documented_math(n, k, bias):
 def test_block_int8_rows_do_not_depend_on_their_batch_neighbours():
     torch.manual_seed(3)
     layer = BlockInt8Linear(nn.Linear(64, 48))
-    layer._kernel = None
+    layer._bound = None
     x = torch.randn(6, 64)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(6)])
     x_loud = x.clone()

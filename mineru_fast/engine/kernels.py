@@ -223,6 +223,70 @@ def _block_linear(module: ModuleType, path: str) -> BlockLinear:
     return block
 
 
+class BoundBlockLinear:
+    """The block kernel with one layer's tensors bound (``bind_block_linear``): ``call(x)`` for
+    ``x`` ``[..., K]`` contiguous float32 -> ``[..., N]`` float32, leading dimensions kept; the
+    same bits as ``kernel_status().block``. It holds the layer's tensors (``tensors``: weight,
+    scale, bias or None); a tensor whose storage moved in place since (``share_memory_``, ``set_``)
+    is checked and its pointers taken again before the kernel reads it.
+
+    Raises:
+        ValueError: (from a call) an ``x`` of another dtype, last dimension or layout, or a bound
+            tensor changed in place into one the kernel cannot read.
+    """
+
+    __slots__ = ("_module", "_path_id", "_pointers", "_k_size", "_n_size", "tensors")
+
+    def __init__(self, module: ModuleType, path_id: int, tensors: tuple, k_size: int, n_size: int) -> None:
+        self._module, self._path_id, self.tensors = module, path_id, tensors
+        self._k_size, self._n_size = k_size, n_size
+        self._take_pointers()
+
+    def _take_pointers(self) -> None:
+        weight, weight_scale, bias = self.tensors
+        check_block_weight(weight, weight_scale, bias, self._n_size)
+        k_pad = weight.shape[1] * 4
+        if not k_pad - 32 < self._k_size <= k_pad:
+            raise ValueError(f"weight {tuple(weight.shape)} does not hold {self._k_size} inputs in 32-value blocks")
+        self._pointers = (weight.data_ptr(), weight.size(0), k_pad, weight_scale.data_ptr(),
+                          0 if bias is None else bias.data_ptr())  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        (weight, weight_scale, bias), pointers = self.tensors, self._pointers
+        if (
+            weight.data_ptr() != pointers[0]
+            or weight_scale.data_ptr() != pointers[3]
+            or (bias is not None and bias.data_ptr() != pointers[4])
+        ):
+            self._take_pointers()
+        k_size, n_size = self._k_size, self._n_size
+        if x.dtype != torch.float32 or x.shape[-1] != k_size or not x.is_contiguous():
+            raise ValueError(f"x: [..., {k_size}] contiguous float32, got {x.dtype} {tuple(x.shape)}")
+        y = torch.empty(*x.shape[:-1], n_size)
+        self._module.block_linear(self._path_id, torch.get_num_threads(), x.data_ptr(), x.numel() // k_size, k_size,
+                                  *self._pointers, n_size, y.data_ptr())  # fmt: skip
+        return y
+
+
+def bind_block_linear(
+    weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, n_size: int, k_size: int
+) -> BoundBlockLinear | None:
+    """The block kernel of ``kernel_status`` with one layer's tensors bound, or None where it does
+    not run. The tensors are checked once here (``check_block_weight``, and ``k_size`` inputs
+    against the weight's blocks); each call then checks its ``x`` and that the tensors' storage has
+    not moved (``BoundBlockLinear``), where ``kernel_status().block`` checks every argument at every
+    call (a decode step makes ~97 calls, and every microsecond outside the kernel is one of the
+    step's).
+
+    Raises:
+        ValueError: as ``check_block_weight``, or ``k_size`` not in the weight's last block.
+    """
+    status = kernel_status()
+    if status.path is None:
+        return None
+    return BoundBlockLinear(_load_module(), _PATH_ID[status.path], (weight, weight_scale, bias), k_size, n_size)
+
+
 def _gemv_linear(module: ModuleType) -> GemvLinear:
     def gemv(
         x: torch.Tensor,

@@ -70,7 +70,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mineru_fast.engine.kernels import MAX_ROWS, check_block_weight, check_gemv_weight, kernel_status
+from mineru_fast.engine.kernels import (
+    MAX_ROWS,
+    BoundBlockLinear,
+    bind_block_linear,
+    check_block_weight,
+    check_gemv_weight,
+    kernel_status,
+)
 from mineru_fast.engine.memory import trim_heap
 
 __all__ = [
@@ -644,12 +651,24 @@ class BlockInt8Linear(nn.Module):
     def _set(
         self, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int
     ) -> None:
-        check_block_weight(packed, scale, bias, out_features)
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = in_features, out_features
-        self._kernel = kernel_status().block
+        if self._bind() is None:  # the binding checks the tensors; without the kernels, here
+            check_block_weight(packed, scale, bias, out_features)
+
+    def _bind(self) -> BoundBlockLinear | None:
+        """Bind the own kernel to the layer's current buffers and return it
+        (``kernels.bind_block_linear``; None where it does not run).
+
+        Raises:
+            ValueError: a buffer the kernel cannot read (``kernels.check_block_weight``).
+        """
+        tensors = (self.weight_packed, self.weight_scale, self.bias)
+        self._bound = bind_block_linear(*tensors, self.out_features, self.in_features)
+        self._bound_to = tensors
+        return self._bound
 
     def prepared_state(self) -> dict[str, torch.Tensor]:
         """``weight_packed``, ``weight_scale``, ``shape`` (``[out, in]`` int64) and, if any,
@@ -680,17 +699,21 @@ class BlockInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block={BLOCK}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        if dtype == torch.float32 and self._kernel is not None and x.is_contiguous():
-            # a float32 model's every call (decode steps: ~97 a step): no cast, no copy, views only
-            y = self._kernel(x.view(-1, shape[-1]), self.weight_packed, self.weight_scale, self.bias, self.out_features)
-            return y.view(*shape[:-1], self.out_features)
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        if self._kernel is not None:
-            y = self._kernel(x2, self.weight_packed, self.weight_scale, self.bias, self.out_features)
-        else:
-            y = block_int8_reference(x2, self.weight_packed, self.weight_scale, self.bias, self.out_features)
-        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+        bound, buffers, bound_to = self._bound, self._buffers, self._bound_to
+        if bound is not None and (
+            buffers["weight_packed"] is not bound_to[0]
+            or buffers["weight_scale"] is not bound_to[1]
+            or buffers["bias"] is not bound_to[2]
+        ):
+            bound = self._bind()  # a buffer replaced since (Module.to, assignment): checked and bound again
+        if bound is None:
+            shape = x.shape
+            y = block_int8_reference(x.reshape(-1, shape[-1]).float().contiguous(), self.weight_packed,
+                                     self.weight_scale, self.bias, self.out_features)  # fmt: skip
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if x.dtype == torch.float32 and x.is_contiguous():  # a float32 model's every call, ~97 a decode step
+            return bound(x)
+        return bound(x.float().contiguous()).to(x.dtype)
 
 
 class _BufferLinear(nn.Module):
