@@ -2,9 +2,10 @@
 process and alternated step by step: the fast preset's language model on the full-size model, one
 row at ``--context`` positions.
 
-Before: each block INT8 linear called ``kernel_status().block`` with its tensors, which checked
-them all and reshaped ``x`` in and ``y`` out at every call (its buffers read through
-``nn.Module.__getattr__`` each time); ``RMSNorm`` called ``F.rms_norm`` through its Python wrapper;
+Before (the code of 877aad3, copied here): each block INT8 linear called ``kernel_status().block``
+with its tensors, which took their pointers and sizes and reshaped ``x`` in and ``y`` out at every
+call (its buffers read through ``nn.Module.__getattr__`` each time); ``RMSNorm`` called
+``F.rms_norm`` through its Python wrapper;
 ``FeedForward`` asked both linears for ``rows_independent`` before seeing a decode row. After: the
 layer's kernel bound once to its tensors (``kernels.bind_block_linear``; per call only ``x`` is
 checked), ``torch.rms_norm`` called directly, the row count looked at first. The arithmetic is the
@@ -41,16 +42,19 @@ AFTER = {
 }
 
 
+BLOCK = kernels.kernel_status().block  # what each layer held as its kernel before
+
+
 def linear_before(self: BlockInt8Linear, x: torch.Tensor) -> torch.Tensor:
-    block = kernels.kernel_status().block
-    assert block is not None
-    shape = x.shape
-    y = block(x.view(-1, shape[-1]), self.weight_packed, self.weight_scale, self.bias, self.out_features)
+    shape, dtype = x.shape, x.dtype
+    assert dtype == torch.float32 and BLOCK is not None and x.is_contiguous()  # the fast preset's decode rows
+    y = BLOCK(x.view(-1, shape[-1]), self.weight_packed, self.weight_scale, self.bias, self.out_features)
     return y.view(*shape[:-1], self.out_features)
 
 
 def norm_before(self: lm_model.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # float32 only here
+    assert x.dtype == torch.float32 and self.weight.dtype == torch.float32  # the fast preset's
+    return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def feed_forward_before(self: lm_model.FeedForward, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +94,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if kernels.kernel_status().block is None:
+    if BLOCK is None:
         raise SystemExit(f"the own kernels do not run here: {kernels.kernel_status().reason}")
     engine = build_engine(args.model, ParserOptions.preset("fast", threads=args.threads))
     lm, token = engine.lm, torch.zeros(1, dtype=torch.long)

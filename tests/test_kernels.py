@@ -170,9 +170,15 @@ def test_a_layers_bound_kernel_checks_once_its_weights_and_every_call_its_input(
     assert bound is not None
     x = rows_of_every_kind(6, 70)
     assert torch.equal(bound(x.view(2, 3, 70)).view(6, 40), STATUS.block(x, weight, scale, bias, 40))
-    for bad in (x.double(), x[:, :64], torch.zeros(70, 6).t()):  # another dtype, width (same blocks), layout
+    for bad in (x.double(), x[:, :66].contiguous(), torch.zeros(70, 6).t()):  # dtype; width, in the same blocks; layout
         with pytest.raises(ValueError, match=r"x: \[\.\.\., 70\] contiguous float32"):
             bound(bad)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the kernel writes float32 whatever the default dtype
+    try:
+        assert torch.equal(bound(x), STATUS.block(x, weight, scale, bias, 40))
+    finally:
+        torch.set_default_dtype(previous)
     with pytest.raises(ValueError, match="does not hold 100 inputs"):
         kernels.bind_block_linear(weight, scale, bias, 40, 100)
     with pytest.raises(ValueError, match="bias"):
@@ -193,14 +199,28 @@ def test_a_layer_whose_buffers_are_replaced_runs_on_the_new_ones():
     assert torch.equal(layer(x), doubled) and torch.equal(doubled, before * 2)
     assert layer._bound is not None and layer._bound.tensors[1] is layer.weight_scale
     moved, good = layer.weight_packed, layer.weight_packed.clone()
-    moved.set_(good.clone())  # the same tensor object, another storage
-    assert layer._bound.tensors[0] is moved and torch.equal(layer(x), doubled)
+    moved.set_(256 - good)  # the same tensor object, another storage and other weights (q -> -q)
+    assert layer._bound.tensors[0] is moved and torch.equal(layer(x), -doubled)
     moved.set_(good[:1].clone())  # in place into a shape the kernel cannot read: refused
     with pytest.raises(ValueError, match="does not hold 48 outputs"):
         layer(x)
     moved.set_(good)
     with pytest.raises(ValueError, match="weight_scale"):
         layer.to(torch.float64)(x)  # a float64 scale: refused, never read as float32
+
+
+@needs_kernels
+def test_a_copied_layer_binds_the_kernel_to_its_own_buffers():
+    """``copy.deepcopy`` and pickling (the bound kernel holds the extension module, which neither
+    copies nor pickles): the copy is bound to its own buffers and gives the same bits."""
+    import copy
+    import pickle
+
+    layer = BlockInt8Linear(nn.Linear(70, 40))
+    x = rows_of_every_kind(5, 70)
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert other.weight_packed is not layer.weight_packed and other._bound.tensors[0] is other.weight_packed
+        assert torch.equal(other(x), layer(x))
 
 
 @needs_kernels

@@ -203,7 +203,7 @@ def _block_linear(module: ModuleType, path: str) -> BlockLinear:
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise ValueError(f"x: [M, K] contiguous float32, got {x.dtype} {tuple(x.shape)}")
         m_size = x.size(0)
-        y = torch.empty(m_size, n_size)
+        y = torch.empty(m_size, n_size, dtype=torch.float32)  # whatever the default dtype: the kernel writes float32
         module.block_linear(
             path_id,
             torch.get_num_threads(),
@@ -231,11 +231,11 @@ class BoundBlockLinear:
     is checked and its pointers taken again before the kernel reads it.
 
     Raises:
-        ValueError: (from a call) an ``x`` of another dtype, last dimension or layout, or a bound
-            tensor changed in place into one the kernel cannot read.
+        ValueError: (from a call) an ``x`` of another dtype, last dimension, layout or device, or
+            a bound tensor whose storage moved in place into one the kernel cannot read.
     """
 
-    __slots__ = ("_module", "_path_id", "_pointers", "_k_size", "_n_size", "tensors")
+    __slots__ = ("_module", "_path_id", "_pointers", "_storages", "_k_size", "_n_size", "tensors")
 
     def __init__(self, module: ModuleType, path_id: int, tensors: tuple, k_size: int, n_size: int) -> None:
         self._module, self._path_id, self.tensors = module, path_id, tensors
@@ -250,6 +250,9 @@ class BoundBlockLinear:
             raise ValueError(f"weight {tuple(weight.shape)} does not hold {self._k_size} inputs in 32-value blocks")
         self._pointers = (weight.data_ptr(), weight.size(0), k_pad, weight_scale.data_ptr(),
                           0 if bias is None else bias.data_ptr())  # fmt: skip
+        # the storages the pointers point into, held: while bound, no other storage can take their
+        # addresses, so a tensor whose pointer still matches still points into this storage
+        self._storages = tuple(t.untyped_storage() for t in self.tensors if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         (weight, weight_scale, bias), pointers = self.tensors, self._pointers
@@ -260,9 +263,9 @@ class BoundBlockLinear:
         ):
             self._take_pointers()
         k_size, n_size = self._k_size, self._n_size
-        if x.dtype != torch.float32 or x.shape[-1] != k_size or not x.is_contiguous():
-            raise ValueError(f"x: [..., {k_size}] contiguous float32, got {x.dtype} {tuple(x.shape)}")
-        y = torch.empty(*x.shape[:-1], n_size)
+        if x.dtype != torch.float32 or x.shape[-1] != k_size or not x.is_contiguous() or not x.is_cpu:
+            raise ValueError(f"x: [..., {k_size}] contiguous float32 on the CPU, got {x.dtype} {tuple(x.shape)}")
+        y = torch.empty(*x.shape[:-1], n_size, dtype=torch.float32)
         self._module.block_linear(self._path_id, torch.get_num_threads(), x.data_ptr(), x.numel() // k_size, k_size,
                                   *self._pointers, n_size, y.data_ptr())  # fmt: skip
         return y
@@ -273,10 +276,11 @@ def bind_block_linear(
 ) -> BoundBlockLinear | None:
     """The block kernel of ``kernel_status`` with one layer's tensors bound, or None where it does
     not run. The tensors are checked once here (``check_block_weight``, and ``k_size`` inputs
-    against the weight's blocks); each call then checks its ``x`` and that the tensors' storage has
-    not moved (``BoundBlockLinear``), where ``kernel_status().block`` checks every argument at every
-    call (a decode step makes ~97 calls, and every microsecond outside the kernel is one of the
-    step's).
+    against the weight's blocks); each call then checks its ``x`` and compares the tensors' data
+    pointers with the bound ones (``BoundBlockLinear``), where a layer calling
+    ``kernel_status().block`` passes its tensors and takes their pointers and sizes at every call,
+    reshaping in and out (a decode step makes ~97 calls, and every microsecond outside the kernel is
+    one of the step's).
 
     Raises:
         ValueError: as ``check_block_weight``, or ``k_size`` not in the weight's last block.
@@ -297,7 +301,7 @@ def _gemv_linear(module: ModuleType) -> GemvLinear:
     ) -> torch.Tensor:
         n_size, k_size = weight.shape
         _check_rows(x, k_size)
-        y = torch.empty(x.shape[0], n_size)
+        y = torch.empty(x.shape[0], n_size, dtype=torch.float32)
         module.gemv_linear(
             torch.get_num_threads(),
             x.data_ptr(),

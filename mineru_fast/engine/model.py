@@ -185,7 +185,7 @@ class Attention(nn.Module):
         assert self.kv_cache is not None
         batch = x.shape[0]
         if self.decode_kernel is not None:  # the same steps in one call (Qwen2LM.use_decode_kernel)
-            out = torch.empty(batch, self.n_heads * self.head_dim)
+            out = torch.empty(batch, self.n_heads * self.head_dim, dtype=torch.float32)
             self.decode_kernel(
                 self.wqkv(x).view(batch, -1),
                 cos.view(batch, -1),

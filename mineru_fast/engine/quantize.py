@@ -670,6 +670,19 @@ class BlockInt8Linear(nn.Module):
         self._bound_to = tensors
         return self._bound
 
+    def __getstate__(self) -> dict:
+        """The module's state without its bound kernel (a compiled module's handle, which neither
+        pickles nor deep-copies); ``__setstate__`` binds the copy to its own buffers."""
+        state = self.__dict__.copy()
+        state.pop("_bound", None)
+        state.pop("_bound_to", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self._bind() is None:
+            check_block_weight(self.weight_packed, self.weight_scale, self.bias, self.out_features)
+
     def prepared_state(self) -> dict[str, torch.Tensor]:
         """``weight_packed``, ``weight_scale``, ``shape`` (``[out, in]`` int64) and, if any,
         ``bias`` ``[out]`` float32 (see ``from_prepared``)."""
