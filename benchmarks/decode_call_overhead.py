@@ -21,7 +21,6 @@ and the ratio of the medians (after over before). Measure on an idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mineru_fast.bench.report import print_json
 from mineru_fast.engine import kernels
 from mineru_fast.engine import model as lm_model
 from mineru_fast.engine.factory import build_engine
@@ -123,10 +123,7 @@ def main() -> None:
     finally:
         use(AFTER)
         engine.close()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mineru_fast.bench.report import print_json
+
 CHILD = """
 import json, sys, time
 from pathlib import Path
@@ -83,10 +85,7 @@ def main() -> None:
             for t in trees
         ],
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

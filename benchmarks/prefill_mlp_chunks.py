@@ -14,12 +14,12 @@ faults and zeroes its pages; 96 rows stay under it and are reused from the heap.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from mineru_fast.bench.report import print_json
 from mineru_fast.engine import model as lm_model
 from mineru_fast.engine.factory import build_engine
 from mineru_fast.options import ParserOptions
@@ -59,10 +59,7 @@ def main() -> None:
         "ratio_fastest": chunked / whole,
         "logits_bit_identical": torch.equal(*logits.values()),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

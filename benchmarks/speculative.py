@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from mineru_fast.bench.report import print_json
 from mineru_fast.bench.speculative import acceptance_by_type
 from mineru_fast.bench.workload import load_workload
 from mineru_fast.engine.base import GenerationRequest
@@ -165,10 +166,7 @@ def main() -> None:
         for mode in best:
             report[name][mode]["wall_ratio_to_off"] = best[mode]["seconds"] / best["off"]["seconds"]
     engine.close()
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print_json(report, args.json)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Benchmark output: Markdown tables and an optional matplotlib plot, from measured results only."""
+"""Benchmark output: Markdown tables, a script's JSON and an optional matplotlib plot, from measured results only."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from mineru_fast.bench.load import describe
@@ -273,6 +274,15 @@ def _memory(results: dict) -> list[str]:
         f"| resident now / peak | {mb(m['rss'])} / {mb(m['peak_rss'])} |",
     ]
     return lines
+
+
+def print_json(result: dict, path: Path | None = None) -> None:
+    """Print ``result`` as indented JSON (a benchmark script's output) and, with ``path``, write the
+    same text there, newline-terminated."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path is not None:
+        path.write_text(text + "\n")
 
 
 def markdown(results: dict) -> str:
