@@ -655,18 +655,20 @@ class BlockInt8Linear(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = in_features, out_features
-        if self._bind() is None:  # the binding checks the tensors; without the kernels, here
-            check_block_weight(packed, scale, bias, out_features)
+        self._bind()
 
     def _bind(self) -> BoundBlockLinear | None:
         """Bind the own kernel to the layer's current buffers and return it
-        (``kernels.bind_block_linear``; None where it does not run).
+        (``kernels.bind_block_linear``, which checks them; None where it does not run, the buffers
+        then checked here, as ``block_int8_reference`` reads the same layout).
 
         Raises:
             ValueError: a buffer the kernel cannot read (``kernels.check_block_weight``).
         """
         tensors = (self.weight_packed, self.weight_scale, self.bias)
         self._bound = bind_block_linear(*tensors, self.out_features, self.in_features)
+        if self._bound is None:
+            check_block_weight(*tensors, self.out_features)
         self._bound_to = tensors
         return self._bound
 
@@ -680,8 +682,7 @@ class BlockInt8Linear(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        if self._bind() is None:
-            check_block_weight(self.weight_packed, self.weight_scale, self.bias, self.out_features)
+        self._bind()
 
     def prepared_state(self) -> dict[str, torch.Tensor]:
         """``weight_packed``, ``weight_scale``, ``shape`` (``[out, in]`` int64) and, if any,
