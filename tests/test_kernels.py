@@ -277,15 +277,16 @@ def test_fma_float32_rounds_once():
 def test_an_engine_gives_the_same_tokens_on_every_path_cold_and_warm(tiny_model, tmp_path, monkeypatch, a_start):
     """The LM and head block-wise, from the checkpoint and from the prepared cache, on every path
     this CPU runs and in the PyTorch form: the same greedy tokens and log-probabilities, bit for bit,
-    on a page's layout request and three crops. The decode attention is PyTorch's in every run (the
-    own one does not run on the portable path, and rounds otherwise than PyTorch: its tests are
-    below)."""
+    on a page's layout request and three crops. The decode attention, the norms and the SiLU are
+    PyTorch's in every run (the own ones do not run on the portable path, and round otherwise than
+    PyTorch: their tests are below and in test_decoder_kernels.py)."""
     block = {"lm_quant": Int8BlockConfig(), "lm_head_quant": Int8BlockConfig()}
     root = tmp_path / "prepared"
 
     def make(**kwargs):
         engine = make_engine(tiny_model, root, **kwargs)
         engine.lm.use_decode_kernel(None)
+        engine.lm.use_decoder_kernels(None)
         return engine
 
     results = []
@@ -676,7 +677,10 @@ def test_an_engine_decodes_on_the_own_attention_where_it_takes_float32(tiny_mode
     kernel.lm.use_decode_kernel(None)
     off = kernel.generate([request, request])
     assert [r.token_ids for r in on] == [r.token_ids for r in off] and len(on[0].token_ids) > 10
-    for preset in ("fast", "exact"):
+    for preset, blockwise in (("fast", True), ("exact", False)):  # the fast preset's decoder: test_decoder_kernels.py
         engine = build_engine(tiny_model, ParserOptions.preset(preset, slots=1), prepared_cache=False)
-        assert engine.numerics["lm_decode_attention"] == kernel.decode_attention_reason
+        reason = engine.numerics["lm_decode_attention"]
+        assert (
+            reason.startswith(kernel.decode_attention_reason) and ("decoder layers in one call" in reason) == blockwise
+        )
         engine.close()

@@ -157,9 +157,13 @@ class FastEngine:
         if status.decode_attention is None:
             return f"{sdpa} (the own decode attention needs the kernels' avx512_vnni or avx2 path: {status.reason})"
         self.lm.use_decode_kernel(status.decode_attention)
-        return (
+        reason = (
             f"own decode attention ({status.path} path, float32): rotary embedding, KV write and attention in one call"
         )
+        if status.decoder is None or not self.lm.blockwise_decoder:
+            return reason
+        self.lm.use_decoder_kernels(status.decoder)
+        return f"{reason}; a decode step's decoder layers in one call (RMSNorm and SiLU in the kernels' arithmetic)"
 
     def _load(
         self, model_dir: Path, configs: dict[str, object | None], cache_root: Path | None

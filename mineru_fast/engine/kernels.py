@@ -1,8 +1,10 @@
 """The engine's own compiled kernels, built when the package is installed: the block-wise INT8 linear
 of the language model (``int8-block``, the fast preset's), the per-token INT8 GEMV of decode rows
 (``int8-dynamic`` on the ``gemv`` backend), the language model's decode-step attention
-(``KernelStatus.decode_attention``, on the ``avx512_vnni`` and ``avx2`` paths, the same bits) and
-the vision encoder's bfloat16 attention (``attention_status``).
+(``KernelStatus.decode_attention``) and, for the fast preset's block-wise language model, its
+RMSNorm, SiLU-gated product and a whole decode step in one call (``KernelStatus.decoder``; these two
+on the ``avx512_vnni`` and ``avx2`` paths, the same bits), and the vision encoder's bfloat16
+attention (``attention_status``).
 
 The C++ sources are in ``csrc/`` (``csrc/kernels.h`` states the block kernel's arithmetic), built by
 ``setup.py`` into the extension module ``mineru_fast.engine._kernels`` (CPython's limited API, no
@@ -35,11 +37,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -95,6 +99,8 @@ class KernelStatus:
             out)``, the language model's attention for one decode step (``csrc/kernels.h``'s
             ``DecodeAttention``; the checks and shapes: ``_decode_attention``), on the
             ``avx512_vnni`` and ``avx2`` paths (the same bits), else None.
+        decoder: the RMSNorm, the SiLU-gated product and a whole decode step of block-wise decoder
+            layers in one call (``DecoderKernels``), on the paths of ``decode_attention``, else None.
     """
 
     path: str | None
@@ -103,6 +109,7 @@ class KernelStatus:
     gemv: GemvLinear | None = None
     gemv_reason: str = ""
     decode_attention: DecodeAttention | None = None
+    decoder: DecoderKernels | None = None
 
 
 def source_digest(csrc: Path | None = None) -> str:
@@ -408,6 +415,201 @@ def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
     return decode_attention
 
 
+def decoder_kernels(path: str) -> DecoderKernels:
+    """The decoder kernels on one instruction-set path (one of ``DECODE_ATTENTION_PATHS``), whatever
+    the CPU class would choose (tests compare the paths; ``kernel_status().decoder`` is what the
+    engine runs).
+
+    Raises:
+        ImportError: the extension is not built (or stale).
+        ValueError: the path has no decoder kernels, or this CPU cannot run it.
+    """
+    module = _load_module()
+    if path not in DECODE_ATTENTION_PATHS or path not in module.cpu_paths():
+        raise ValueError(f"no decoder kernels on the {path!r} path here (this CPU runs {module.cpu_paths()})")
+    return DecoderKernels(module, path)
+
+
+def _check_float_rows(name: str, x: torch.Tensor, width: int) -> None:
+    if x.dtype != torch.float32 or x.shape[-1] != width or not x.is_contiguous() or not x.is_cpu:
+        raise ValueError(f"{name}: [..., {width}] contiguous float32 on the CPU, got {x.dtype} {tuple(x.shape)}")
+
+
+class DecoderKernels:
+    """A whole decode step of the fast preset's block-wise decoder layers in one call (``bind``,
+    what ``model.Qwen2LM.use_decoder_kernels`` runs), and the two operations it computes in the
+    kernels' own arithmetic (``csrc/kernels.h``: the same bits on the ``avx512_vnni`` and ``avx2``
+    paths), callable alone for their tests and benchmarks: the RMSNorm and the SiLU-gated product,
+    within a few float32 ulps of PyTorch's ``rms_norm`` and ``silu(gate) * up`` (whose bits depend
+    on the vector width PyTorch's build runs).
+    """
+
+    def __init__(self, module: ModuleType, path: str) -> None:
+        self._module, self.path, self._path_id = module, path, _PATH_ID[path]
+
+    def __reduce__(self) -> tuple:  # a copy or a pickle loads the kernels of its path again
+        return decoder_kernels, (self.path,)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x`` ``[..., n]`` contiguous float32, ``weight`` ``[n]`` float32 -> ``[..., n]`` float32:
+        ``(x * 1 / sqrt(mean(x^2) + eps)) * weight``, the mean summed as ``csrc/kernels.h`` says.
+
+        Raises:
+            ValueError: a dtype, shape, layout or device the kernel cannot read.
+        """
+        n = weight.shape[-1]
+        _check_float_rows("x", x, n)
+        _check_float_rows("weight", weight, n)
+        if weight.dim() != 1:
+            raise ValueError(f"weight: [{n}], got {tuple(weight.shape)}")
+        y = torch.empty(x.shape, dtype=torch.float32)
+        self._module.rms_norm(torch.get_num_threads(), x.data_ptr(), x.numel() // n, n, weight.data_ptr(), eps,
+                              y.data_ptr())  # fmt: skip
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up`` ``[..., 2 n]`` contiguous float32 (the gate's ``n`` values, then the up
+        values'; ``FeedForward.w_gate_up``'s output) -> ``silu(gate) * up`` ``[..., n]`` float32.
+
+        Raises:
+            ValueError: a dtype, an odd last dimension, a layout or device the kernel cannot read.
+        """
+        width = gate_up.shape[-1]
+        if width % 2 or width == 0:
+            raise ValueError(f"gate_up: an even last dimension, got {tuple(gate_up.shape)}")
+        _check_float_rows("gate_up", gate_up, width)
+        y = torch.empty(*gate_up.shape[:-1], width // 2, dtype=torch.float32)
+        self._module.silu_mul(self._path_id, torch.get_num_threads(), gate_up.data_ptr(), gate_up.numel() // width,
+                              width // 2, y.data_ptr())  # fmt: skip
+        return y
+
+    def bind(self, layers: list[DecoderLayerRefs], heads: int, intermediate: int, eps: float) -> BoundDecoder:
+        """A decode step through ``layers`` in one call (``BoundDecoder``), their tensors checked now:
+        ``heads`` query heads, ``intermediate`` the feed-forward's width, ``eps`` the norms'.
+
+        Raises:
+            ValueError: a tensor the kernels cannot read, or sizes that disagree between layers.
+        """
+        return BoundDecoder(self._module, self._path_id, layers, heads, intermediate, eps)
+
+
+# Where one decoder layer's tensors live, in the order of csrc/kernels.h's DecoderLayerWeights: the
+# attention norm's weight; wqkv's packed weight, scale and bias; wo's three; the feed-forward norm's
+# weight; w_gate_up's three; w_down's three; the KV cache's keys and values. Each is (the dict that
+# holds it, its key): a module's ``_parameters`` or ``_buffers``, so a tensor replaced there (``to``,
+# an assignment) is seen at the next call.
+DecoderLayerRefs = list[tuple[dict[str, Any], str]]
+_LAYER_FIELDS = 16  # entries of a DecoderLayerRefs
+_LINEARS = (1, 4, 8, 11)  # positions of the four linears' packed weights in DecoderLayerRefs
+
+
+class BoundDecoder:
+    """A decode step through every decoder layer in one call (``csrc/module.cpp``'s
+    ``decode_layers``): per layer ``h += wo(attention(wqkv(norm(h))))`` and
+    ``h += w_down(silu_mul(w_gate_up(norm(h))))`` with the block kernel, the decode attention and
+    ``DecoderKernels``' RMSNorm and SiLU-gated product: the same bits as those calls one by one.
+
+    Holds the layers' tensors; each call compares them (identity and data pointer) with the ones
+    in their modules now, and checks and binds again before the kernels read a replaced or moved one.
+
+    Raises:
+        ValueError: (when bound, or from a call that binds again) a tensor the kernels cannot read.
+    """
+
+    def __init__(
+        self,
+        module: ModuleType,
+        path_id: int,
+        layers: list[DecoderLayerRefs],
+        heads: int,
+        intermediate: int,
+        eps: float,
+    ) -> None:
+        self._module, self._path_id, self._heads, self._eps = module, path_id, heads, eps
+        self._intermediate = intermediate
+        if not layers or any(len(layer) != _LAYER_FIELDS for layer in layers):
+            raise ValueError(f"layers: at least one, each {_LAYER_FIELDS} (holder, key) pairs (DecoderLayerRefs)")
+        self._owners = [owner for layer in layers for owner, _ in layer]
+        self._keys = [key for layer in layers for _, key in layer]
+        self._layers = len(layers)
+        self._bind()
+
+    def _bind(self) -> None:
+        tensors = list(map(operator.getitem, self._owners, self._keys))
+        fields = _LAYER_FIELDS
+        k_cache = tensors[fields - 2]
+        if k_cache.dtype != torch.float32 or k_cache.dim() != 4 or not k_cache.is_contiguous():
+            raise ValueError(f"KV cache: [slots, kv_heads, max_len, d] contiguous float32, got {k_cache.dtype}")
+        slots, kv_heads, max_len, d = k_cache.shape
+        hidden = tensors[0].shape[0]
+        qkv_n, intermediate = (self._heads + 2 * kv_heads) * d, self._intermediate
+        plan = []
+        for layer in range(self._layers):
+            t = tensors[layer * fields : (layer + 1) * fields]
+            attention_norm, ffn_norm, k, v = t[0], t[7], t[14], t[15]
+            for name, norm in (("attention norm", attention_norm), ("feed-forward norm", ffn_norm)):
+                if norm.dtype != torch.float32 or tuple(norm.shape) != (hidden,) or not norm.is_contiguous():
+                    raise ValueError(f"layer {layer} {name}: [{hidden}] contiguous float32")
+            for name, cache in (("keys", k), ("values", v)):
+                if cache.dtype != torch.float32 or cache.shape != k_cache.shape or not cache.is_contiguous():
+                    raise ValueError(f"layer {layer} {name}: {list(k_cache.shape)} contiguous float32")
+            sizes = ((qkv_n, hidden), (hidden, self._heads * d), (2 * intermediate, hidden), (hidden, intermediate))
+            row = [attention_norm.data_ptr()]
+            for at, (n, k_size) in zip(_LINEARS, sizes, strict=True):
+                weight, scale, bias = t[at : at + 3]
+                check_block_weight(weight, scale, bias, n)
+                k_pad = weight.shape[1] * 4
+                if not k_pad - 32 < k_size <= k_pad:
+                    raise ValueError(f"layer {layer}: a weight {tuple(weight.shape)} for {k_size} inputs")
+                row += [weight.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(), weight.shape[0],
+                        k_pad]  # fmt: skip
+                if at == 4:
+                    row.append(ffn_norm.data_ptr())
+            plan.append(row + [k.data_ptr(), v.data_ptr()])
+        self._plan = torch.tensor(plan, dtype=torch.int64)
+        self._sizes = (hidden, self._heads, kv_heads, d, intermediate)
+        self._cache = (slots, max_len)
+        self._tensors = tensors
+        self._held = [t for t in tensors if t is not None]
+        self._pointers = [t.data_ptr() for t in self._held]
+        # the storages the pointers point into, held (as BoundBlockLinear's)
+        self._storages = [t.untyped_storage() for t in self._held]
+
+    def __call__(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row_slots: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """One decode step: ``h`` ``[B, hidden]`` float32 contiguous, the rows' embeddings, becomes
+        the last layer's output in place; ``cos``, ``sin`` ``[B, d]`` (``model.MRoPE``'s), ``row_slots``
+        and ``positions`` ``[B]`` int64 as for the decode attention (``_decode_attention``).
+
+        Raises:
+            ValueError: a dtype, shape or layout the kernels cannot read, a row outside the KV
+                cache, or a replaced tensor they cannot read.
+        """
+        now = map(operator.getitem, self._owners, self._keys)  # loops in C: ~30 us for MinerU2.5's 384 tensors
+        if (
+            not all(map(operator.is_, now, self._tensors))
+            or list(map(torch.Tensor.data_ptr, self._held)) != self._pointers
+        ):
+            self._bind()
+        hidden, heads, kv_heads, d, intermediate = self._sizes
+        batch = h.shape[0]
+        for name, t, dtype, shape in (
+            ("h", h, torch.float32, (batch, hidden)),
+            ("cos", cos, torch.float32, (batch, d)),
+            ("sin", sin, torch.float32, (batch, d)),
+            ("row_slots", row_slots, torch.int64, (batch,)),
+            ("positions", positions, torch.int64, (batch,)),
+        ):
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"{name}: {list(shape)} contiguous {dtype} on the CPU, got {t.dtype} {tuple(t.shape)}")
+        slots, max_len = self._cache
+        self._module.decode_layers(self._path_id, torch.get_num_threads(), self._plan.data_ptr(), self._layers,
+                                   h.data_ptr(), batch, hidden, heads, kv_heads, d, intermediate, self._eps,
+                                   cos.data_ptr(), sin.data_ptr(), slots, max_len, row_slots.data_ptr(),
+                                   positions.data_ptr(), d**-0.5)  # fmt: skip
+
+
 def check_gemv_weight(
     weight: torch.Tensor, weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> None:
@@ -459,7 +661,8 @@ def kernel_status() -> KernelStatus:
     )
     reason = f"own block-wise INT8 kernel, {path} path{lowered}"
     decode = _decode_attention(module, path) if path in DECODE_ATTENTION_PATHS else None
-    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows, decode)
+    decoder = DecoderKernels(module, path) if path in DECODE_ATTENTION_PATHS else None
+    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows, decode, decoder)
 
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

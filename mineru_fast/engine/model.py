@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mineru_fast.engine.kv_cache import KVCache
+from mineru_fast.engine.quantize import BlockInt8Linear
 
 if TYPE_CHECKING:
-    from mineru_fast.engine.kernels import DecodeAttention
+    from mineru_fast.engine.kernels import BoundDecoder, DecodeAttention, DecoderKernels, DecoderLayerRefs
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,8 @@ class Qwen2LM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = MRoPE(config)
+        self._decoder_kernels: DecoderKernels | None = None  # use_decoder_kernels
+        self._decoder: BoundDecoder | None = None  # the decode step in one call, where it runs
 
     @property
     def decoder_layers(self) -> Iterable[DecoderLayer]:
@@ -290,6 +293,7 @@ class Qwen2LM(nn.Module):
         c = self.config
         for layer in self.decoder_layers:
             layer.attention.kv_cache = KVCache(slots, c.num_kv_heads, max_len, c.head_dim, dtype)
+        self._bind_decoder()
 
     def use_decode_kernel(self, kernel: DecodeAttention | None) -> None:
         """Run each decode step's rotary embedding, KV write and attention as one call of ``kernel``
@@ -309,6 +313,64 @@ class Qwen2LM(nn.Module):
             raise ValueError("the decode attention kernel takes float32 activations and KV buffers")
         for layer in self.decoder_layers:
             layer.attention.decode_kernel = kernel
+        self._bind_decoder()
+
+    @property
+    def blockwise_decoder(self) -> bool:
+        """Whether every decoder linear is block-wise INT8 (the fast preset's language model)."""
+        return all(
+            isinstance(linear, BlockInt8Linear)
+            for layer in self.decoder_layers
+            for linear in (
+                layer.attention.wqkv,
+                layer.attention.wo,
+                layer.feed_forward.w_gate_up,
+                layer.feed_forward.w_down,
+            )
+        )
+
+    def use_decoder_kernels(self, kernels: DecoderKernels | None) -> None:
+        """While the decode attention kernel is on too (``use_decode_kernel``), run each decode
+        step's decoder layers in one call of ``kernels`` (``kernels.KernelStatus.decoder``: the
+        block kernel, the decode attention, and the norms and SiLU-gated product in the kernels'
+        arithmetic, within a few float32 ulps of PyTorch's operators); or PyTorch's operators
+        between the kernels' calls (None, the default). Prefill keeps PyTorch's norms and SiLU
+        either way. For block-wise INT8 linears (``quantize.BlockInt8Linear``) and float32 only: the
+        fast preset's language model.
+
+        Raises:
+            ValueError: activations other than float32, or a decoder linear that is not block-wise INT8.
+        """
+        if kernels is not None:
+            if self.dtype != torch.float32:
+                raise ValueError("the decoder kernels take float32 activations")
+            if not self.blockwise_decoder:
+                raise ValueError("the decoder kernels run block-wise INT8 decoder linears only")
+        self._decoder_kernels = kernels
+        self._bind_decoder()
+
+    def _bind_decoder(self) -> None:
+        """Bind the one-call decode step to the layers' current tensors and caches where both the
+        decoder kernels and the decode attention kernel are on, else drop it."""
+        layers = list(self.decoder_layers)
+        kernels = self._decoder_kernels
+        if kernels is None or any(layer.attention.decode_kernel is None for layer in layers):
+            self._decoder = None
+            return
+
+        def block(linear: nn.Module) -> DecoderLayerRefs:
+            return [(linear._buffers, name) for name in ("weight_packed", "weight_scale", "bias")]
+
+        refs = []
+        for layer in layers:  # in kernels.DecoderLayerRefs' order
+            attention, ffn = layer.attention, layer.feed_forward
+            assert attention.kv_cache is not None
+            cache = attention.kv_cache._buffers
+            refs.append([(layer.attention_norm._parameters, "weight"), *block(attention.wqkv), *block(attention.wo),
+                         (layer.ffn_norm._parameters, "weight"), *block(ffn.w_gate_up), *block(ffn.w_down),
+                         (cache, "k"), (cache, "v")])  # fmt: skip
+        c = self.config
+        self._decoder = kernels.bind(refs, c.num_heads, c.intermediate_size, c.rms_norm_eps)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cached positions of slot ``src`` to slot ``dst`` in every layer."""
@@ -391,6 +453,12 @@ class Qwen2LM(nn.Module):
         """
         if row_slots is None:
             row_slots = torch.arange(tokens.shape[0])
+        if self._decoder is not None:  # the layers in one call (use_decoder_kernels)
+            h = self.embed_tokens(tokens)  # [B, hidden], updated in place
+            cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
+            batch = tokens.shape[0]
+            self._decoder(h, cos.view(batch, -1), sin.view(batch, -1), row_slots, cache_positions)
+            return self._logits(h)
         h = self.embed_tokens(tokens)[:, None]  # [B, 1, hidden]
         cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)
         lengths = (cache_positions + 1).tolist()

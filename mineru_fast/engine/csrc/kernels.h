@@ -145,4 +145,40 @@ void decode_heads_avx512(const DecodeAttention& a, int64_t item_begin, int64_t i
 void decode_write_avx2(const DecodeAttention& a, int64_t row);
 void decode_heads_avx2(const DecodeAttention& a, int64_t item_begin, int64_t item_end, float* scores);
 
+// The language model's RMSNorm and SiLU-gated product in one arithmetic on every path (decoder_ops.cpp,
+// ffn_avx512.cpp, ffn_avx2.cpp; the fast preset's decoder where the decode attention runs):
+//   rms_norm_row: y[k] = (x[k] * r) * weight[k] (two roundings), r = 1 / sqrt(s / n + eps) (each step
+//     correctly rounded), s = sum of x[k]^2 as 16 lane sums (lane j: k = j, j + 16, ... in that order;
+//     a product, then a sum: two roundings) added as lanes o + 8, then o + 4, o + 2, o + 1;
+//   silu_mul: y[k] = silu(gate[k]) * up[k], silu(g) = g / (1 + t) for g >= 0 and (g * t) / (1 + t)
+//     below, t = 2^x, x = -log2(e) * |g| (simd_math.h's exp2_nonpositive: relative error below 3e-7),
+//     and t = 0 where x < -150 (or NaN): a very negative gate gives -0, as PyTorch's, -inf a NaN.
+// PyTorch's rms_norm sums in an order its build's vector width sets, and its SiLU takes Sleef's exp:
+// these are within a few float32 ulps of them, and the same bits on every path (tests/test_kernels.py).
+constexpr float kSiluLog2e = 1.4426950408889634f;
+constexpr float kSiluLowestExponent = -150.0f;
+void rms_norm_row(const float* x, const float* weight, int64_t n, float eps, float* y);
+void silu_mul_avx512(const float* gate, const float* up, int64_t n, float* y);
+void silu_mul_avx2(const float* gate, const float* up, int64_t n, float* y);
+
+// One decoder layer's weights for a decode step of the whole language model in one call (module.cpp's
+// decode_layers): the block-wise linears (layout above), the two RMSNorm weights [hidden] and the
+// layer's KV cache (DecodeAttention's). Python passes them as kDecoderPlanFields int64 per layer, in
+// this order (engine/kernels.py's BoundDecoder).
+struct BlockWeights {
+  const uint8_t* weight;
+  const float* scale;
+  const float* bias;  // or nullptr
+  int64_t tiles, k_pad;
+};
+struct DecoderLayerWeights {
+  const float* attention_norm;
+  BlockWeights qkv, o;
+  const float* ffn_norm;
+  BlockWeights gate_up, down;
+  float* k_cache;
+  float* v_cache;
+};
+constexpr int64_t kDecoderPlanFields = 24;
+
 }  // namespace mineru_fast

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <vector>
@@ -66,9 +67,93 @@ void parallel(int threads, int64_t count, int64_t grain, const Body& body) {
   if (count > 0) body(0, count);
 }
 
+// The quantized activations of a block-wise linear call: sized once for its rows and widest input.
+struct BlockScratch {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+
+  bool reserve(int64_t rows, int64_t k_pad) {
+    try {
+      q.resize(rows * k_pad);
+      scale.resize(rows * (k_pad / mf::kBlock));
+      sum.resize(rows * (k_pad / mf::kBlock));
+    } catch (const std::bad_alloc&) {
+      return false;
+    }
+    return true;
+  }
+};
+
+// y = block-wise linear of x [l.m_size][k] (kernels.h), its input padded to k_pad; no GIL needed.
+void run_block(Path path, int threads, const float* x, int64_t k, int64_t k_pad, const mf::BlockLinear& l,
+               BlockScratch& scratch) {
+  const mf::BlockActivations a{scratch.q.data(), scratch.scale.data(), scratch.sum.data(), k_pad, k_pad / mf::kBlock};
+  parallel(threads, l.m_size, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      switch (path) {
+        case kAvx512Vnni: mf::quantize_blocks_avx512(x + row * k, k, a, row); break;
+        case kAvx2: mf::quantize_blocks_avx2(x + row * k, k, a, row); break;
+        default: mf::quantize_blocks_portable(x + row * k, k, a, row);
+      }
+    }
+  });
+  const int64_t steps = (l.tiles + mf::kStepTiles - 1) / mf::kStepTiles;
+  parallel(threads, steps, 1, [&](int64_t begin, int64_t end) {
+    switch (path) {
+      case kAvx512Vnni: mf::block_steps_avx512(l, a, begin, end); break;
+      case kAvx2: mf::block_steps_avx2(l, a, begin, end); break;
+      default: mf::block_steps_portable(l, a, begin, end);
+    }
+  });
+}
+
 template <class T>
 T* as_pointer(unsigned long long address) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
+
+// The longest row (its position + 1) of a decode step, or -1 with a Python ValueError set when a row's
+// slot or position is outside the KV cache.
+int64_t checked_longest(const int64_t* row_slots, const int64_t* positions, int64_t batch, int64_t slots,
+                        int64_t max_len) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (row_slots[b] < 0 || row_slots[b] >= slots) {
+      PyErr_Format(PyExc_ValueError, "slot %lld of row %lld is outside the KV cache (%lld slots)",
+                   (long long)row_slots[b], (long long)b, (long long)slots);
+      return -1;
+    }
+    if (positions[b] < 0 || positions[b] >= max_len) {
+      PyErr_Format(PyExc_ValueError, "position %lld of row %lld is outside the KV cache (max_len %lld)",
+                   (long long)positions[b], (long long)b, (long long)max_len);
+      return -1;
+    }
+    longest = std::max<int64_t>(longest, positions[b] + 1);
+  }
+  return longest;
+}
+
+// The decode attention of a step (kernels.h) on the avx512_vnni or avx2 path; no GIL needed. False
+// when a thread's score buffer could not be allocated.
+bool run_decode_attention(Path path, int threads, const mf::DecodeAttention& a, int64_t longest) {
+  const int64_t padded = (longest + 15) / 16 * 16;
+  const bool wide = path == kAvx512Vnni;
+  bool no_memory = false;
+  for (int64_t b = 0; b < a.batch; ++b) wide ? mf::decode_write_avx512(a, b) : mf::decode_write_avx2(a, b);
+  parallel(threads, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
+    const std::unique_ptr<float[]> scores(new (std::nothrow) float[padded]);
+    if (!scores) {
+#pragma omp atomic write
+      no_memory = true;
+      return;
+    }
+    if (wide)
+      mf::decode_heads_avx512(a, begin, end, scores.get());
+    else
+      mf::decode_heads_avx2(a, begin, end, scores.get());
+  });
+  return !no_memory;
 }
 
 PyObject* cpu_paths(PyObject*, PyObject*) {
@@ -110,40 +195,14 @@ PyObject* block_linear(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
     return nullptr;
   }
-  const int64_t blocks = k_pad / mf::kBlock;
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> sum;
-  try {
-    q.resize(m * k_pad);
-    scale.resize(m * blocks);
-    sum.resize(m * blocks);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  const mf::BlockActivations a{q.data(), scale.data(), sum.data(), k_pad, blocks};
+  BlockScratch scratch;
+  if (!scratch.reserve(m, k_pad)) return PyErr_NoMemory();
   const mf::BlockLinear l{as_pointer<const uint8_t>(w_p), as_pointer<const float>(ws_p), as_pointer<const float>(bias_p),
                           as_pointer<float>(y_p), m, n, tiles};
   const float* x = as_pointer<const float>(x_p);
   const Path chosen = static_cast<Path>(path);
   Py_BEGIN_ALLOW_THREADS;
-  parallel(threads, m, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      switch (chosen) {
-        case kAvx512Vnni: mf::quantize_blocks_avx512(x + row * k, k, a, row); break;
-        case kAvx2: mf::quantize_blocks_avx2(x + row * k, k, a, row); break;
-        default: mf::quantize_blocks_portable(x + row * k, k, a, row);
-      }
-    }
-  });
-  const int64_t steps = (tiles + mf::kStepTiles - 1) / mf::kStepTiles;
-  parallel(threads, steps, 1, [&](int64_t begin, int64_t end) {
-    switch (chosen) {
-      case kAvx512Vnni: mf::block_steps_avx512(l, a, begin, end); break;
-      case kAvx2: mf::block_steps_avx2(l, a, begin, end); break;
-      default: mf::block_steps_portable(l, a, begin, end);
-    }
-  });
+  run_block(chosen, threads, x, k, k_pad, l, scratch);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
@@ -281,20 +340,8 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
   }
   const int64_t* row_slots = as_pointer<const int64_t>(row_slots_p);
   const int64_t* positions = as_pointer<const int64_t>(pos_p);
-  int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (row_slots[b] < 0 || row_slots[b] >= slots) {
-      PyErr_Format(PyExc_ValueError, "slot %lld of row %lld is outside the KV cache (%lld slots)",
-                   (long long)row_slots[b], (long long)b, slots);
-      return nullptr;
-    }
-    if (positions[b] < 0 || positions[b] >= max_len) {
-      PyErr_Format(PyExc_ValueError, "position %lld of row %lld is outside the KV cache (max_len %lld)",
-                   (long long)positions[b], (long long)b, max_len);
-      return nullptr;
-    }
-    longest = std::max<int64_t>(longest, positions[b] + 1);
-  }
+  const int64_t longest = checked_longest(row_slots, positions, batch, slots, max_len);
+  if (longest < 0) return nullptr;
   const mf::DecodeAttention a{as_pointer<const float>(qkv_p), as_pointer<const float>(cos_p),
                               as_pointer<const float>(sin_p), as_pointer<float>(k_p),
                               as_pointer<float>(v_p),        row_slots,
@@ -302,25 +349,198 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
                               batch,                         heads,
                               kv_heads,                      d,
                               max_len,                       scale};
-  const int64_t padded = (longest + 15) / 16 * 16;
-  bool no_memory = false;
+  bool done;
   Py_BEGIN_ALLOW_THREADS;
-  const bool wide = path == kAvx512Vnni;
-  for (int64_t b = 0; b < batch; ++b) wide ? mf::decode_write_avx512(a, b) : mf::decode_write_avx2(a, b);
-  parallel(threads, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    const std::unique_ptr<float[]> scores(new (std::nothrow) float[padded]);
-    if (!scores) {
-#pragma omp atomic write
-      no_memory = true;
-      return;
-    }
-    if (wide)
-      mf::decode_heads_avx512(a, begin, end, scores.get());
-    else
-      mf::decode_heads_avx2(a, begin, end, scores.get());
+  done = run_decode_attention(static_cast<Path>(path), threads, a, longest);
+  Py_END_ALLOW_THREADS;
+  if (!done) return PyErr_NoMemory();
+  Py_RETURN_NONE;
+}
+
+// rms_norm(threads, x, m, n, weight, eps, y): rows of x [m][n] -> y [m][n] (kernels.h's rms_norm_row)
+PyObject* rms_norm(PyObject*, PyObject* args) {
+  int threads;
+  unsigned long long x_p, w_p, y_p;
+  long long m, n;
+  float eps;
+  if (!PyArg_ParseTuple(args, "iKLLKfK", &threads, &x_p, &m, &n, &w_p, &eps, &y_p)) return nullptr;
+  if (m < 0 || n < 1) {
+    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
+    return nullptr;
+  }
+  if (m == 0) Py_RETURN_NONE;
+  if (x_p == 0 || w_p == 0 || y_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const float* x = as_pointer<const float>(x_p);
+  const float* w = as_pointer<const float>(w_p);
+  float* y = as_pointer<float>(y_p);
+  Py_BEGIN_ALLOW_THREADS;
+  parallel(threads, m, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) mf::rms_norm_row(x + row * n, w, n, eps, y + row * n);
   });
   Py_END_ALLOW_THREADS;
-  if (no_memory) return PyErr_NoMemory();
+  Py_RETURN_NONE;
+}
+
+void silu_mul_values(Path path, const float* gate, const float* up, int64_t n, float* y) {
+  if (path == kAvx512Vnni)
+    mf::silu_mul_avx512(gate, up, n, y);
+  else
+    mf::silu_mul_avx2(gate, up, n, y);
+}
+
+// silu_mul of rows of gate_up [m][2n] -> y [m][n], in segments of kSiluSegment values split over the
+// threads (each value's arithmetic is its own: any split gives the same bits); a decode row's 4,864
+// values stay on one thread (a fork costs more than half of them).
+constexpr int64_t kSiluSegment = 1024;
+void silu_mul_rows(Path path, int threads, const float* gate_up, int64_t m, int64_t n, float* y) {
+  const int64_t per_row = (n + kSiluSegment - 1) / kSiluSegment;
+  parallel(threads, m * per_row, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / per_row, start = item % per_row * kSiluSegment;
+      const float* gate = gate_up + row * 2 * n + start;
+      silu_mul_values(path, gate, gate + n, std::min(kSiluSegment, n - start), y + row * n + start);
+    }
+  });
+}
+
+// silu_mul(path, threads, gate_up, m, n, y): rows of gate_up [m][2n] (the gate, then the up values)
+// -> y [m][n] (kernels.h's silu_mul), on the avx512_vnni or avx2 path
+PyObject* silu_mul(PyObject*, PyObject* args) {
+  int path, threads;
+  unsigned long long x_p, y_p;
+  long long m, n;
+  if (!PyArg_ParseTuple(args, "iiKLLK", &path, &threads, &x_p, &m, &n, &y_p)) return nullptr;
+  if ((path != kAvx2 && path != kAvx512Vnni) || !cpu_has(static_cast<Path>(path))) {
+    PyErr_Format(PyExc_ValueError, "silu_mul runs on the avx2 and avx512_vnni paths, not path %d here", path);
+    return nullptr;
+  }
+  if (m < 0 || n < 1) {
+    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
+    return nullptr;
+  }
+  if (m == 0) Py_RETURN_NONE;
+  if (x_p == 0 || y_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const float* x = as_pointer<const float>(x_p);
+  float* y = as_pointer<float>(y_p);
+  const Path chosen = static_cast<Path>(path);
+  Py_BEGIN_ALLOW_THREADS;
+  silu_mul_rows(chosen, threads, x, m, n, y);
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// Whether a block-wise layer's tiles and padded input hold n outputs of k inputs (as block_linear checks).
+bool block_sizes_agree(const mf::BlockWeights& w, int64_t k, int64_t n) {
+  return w.weight != nullptr && w.scale != nullptr && w.tiles >= 1 && w.k_pad % mf::kBlock == 0 && k <= w.k_pad &&
+         k > w.k_pad - mf::kBlock && n > (w.tiles - 1) * mf::kLanes && n <= w.tiles * mf::kLanes;
+}
+
+// decode_layers(path, threads, plan, layers, h, batch, hidden, heads, kv_heads, d, intermediate, eps, cos, sin,
+//               slots, max_len, row_slots, positions, scale)
+// One decode step through every decoder layer, h [batch][hidden] updated in place: per layer
+//   h += o(attention(qkv(rms_norm(h)))),  h += down(silu_mul(gate_up(rms_norm(h))))
+// with the block-wise linears, the decode attention (DecodeAttention's arguments: the layer's cache,
+// cos, sin, row_slots, positions, scale) and rms_norm_row / silu_mul of kernels.h: the same operations
+// as those calls one by one. plan: layers x kDecoderPlanFields int64 (DecoderLayerWeights).
+PyObject* decode_layers(PyObject*, PyObject* args) {
+  int path, threads;
+  unsigned long long plan_p, h_p, cos_p, sin_p, row_slots_p, pos_p;
+  long long layers, batch, hidden, heads, kv_heads, d, intermediate, slots, max_len;
+  float eps, scale;
+  if (!PyArg_ParseTuple(args, "iiKLKLLLLLLfKKLLKKf", &path, &threads, &plan_p, &layers, &h_p, &batch, &hidden, &heads,
+                        &kv_heads, &d, &intermediate, &eps, &cos_p, &sin_p, &slots, &max_len, &row_slots_p, &pos_p,
+                        &scale))
+    return nullptr;
+  if ((path != kAvx2 && path != kAvx512Vnni) || !cpu_has(static_cast<Path>(path))) {
+    PyErr_Format(PyExc_ValueError, "decode_layers runs on the avx2 and avx512_vnni paths, not path %d here", path);
+    return nullptr;
+  }
+  if (layers < 1 || batch < 1 || hidden < 1 || intermediate < 1 || slots < 1 || kv_heads < 1 || heads < kv_heads ||
+      heads % kv_heads != 0 || d < 16 || d > 128 || d % 16 != 0 || max_len < 1) {
+    PyErr_Format(PyExc_ValueError,
+                 "sizes: layers=%lld batch=%lld hidden=%lld intermediate=%lld slots=%lld (at least 1) heads=%lld "
+                 "kv_heads=%lld (a divisor) d=%lld (16 to 128, a multiple of 16) max_len=%lld",
+                 layers, batch, hidden, intermediate, slots, heads, kv_heads, d, max_len);
+    return nullptr;
+  }
+  if (plan_p == 0 || h_p == 0 || cos_p == 0 || sin_p == 0 || row_slots_p == 0 || pos_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  static_assert(sizeof(mf::DecoderLayerWeights) == mf::kDecoderPlanFields * sizeof(int64_t),
+                "DecoderLayerWeights is kDecoderPlanFields 8-byte fields");
+  const int64_t qkv_n = (heads + 2 * kv_heads) * d, attention_n = heads * d;
+  std::vector<mf::DecoderLayerWeights> plan;
+  std::vector<float> normed, qkv, attention, o, gate_up, act;
+  BlockScratch scratch;
+  try {
+    plan.resize(layers);
+    normed.resize(batch * hidden);
+    qkv.resize(batch * qkv_n);
+    attention.resize(batch * attention_n);
+    o.resize(batch * hidden);
+    gate_up.resize(batch * 2 * intermediate);
+    act.resize(batch * intermediate);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  std::memcpy(plan.data(), as_pointer<const void>(plan_p), plan.size() * sizeof(mf::DecoderLayerWeights));
+  int64_t widest = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    const mf::DecoderLayerWeights& w = plan[i];
+    if (w.attention_norm == nullptr || w.ffn_norm == nullptr || w.k_cache == nullptr || w.v_cache == nullptr ||
+        !block_sizes_agree(w.qkv, hidden, qkv_n) || !block_sizes_agree(w.o, attention_n, hidden) ||
+        !block_sizes_agree(w.gate_up, hidden, 2 * intermediate) || !block_sizes_agree(w.down, intermediate, hidden)) {
+      PyErr_Format(PyExc_ValueError, "layer %lld: a null pointer or a linear whose sizes disagree with the model's",
+                   (long long)i);
+      return nullptr;
+    }
+    widest = std::max({widest, w.qkv.k_pad, w.o.k_pad, w.gate_up.k_pad, w.down.k_pad});
+  }
+  if (!scratch.reserve(batch, widest)) return PyErr_NoMemory();
+  const int64_t* row_slots = as_pointer<const int64_t>(row_slots_p);
+  const int64_t* positions = as_pointer<const int64_t>(pos_p);
+  const int64_t longest = checked_longest(row_slots, positions, batch, slots, max_len);
+  if (longest < 0) return nullptr;
+  float* h = as_pointer<float>(h_p);
+  const Path chosen = static_cast<Path>(path);
+  bool done = true;
+  Py_BEGIN_ALLOW_THREADS;
+  const auto linear = [&](const mf::BlockWeights& w, const float* x, int64_t k, float* y, int64_t n) {
+    run_block(chosen, threads, x, k, w.k_pad, mf::BlockLinear{w.weight, w.scale, w.bias, y, batch, n, w.tiles},
+              scratch);
+  };
+  const auto residual = [&]() {
+    for (int64_t i = 0; i < batch * hidden; ++i) h[i] += o[i];
+  };
+  for (int64_t i = 0; i < layers && done; ++i) {
+    const mf::DecoderLayerWeights& w = plan[i];
+    for (int64_t b = 0; b < batch; ++b)
+      mf::rms_norm_row(h + b * hidden, w.attention_norm, hidden, eps, normed.data() + b * hidden);
+    linear(w.qkv, normed.data(), hidden, qkv.data(), qkv_n);
+    const mf::DecodeAttention a{qkv.data(), as_pointer<const float>(cos_p), as_pointer<const float>(sin_p),
+                                w.k_cache,  w.v_cache,                      row_slots,
+                                positions,  attention.data(),               batch,
+                                heads,      kv_heads,                       d,
+                                max_len,    scale};
+    done = run_decode_attention(chosen, threads, a, longest);
+    linear(w.o, attention.data(), attention_n, o.data(), hidden);
+    residual();
+    for (int64_t b = 0; b < batch; ++b)
+      mf::rms_norm_row(h + b * hidden, w.ffn_norm, hidden, eps, normed.data() + b * hidden);
+    linear(w.gate_up, normed.data(), hidden, gate_up.data(), 2 * intermediate);
+    silu_mul_rows(chosen, threads, gate_up.data(), batch, intermediate, act.data());
+    linear(w.down, act.data(), intermediate, o.data(), hidden);
+    residual();
+  }
+  Py_END_ALLOW_THREADS;
+  if (!done) return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 
@@ -331,6 +551,9 @@ PyMethodDef methods[] = {
     {"attention_runs", attention_runs, METH_NOARGS, "Whether this CPU runs the bfloat16 attention (AVX-512 BF16)."},
     {"attention_bf16", attention_bf16, METH_VARARGS, "Bfloat16 attention of one image's heads (engine/kernels.py)."},
     {"decode_attention", decode_attention, METH_VARARGS, "The language model's decode-step attention (engine/kernels.py)."},
+    {"rms_norm", rms_norm, METH_VARARGS, "The language model's RMSNorm of rows (engine/kernels.py)."},
+    {"silu_mul", silu_mul, METH_VARARGS, "The feed-forward's SiLU-gated product of rows (engine/kernels.py)."},
+    {"decode_layers", decode_layers, METH_VARARGS, "A decode step through every decoder layer (engine/kernels.py)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
