@@ -510,7 +510,9 @@ class BoundDecoder:
     ``DecoderKernels``' RMSNorm and SiLU-gated product: the same bits as those calls one by one.
 
     Holds the layers' tensors; each call compares them (identity and data pointer) with the ones
-    in their modules now, and checks and binds again before the kernels read a replaced or moved one.
+    in the ``_parameters`` and ``_buffers`` it was bound through, and checks and binds again before
+    the kernels read a replaced or moved one (a replaced module is its caller's to see:
+    ``model.Qwen2LM`` binds again). Not for two threads at once: the call releases the GIL.
 
     Raises:
         ValueError: (when bound, or from a call that binds again) a tensor the kernels cannot read.
@@ -572,7 +574,9 @@ class BoundDecoder:
         self._tensors = tensors
         self._held = [t for t in tensors if t is not None]
         self._pointers = [t.data_ptr() for t in self._held]
-        # the storages the pointers point into, held (as BoundBlockLinear's)
+        # the storages the pointers point into, held: no other tensor takes their addresses while
+        # bound; a storage moved in place (share_memory_) is caught by the pointer comparison of
+        # the next call. One thread at a time: the call releases the GIL for the whole step.
         self._storages = [t.untyped_storage() for t in self._held]
 
     def __call__(

@@ -8,9 +8,10 @@ gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -281,6 +282,7 @@ class Qwen2LM(nn.Module):
         self.rope = MRoPE(config)
         self._decoder_kernels: DecoderKernels | None = None  # use_decoder_kernels
         self._decoder: BoundDecoder | None = None  # the decode step in one call, where it runs
+        self._decoder_modules: tuple[list, list, list] = ([], [], [])  # _bind_decoder: (holders, keys, modules)
 
     @property
     def decoder_layers(self) -> Iterable[DecoderLayer]:
@@ -350,27 +352,56 @@ class Qwen2LM(nn.Module):
         self._bind_decoder()
 
     def _bind_decoder(self) -> None:
-        """Bind the one-call decode step to the layers' current tensors and caches where both the
-        decoder kernels and the decode attention kernel are on, else drop it."""
+        """Bind the one-call decode step to the layers' current modules, tensors and caches where the
+        decoder kernels and the decode attention kernel are on, every decoder linear is block-wise
+        INT8 and every KV cache float32; else drop it (decode then runs the layers one by one).
+
+        Raises:
+            ValueError: a tensor the kernels cannot read (``kernels.BoundDecoder``); the step is
+                dropped first.
+        """
+        self._decoder = None
         layers = list(self.decoder_layers)
         kernels = self._decoder_kernels
-        if kernels is None or any(layer.attention.decode_kernel is None for layer in layers):
-            self._decoder = None
+        if (
+            kernels is None
+            or not self.blockwise_decoder
+            or any(
+                layer.attention.decode_kernel is None
+                or layer.attention.kv_cache is None
+                or layer.attention.kv_cache.dtype != torch.float32
+                for layer in layers
+            )
+        ):
             return
 
         def block(linear: nn.Module) -> DecoderLayerRefs:
             return [(linear._buffers, name) for name in ("weight_packed", "weight_scale", "bias")]
 
-        refs = []
-        for layer in layers:  # in kernels.DecoderLayerRefs' order
+        refs: list[DecoderLayerRefs] = []
+        modules: list[tuple[dict[str, Any], str]] = [(self._modules, "layers")]
+        for index, layer in enumerate(layers):  # in kernels.DecoderLayerRefs' order
             attention, ffn = layer.attention, layer.feed_forward
             assert attention.kv_cache is not None
             cache = attention.kv_cache._buffers
             refs.append([(layer.attention_norm._parameters, "weight"), *block(attention.wqkv), *block(attention.wo),
                          (layer.ffn_norm._parameters, "weight"), *block(ffn.w_gate_up), *block(ffn.w_down),
                          (cache, "k"), (cache, "v")])  # fmt: skip
+            modules += [(self.layers._modules, str(index)), (attention.__dict__, "decode_kernel")]
+            modules += [(layer._modules, name) for name in ("attention_norm", "attention", "ffn_norm", "feed_forward")]
+            modules += [(attention._modules, name) for name in ("wqkv", "wo", "kv_cache")]
+            modules += [(ffn._modules, name) for name in ("w_gate_up", "w_down")]
         c = self.config
-        self._decoder = kernels.bind(refs, c.num_heads, c.intermediate_size, c.rms_norm_eps)
+        decoder = kernels.bind(refs, c.num_heads, c.intermediate_size, c.rms_norm_eps)
+        holders, keys = (list(t) for t in zip(*modules, strict=True))
+        self._decoder_modules = (holders, keys, list(map(operator.getitem, holders, keys)))
+        self._decoder = decoder
+
+    def _decoder_current(self) -> bool:
+        """Whether the modules the one-call step was bound through are still the model's (the
+        tensors in them the step checks itself): ~20 us, loops in C."""
+        holders, keys, bound = self._decoder_modules
+        return all(map(operator.is_, map(operator.getitem, holders, keys), bound))
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cached positions of slot ``src`` to slot ``dst`` in every layer."""
@@ -453,6 +484,8 @@ class Qwen2LM(nn.Module):
         """
         if row_slots is None:
             row_slots = torch.arange(tokens.shape[0])
+        if self._decoder is not None and not self._decoder_current():
+            self._bind_decoder()  # a module replaced since: bound again, or dropped where it no longer runs
         if self._decoder is not None:  # the layers in one call (use_decoder_kernels)
             h = self.embed_tokens(tokens)  # [B, hidden], updated in place
             cos, sin = self.rope(rope_positions.view(1, -1, 1).expand(3, -1, 1), h.dtype)

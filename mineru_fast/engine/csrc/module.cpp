@@ -519,7 +519,7 @@ PyObject* decode_layers(PyObject*, PyObject* args) {
   const auto residual = [&]() {
     for (int64_t i = 0; i < batch * hidden; ++i) h[i] += o[i];
   };
-  for (int64_t i = 0; i < layers && done; ++i) {
+  for (int64_t i = 0; i < layers; ++i) {
     const mf::DecoderLayerWeights& w = plan[i];
     for (int64_t b = 0; b < batch; ++b)
       mf::rms_norm_row(h + b * hidden, w.attention_norm, hidden, eps, normed.data() + b * hidden);
@@ -530,6 +530,7 @@ PyObject* decode_layers(PyObject*, PyObject* args) {
                                 heads,      kv_heads,                       d,
                                 max_len,    scale};
     done = run_decode_attention(chosen, threads, a, longest);
+    if (!done) break;
     linear(w.o, attention.data(), attention_n, o.data(), hidden);
     residual();
     for (int64_t b = 0; b < batch; ++b)
