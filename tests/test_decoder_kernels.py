@@ -1,8 +1,9 @@
 """The fast preset's language model outside its linears (``kernels.DecoderKernels``): the RMSNorm
-computes its documented arithmetic bit for bit, the SiLU-gated product stays within its stated error
-of PyTorch's, both give the same bits on the avx2 and avx512_vnni paths, and a decode step of the
-whole decoder in one call (``kernels.BoundDecoder``) gives the layers' outputs one by one bit for bit,
-KV cache included, rebinding to replaced tensors and refusing what it cannot run."""
+(one plain C++ function for every path) computes its documented arithmetic bit for bit, the
+SiLU-gated product stays within its stated error of PyTorch's and gives the same bits on the avx2 and
+avx512_vnni paths, and a decode step of the whole decoder in one call (``kernels.BoundDecoder``)
+gives the same operations one call at a time bit for bit, KV cache included, binding again to
+replaced tensors and modules and refusing what it cannot run."""
 
 from __future__ import annotations
 
