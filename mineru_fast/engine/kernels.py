@@ -338,10 +338,20 @@ def decode_attention_kernel(path: str) -> DecodeAttention:
         ImportError: the extension is not built (or stale).
         ValueError: the path has no decode attention, or this CPU cannot run it.
     """
+    return _decode_attention(_decode_path_module(path, "decode attention"), path)
+
+
+def _decode_path_module(path: str, what: str) -> ModuleType:
+    """The extension, where ``path`` is one of ``DECODE_ATTENTION_PATHS`` and this CPU runs it.
+
+    Raises:
+        ImportError: the extension is not built (or stale).
+        ValueError: no ``what`` on that path, or this CPU cannot run it.
+    """
     module = _load_module()
     if path not in DECODE_ATTENTION_PATHS or path not in module.cpu_paths():
-        raise ValueError(f"no decode attention on the {path!r} path here (this CPU runs {module.cpu_paths()})")
-    return _decode_attention(module, path)
+        raise ValueError(f"no {what} on the {path!r} path here (this CPU runs {module.cpu_paths()})")
+    return module
 
 
 def _decode_attention(module: ModuleType, path: str) -> DecodeAttention:
@@ -424,10 +434,7 @@ def decoder_kernels(path: str) -> DecoderKernels:
         ImportError: the extension is not built (or stale).
         ValueError: the path has no decoder kernels, or this CPU cannot run it.
     """
-    module = _load_module()
-    if path not in DECODE_ATTENTION_PATHS or path not in module.cpu_paths():
-        raise ValueError(f"no decoder kernels on the {path!r} path here (this CPU runs {module.cpu_paths()})")
-    return DecoderKernels(module, path)
+    return DecoderKernels(_decode_path_module(path, "decoder kernels"), path)
 
 
 def _check_float_rows(name: str, x: torch.Tensor, width: int) -> None:
