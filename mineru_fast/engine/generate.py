@@ -28,7 +28,7 @@ from mineru_fast.engine.base import (
     generate_with_follow_ups,
 )
 from mineru_fast.engine.checkpoint import load_model, read_configs
-from mineru_fast.engine.kernels import attention_status, kernel_status
+from mineru_fast.engine.kernels import kernel_status, vision_attention_status
 from mineru_fast.engine.kv_cache import KVCache
 from mineru_fast.engine.memory import peak_rss_bytes, resident_bytes, rss_bytes, trim_heap
 from mineru_fast.engine.model import Qwen2LM
@@ -60,8 +60,9 @@ class FastEngine:
         vision_pack_patches: most patches packed into one vision forward (bounds activation memory
             and, with ``admission_budget_s``, how long a decode step can wait for vision work).
         vision_mode: ``"eager"``, ``"trace"`` or ``"compile"`` (see ``vision_runner``).
-        vision_attention: ``"fp32"`` (PyTorch's SDPA) or ``"bf16"``: the own bfloat16 attention
-            where it runs (float32 precision, eager mode, a CPU with AVX-512 BF16; elsewhere SDPA).
+        vision_attention: ``"fp32"`` (PyTorch's SDPA) or ``"bf16"``: bfloat16 attention where it
+            runs (float32 precision, eager mode; ``kernels.vision_attention_status``: PyTorch's
+            bfloat16 SDPA on AMX, the own kernel on AVX-512 BF16; elsewhere float32 SDPA).
             ``vision_attention_reason`` says which runs.
         vision_quant / lm_quant / lm_head_quant: ``quantize`` configs, or None for float.
         repetition_window: repetition guard window; a free-running sequence whose last
@@ -125,8 +126,8 @@ class FastEngine:
         )
 
     def _attention(self, wanted: str) -> str:
-        """Put the vision encoder's attention on the own bfloat16 kernel where ``wanted`` asks for it
-        and it can run; the reason, one line, either way.
+        """Put the vision encoder's attention on bfloat16 (``vision_attention_status``) where
+        ``wanted`` asks for it and it can run; the reason, one line, either way.
 
         Raises:
             ValueError: ``wanted`` is neither ``"fp32"`` nor ``"bf16"``.
@@ -143,7 +144,7 @@ class FastEngine:
         head_dim = self.vision.config.head_dim
         if head_dim % 16 or not 16 <= head_dim <= 128:
             return f"{sdpa} (the own bfloat16 attention takes head sizes of 16 to 128 in steps of 16, not {head_dim})"
-        status = attention_status()
+        status = vision_attention_status()
         self.vision.use_attention_kernel(status.attention)
         return status.reason
 

@@ -740,3 +740,32 @@ def attention_status() -> AttentionStatus:
     if not module.attention_runs():
         return AttentionStatus(None, "the CPU lacks AVX-512 BF16: float32 attention (PyTorch SDPA)")
     return AttentionStatus(_attention(module), "own bfloat16 attention (AVX-512 BF16), float32 softmax")
+
+
+AMX_ATTENTION = "PyTorch SDPA in bfloat16 (its flash attention on AMX tiles), float32 softmax"
+
+
+def sdpa_bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """``AttentionStatus.attention``'s contract (``q``, ``k``, ``v`` ``[heads, n, d]`` float32, head
+    ``h``'s outputs to ``out[:, h * d : (h + 1) * d]``) on PyTorch's SDPA over bfloat16 copies of
+    ``q``, ``k`` and ``v``: its CPU flash attention, whose bfloat16 GEMMs run on AMX tiles where the
+    CPU has them, scores and softmax in float32, probabilities rounded to bfloat16 for the values'
+    GEMM; the scale is ``d ** -0.5``. Raises what SDPA raises on a shape it cannot take."""
+    heads, n, d = q.shape
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        q.bfloat16()[None], k.bfloat16()[None], v.bfloat16()[None]
+    )[0]  # [heads, n, d]
+    out[:, : heads * d].unflatten(1, (heads, d)).copy_(attended.transpose(0, 1))
+
+
+@functools.cache
+def vision_attention_status() -> AttentionStatus:
+    """What the fast preset's vision attention runs on this CPU class (cached per process; never
+    raises): on the AMX class (caps included), ``sdpa_bf16_attention``, since the own kernel's
+    AVX-512 BF16 dot products are slower there than AMX tiles (a 5,476-patch layout image, 16 heads,
+    2 threads, an AMX Xeon, 2026-12-06: 141 GFLOP/s own, 573 PyTorch's bfloat16 SDPA, 234 its float32;
+    ``benchmarks/vision_attention.py``, results/2026-12-06-xeon-amx-2core); elsewhere
+    ``attention_status()``'s choice."""
+    if isa_class(read_topology().isa).name == "amx":
+        return AttentionStatus(sdpa_bf16_attention, AMX_ATTENTION)
+    return attention_status()

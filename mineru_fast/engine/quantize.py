@@ -775,9 +775,11 @@ class Int8WeightOnlyLinear(_BufferLinear):
 # Bf16WeightsLinear: inputs of at most this many rows (decode steps) upcast the weight a chunk of
 # output rows at a time, each chunk multiplied while it is still in cache, instead of writing and
 # re-reading a whole float32 copy (for MinerU2.5's head, 151,936 x 896: 545 MB per step). One
-# decode step of that head, 1 thread, AMD EPYC (2026-12-04): 312 ms whole, 33 ms by chunks; the
-# outputs are bit for bit the same (tests/test_quantize.py, every row count 1..16, the model's
-# shapes). Larger inputs (prefill, vision) cast the whole weight once per call, as before.
+# decode step of that head, 1 thread, AMD EPYC (2026-12-04): 312 ms whole, 33 ms by chunks. The
+# products are the same; their float32 sums follow the order the GEMM picks per shape: bit for
+# bit the whole weight's on that EPYC, a few float32 ulps apart for some row counts on an AMX Xeon
+# (tests/test_quantize.py bounds it, every row count 1..16, the model's shapes). Larger inputs
+# (prefill, vision) cast the whole weight once per call, as before.
 UPCAST_CHUNK_MAX_ROWS = 16
 # Bytes of float32 weight per upcast chunk (about the L2 cache of one core), in multiples of 256
 # output rows.
@@ -788,9 +790,10 @@ class Bf16WeightsLinear(_BufferLinear):
     """``y = x W^T + b`` with ``W`` stored in bfloat16 and cast to ``x``'s dtype per call.
 
     ``x`` ``[..., in]`` float32 or bfloat16 -> ``[..., out]`` in ``x``'s dtype. Upcasting a
-    bfloat16 value is exact, so the output equals ``F.linear`` on a float32 copy of ``W`` bit for
-    bit, at half the memory; inputs of up to ``UPCAST_CHUNK_MAX_ROWS`` rows cast ``W`` in chunks
-    of output rows (see there).
+    bfloat16 value is exact, so the output is ``F.linear`` on a float32 copy of ``W`` at half the
+    memory (bit for bit above ``UPCAST_CHUNK_MAX_ROWS`` rows); inputs of up to that many rows cast
+    ``W`` in chunks of output rows, the same products summed in the order the GEMM picks for a
+    chunk (see there).
     """
 
     weight_bf16: torch.Tensor  # buffers: [out, in] bfloat16, [out] float32 or None

@@ -1,9 +1,10 @@
 """The Qwen2-VL NaViT vision encoder of MinerU2.5, with many images packed into one sequence.
 
 Patches of every image are concatenated, so the linears (patch embedding, qkv, MLP, merger) run
-as single large matmuls; attention runs per image (block-diagonal), through SDPA or the own
-bfloat16 kernel (``use_attention_kernel``), neither of which materializes a ``[heads, N, N]`` score
-matrix. Rotary tables depend only on the grid and the most recently used ones are cached by grid.
+as single large matmuls; attention runs per image (block-diagonal), through SDPA or a bfloat16
+attention (``use_attention_kernel``: the own kernel, or SDPA over bfloat16 copies on AMX), none of
+which materializes a ``[heads, N, N]`` score matrix. Rotary tables depend only on the grid and the
+most recently used ones are cached by grid.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class VisionBlock(nn.Module):
-    # The own bfloat16 attention (engine.kernels.AttentionStatus.attention), set by
+    # The bfloat16 attention (engine.kernels.vision_attention_status().attention), set by
     # VisionEncoder.use_attention_kernel; None: PyTorch's SDPA in the activations' dtype.
     attention_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
