@@ -710,21 +710,25 @@ def main(argv: list[str] | None = None) -> int:
             skipped["llama.cpp"] = f"llama.cpp cannot be installed or run here: {exc}"
     ov_env, ov_ir = None, {}
     ov_formats = [e.split("-", 1)[1] for e in args.engines if e.startswith("openvino-")]
-    if ov_formats:  # OpenVINO GenAI: its environment and the checkpoint exported per weight format
+    if ov_formats:  # OpenVINO GenAI: its environment, then the checkpoint exported per weight format (a row each)
         try:
             ov_env = openvino.ensure_env(args.openvino_env)
-            for fmt in ov_formats:
-                out = ov_env.root / "ir" / f"{args.model.name}-{fmt}"
-                ov_ir[fmt] = openvino.export_checkpoint(args.model, out, ov_env, fmt)
-        except (openvino.OpenVinoUnavailable, ValueError) as exc:
+        except openvino.OpenVinoUnavailable as exc:
             skipped["OpenVINO GenAI"] = f"OpenVINO GenAI cannot be installed or run here: {exc}"
+        for fmt in ov_formats if ov_env else []:
+            try:
+                ov_ir[fmt] = openvino.export_checkpoint(
+                    args.model, ov_env.root / "ir" / f"{args.model.name}-{fmt}", ov_env, fmt
+                )
+            except openvino.OpenVinoUnavailable as exc:
+                skipped[OPENVINO.format(fmt)] = f"the checkpoint cannot be exported with {fmt} weights: {exc}"
     vllm_env = None
     if "vllm" in args.engines:  # vLLM's CPU backend: its environment
         try:
             vllm_env = vllm_cpu.ensure_env(args.vllm_env)
         except vllm_cpu.VllmUnavailable as exc:
             skipped["vLLM CPU"] = f"vLLM's CPU backend cannot be installed or run here: {exc}"
-    if skipped and not (tools or ov_ir or vllm_env):  # no peer left to compare with
+    if skipped and not (pair or ov_ir or vllm_env):  # no peer left to compare with
         for reason in skipped.values():
             print(f"SKIPPED: {reason}")
         return 0
@@ -912,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     raw.write_text(json.dumps(results, indent=1))
     text = markdown(results)
     (args.output / "llamacpp_side_by_side.md").write_text(text + "\n")
-    partial.unlink()
+    partial.unlink(missing_ok=True)  # absent where no sample was taken
     print(text)
     return 0
 

@@ -77,12 +77,19 @@ class Engine:
                     item.error = repr(exc)
                     item.done.set()
                     running.remove(item)
-            if self.pipe.has_non_finished_requests():
-                self.pipe.step()
-            for item in list(running):
-                if item.handle.get_status() != genai.GenerationStatus.RUNNING:
-                    running.remove(item)
+            try:
+                if self.pipe.has_non_finished_requests():
+                    self.pipe.step()
+                finished = [p for p in running if p.handle.get_status() != genai.GenerationStatus.RUNNING]
+            except Exception as exc:  # noqa: BLE001 - the pipeline failed: every request in it fails, none waits forever
+                for item in running:
+                    item.error = f"the pipeline failed: {exc!r}"
                     item.done.set()
+                running.clear()
+                continue
+            for item in finished:
+                running.remove(item)
+                item.done.set()
 
     def chat(self, body: dict) -> dict:
         """One chat completion; ``{"text", "usage", "finish_reason"}``. Raises ``ValueError`` on a

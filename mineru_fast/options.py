@@ -124,7 +124,9 @@ class ParserOptions:
             ``vision_attention`` says which); ``"fp32"``: PyTorch's attention always. A layout
             image's attention (16 heads of 5,476 patches) ran 1.75x as fast as float32 SDPA and
             the encoder's layout pass in 0.71x the time (2 threads, AMD EPYC, 2026-12-04;
-            ``benchmarks/README.md``, "Vision attention on the own bfloat16 kernel").
+            ``benchmarks/README.md``, "Vision attention on the own bfloat16 kernel"). On CPUs
+            with AMX, ``"bf16"`` runs PyTorch's SDPA over bfloat16 copies instead (AMX tiles;
+            ``engine.kernels.vision_attention_status``).
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
             dtype), ``"fp32"`` or ``"bf16"`` (half the memory; each decode step then upcasts the
             keys and values it reads, which made decode attention ~3.7x slower than from a

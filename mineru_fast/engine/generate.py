@@ -138,12 +138,12 @@ class FastEngine:
         if wanted == "fp32":
             return sdpa
         if self.dtype != torch.float32:
-            return f"{sdpa} (the own bfloat16 attention takes float32 activations)"
+            return f"{sdpa} (the bfloat16 attention takes float32 activations)"
         if self.vision_mode != "eager":
-            return f"{sdpa} (the own bfloat16 attention runs in the eager vision mode only)"
+            return f"{sdpa} (the bfloat16 attention runs in the eager vision mode only)"
         head_dim = self.vision.config.head_dim
         if head_dim % 16 or not 16 <= head_dim <= 128:
-            return f"{sdpa} (the own bfloat16 attention takes head sizes of 16 to 128 in steps of 16, not {head_dim})"
+            return f"{sdpa} (the bfloat16 attention takes head sizes of 16 to 128 in steps of 16, not {head_dim})"
         status = vision_attention_status()
         self.vision.use_attention_kernel(status.attention)
         return status.reason

@@ -765,7 +765,8 @@ def vision_attention_status() -> AttentionStatus:
     AVX-512 BF16 dot products are slower there than AMX tiles (a 5,476-patch layout image, 16 heads,
     2 threads, an AMX Xeon, 2026-12-06: 141 GFLOP/s own, 573 PyTorch's bfloat16 SDPA, 234 its float32;
     ``benchmarks/vision_attention.py``, results/2026-12-06-xeon-amx-2core); elsewhere
-    ``attention_status()``'s choice."""
+    ``attention_status()``'s choice. ``MINERU_FAST_OWN_KERNELS=0`` does not turn the AMX choice
+    off: it is PyTorch's operator, not an own kernel (``vision_attention="fp32"`` does)."""
     if isa_class(read_topology().isa).name == "amx":
         return AttentionStatus(sdpa_bf16_attention, AMX_ATTENTION)
     return attention_status()
