@@ -154,8 +154,8 @@ def _cpu_s(pid: int) -> float:
 class Server:
     """One engine's HTTP server: how to start it, where it answers, what it cost."""
 
-    name: str  # "mineru-fast", "llama.cpp (shipped)", "llama.cpp (native)"
-    kind: str  # "mineru-fast" or "llama.cpp"
+    name: str  # the row's name: "mineru-fast", "llama.cpp as MinerU 4 ships it", NATIVE, OPENVINO.format(...), VLLM
+    kind: str  # "mineru-fast", "llama.cpp", "openvino" or "vllm": the request body it takes (chat_body)
     argv: list[str]
     ready_path: str
     port: int
