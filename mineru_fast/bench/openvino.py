@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mineru_fast.bench.tool_env import ensure_venv, run_step
 from mineru_fast.errors import MineruFastError
 
 OPENVINO_GENAI = "2026.4.1.0"
@@ -78,17 +79,9 @@ def default_root() -> Path:
     return cache_dir() / "openvino"
 
 
-def _run(argv: list[str], step: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run ``argv``; a failure (or ``timeout`` seconds passing) is ``OpenVinoUnavailable`` naming
-    ``step`` and the last output line."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise OpenVinoUnavailable(f"{step}: {exc}") from exc
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise OpenVinoUnavailable(f"{step} failed: {tail[0]}")
-    return proc
+def _run(argv: list[str], step: str) -> subprocess.CompletedProcess:
+    """``tool_env.run_step`` raising ``OpenVinoUnavailable``."""
+    return run_step(argv, step, OpenVinoUnavailable)
 
 
 def install_requirements(torch_version: str) -> list[str]:
@@ -117,13 +110,9 @@ def ensure_env(root: Path | None = None, log=print) -> Env:
     """
     import torch
 
-    root = (root or default_root()).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    venv = root / "venv"
-    python = venv / "bin" / "python"
-    if not python.exists():
-        log(f"[openvino] creating a virtual environment for OpenVINO GenAI in {venv}")
-        _run([sys.executable, "-m", "venv", str(venv)], "creating OpenVINO's virtual environment")
+    root, venv, python = ensure_venv(
+        root or default_root(), "OpenVINO GenAI", OpenVinoUnavailable, lambda line: log(f"[openvino] {line}")
+    )
     found = subprocess.run([str(python), "-c", _VERSIONS_PROBE], capture_output=True, text=True)
     versions = json.loads(found.stdout) if found.returncode == 0 else {}
     wanted = {"openvino-genai": OPENVINO_GENAI, "optimum-intel": OPTIMUM_INTEL, "transformers": TRANSFORMERS}

