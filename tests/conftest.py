@@ -1,8 +1,10 @@
-"""Shared fixtures: the tiny synthetic model and the optional ../shared data."""
+"""Shared fixtures: the tiny synthetic model, the optional ../shared data and the side-by-side script."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,6 +33,20 @@ def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present (shared data is used by path, not shipped)")
     return path
+
+
+@pytest.fixture(scope="session")
+def side_by_side():
+    """``benchmarks/llamacpp_side_by_side.py`` imported as a module (it is a script, not a package
+    module), once per session."""
+    spec = importlib.util.spec_from_file_location(
+        "llamacpp_side_by_side", REPO / "benchmarks" / "llamacpp_side_by_side.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ needs llama.cpp; the one that runs it skips with its reason where the tools are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,20 +16,6 @@ import pytest
 from PIL import Image
 
 from mineru_fast.bench import llamacpp
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def side_by_side():
-    spec = importlib.util.spec_from_file_location(
-        "llamacpp_side_by_side", ROOT / "benchmarks" / "llamacpp_side_by_side.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _checkpoint(path: Path, context: int = 32768) -> Path:

@@ -5,31 +5,15 @@ is not installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from mineru_fast.bench import openvino
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def side_by_side():
-    spec = importlib.util.spec_from_file_location(
-        "llamacpp_side_by_side_ov", ROOT / "benchmarks" / "llamacpp_side_by_side.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _fake_env(tmp_path: Path, script: str) -> openvino.Env:
