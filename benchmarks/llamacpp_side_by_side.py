@@ -451,9 +451,29 @@ def median_page(server: Server, images: Images, w: Workload, s: argparse.Namespa
     }
 
 
+# A decode figure is the difference of two runs' walls, each mostly prefill at batch 16 and ~1,501
+# tokens. Where the difference is under this share of the shorter wall, the prefill's variation
+# between two runs can exceed what it measures (AMX Xeon, 2026-12-06: mineru-fast's 16 prompts of
+# 1,501 tokens took 57.6 s with 8 output tokens each and 54.7 s with 72): the report flags the
+# figure, and a difference of zero or less gives none.
+RESOLVED_SHARE = 0.25
+
+
+def decode_step(walls: tuple[float, float], extra_tokens: int) -> tuple[float | None, bool]:
+    """Seconds per decode step from the walls (s) of the runs with ``T`` and ``T + extra_tokens``
+    output tokens, None where the longer run was not the slower; and whether the difference is at
+    least ``RESOLVED_SHARE`` of the shorter wall (see there)."""
+    difference = walls[1] - walls[0]
+    if difference <= 0:
+        return None, False
+    return difference / extra_tokens, difference >= RESOLVED_SHARE * walls[0]
+
+
 def decode(server: Server, images: Images, w: Workload, s: argparse.Namespace) -> dict:
     """ms per decode step at each batch and context: (t(T + n) - t(T)) / n over the same requests
-    (the native llama.cpp build at ``--native-batches`` only)."""
+    (the native llama.cpp build at ``--native-batches`` only), flagged where unresolved
+    (``decode_step``); and the prompt tokens per second of the ``T`` run (its ``batch`` prompts'
+    tokens over its wall: prefill, vision and ``T`` steps)."""
     out = {}
     native = server.name == NATIVE
     for context, prompt, batches in (("short", w.short_prompt, s.batches), ("long", w.long_prompt, s.long_batches)):
@@ -463,11 +483,13 @@ def decode(server: Server, images: Images, w: Workload, s: argparse.Namespace) -
                 asks = [Ask(_noise(i), prompt, "text", tokens) for i in range(batch)]
                 wall, results = send_all(server, images, asks)
                 walls.append((wall, results))
-            step_s = (walls[1][0] - walls[0][0]) / s.decode_tokens
+            step_s, resolved = decode_step((walls[0][0], walls[1][0]), s.decode_tokens)
             out[f"b{batch}_{context}"] = {
-                "ms_per_step": 1000 * step_s,
-                "tokens_per_s": batch / step_s if step_s > 0 else None,
+                "ms_per_step": None if step_s is None else 1000 * step_s,
+                "resolved": resolved,
+                "tokens_per_s": None if step_s is None else batch / step_s,
                 "context_tokens": walls[0][1][0]["prompt_tokens"],
+                "prompt_tokens_per_s": sum(r["prompt_tokens"] for r in walls[0][1]) / walls[0][0],
                 "walls_s": [walls[0][0], walls[1][0]],
                 "tokens": [s.decode_base, s.decode_base + s.decode_tokens],
             }
@@ -509,8 +531,11 @@ def summarize(servers: list[Server], items: list[str]) -> dict:
                 continue
             if item == "decode":
                 for key in [k for k, v in reps[0].items() if isinstance(v, dict) and "ms_per_step" in v]:
-                    fig[f"decode_{key}_ms"] = _median([r[key]["ms_per_step"] for r in reps])
+                    steps = [r[key]["ms_per_step"] for r in reps if r[key]["ms_per_step"] is not None]
+                    fig[f"decode_{key}_ms"] = _median(steps) if steps else None
+                    fig[f"decode_{key}_resolved"] = all(r[key]["resolved"] for r in reps)
                     fig[f"decode_{key}_context"] = reps[0][key]["context_tokens"]
+                    fig[f"prompt_{key}_tokens_per_s"] = _median([r[key]["prompt_tokens_per_s"] for r in reps])
             elif item == "median_page":
                 fig["median_page_s"] = _median([r["s"] for r in reps])
                 fig["median_page_pages_per_min"] = 60 / fig["median_page_s"]
@@ -552,6 +577,15 @@ def markdown(results: dict) -> str:
             )
             for c, batches in (("short", results["settings"]["batches"]), ("long", results["settings"]["long_batches"]))
             for b in batches
+        ],
+        *[
+            (
+                f"prompt tokens per second at batch {b}, long context (the shorter decode run: prefill and its steps)",
+                f"prompt_b{b}_long_tokens_per_s",
+                "tokens/s",
+                True,
+            )
+            for b in results["settings"]["long_batches"]
         ],
         ("median page (layout pass + its crops), s", "median_page_s", "s", False),
         ("median page, pages/min", "median_page_pages_per_min", "pages/min", True),
@@ -599,11 +633,30 @@ def markdown(results: dict) -> str:
         f"content tokens, {results['workload']['image']})",
         *[f"- {line}" for line in results["preprocessing"]],
         *[f"- no row for {name}: {reason}" for name, reason in results.get("skipped", {}).items()],
+        *unresolved_notes(figures, names),
         *[f"- {name}: {version}" for name, version in results["versions"].items()],
         *describe(results["load"]),
     ]
     peers = " and its peers" if any(n.startswith(("OpenVINO", "vLLM")) for n in names) else ""
     return "\n".join([f"# mineru-fast vs llama.cpp as MinerU 4 runs it{peers}", "", *lines, *notes])
+
+
+def unresolved_notes(figures: dict, names: list[str]) -> list[str]:
+    """A line per decode figure whose two walls differ by less than ``RESOLVED_SHARE`` of the
+    shorter one (or not at all: its cell is "-")."""
+    lines = []
+    for name in names:
+        fig = figures.get(name, {})
+        for key in sorted(k for k in fig if k.startswith("decode_") and k.endswith("_resolved") and not fig[k]):
+            figure = key.removesuffix("_resolved")
+            batch, context = figure.removeprefix("decode_b").split("_")
+            value = fig.get(f"{figure}_ms")
+            shown = "no figure (the longer run was not the slower)" if value is None else f"{value:.1f} ms/step"
+            lines.append(
+                f"- {name}, decode at batch {batch}, {context} context: {shown}; its two runs' walls differ "
+                f"by less than {RESOLVED_SHARE:.0%} of the shorter, within the prefill's variation between runs"
+            )
+    return lines
 
 
 def preprocessing_notes(servers: list[Server]) -> list[str]:

@@ -232,3 +232,46 @@ def test_a_simulated_isa_reaches_the_server_and_the_report_says_so(side_by_side)
     assert "simulation" not in side_by_side.markdown(results)
     args = side_by_side.parse_args(["--model", "m", "--simulate-isa", "avx2"])
     assert args.simulate_isa == "avx2"
+
+
+def test_a_decode_figure_inside_the_prefills_variation_is_flagged_or_dropped(side_by_side):
+    """(t(T + n) - t(T)) / n: a difference of at least a quarter of the shorter wall is a figure;
+    a smaller one is a figure flagged in the report; none at all (the walls of the AMX Xeon's run of
+    2026-12-06, where the longer run came out shorter) gives no figure, never a negative one. The
+    prompt tokens per second row comes from the shorter run."""
+    assert side_by_side.decode_step((10.0, 13.2), 64) == (pytest.approx(0.05), True)
+    assert side_by_side.decode_step((58.1, 66.8), 64) == (pytest.approx(8.7 / 64), False)
+    assert side_by_side.decode_step((57.6, 54.7), 64) == (None, False)
+
+    def rep(walls):
+        step, resolved = side_by_side.decode_step(walls, 64)
+        return {"b16_long": {"ms_per_step": None if step is None else 1000 * step, "resolved": resolved,
+                             "context_tokens": 1501, "prompt_tokens_per_s": 16 * 1501 / walls[0]}}  # fmt: skip
+
+    server = side_by_side.Server("mineru-fast", "mineru-fast", [], "/ready", 0)
+    server.samples["decode"] = [rep((57.6, 54.7)), rep((58.1, 66.8)), rep((60.0, 50.0))]
+    figures = side_by_side.summarize([server], ["decode"])["mineru-fast"]
+    assert figures["decode_b16_long_ms"] == pytest.approx(8700 / 64)  # the one positive difference
+    assert figures["decode_b16_long_resolved"] is False
+    assert figures["prompt_b16_long_tokens_per_s"] == pytest.approx(16 * 1501 / 58.1)
+    load = {"cpus": 2, "other_cores": 0.0, "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0], "idle": True,
+            "busy_threshold_cores": 0.25}  # fmt: skip
+    results = {
+        "figures": {"mineru-fast": figures},
+        "servers": [{"name": "mineru-fast"}],
+        "settings": {"threads": 2, "reps": 3, "batches": [], "long_batches": [16]},
+        "model": {"name": "m", "identity": "synthetic", "gguf": []},
+        "workload": {"page": "p", "layout_tokens": 1, "crops": [], "image": "real page image"},
+        "preprocessing": [],
+        "versions": {},
+        "load": load,
+    }
+    text = side_by_side.markdown(results)
+    assert "| decode at batch 16, long context (~1501 tokens), ms per step | 135.9 ms/token |" in text
+    assert "| prompt tokens per second at batch 16, long context" in text and "| 413.4 tokens/s |" in text
+    assert "- mineru-fast, decode at batch 16, long context: 135.9 ms/step; its two runs' walls differ" in text
+    server.samples["decode"] = [rep((57.6, 54.7))]
+    results["figures"] = side_by_side.summarize([server], ["decode"])
+    text = side_by_side.markdown(results)
+    assert "| decode at batch 16, long context (~1501 tokens), ms per step | - |" in text
+    assert "long context: no figure (the longer run was not the slower)" in text
