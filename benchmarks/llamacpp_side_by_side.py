@@ -905,13 +905,15 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers:
             server.pause(False)
             server.samples["peak_rss_gb"] = server.peak_rss_gb()
+        # before the servers stop: a server's own children (vLLM's engine core) are counted as this
+        # run's work only while they live; once their parent exits they are no one's to reap here
+        load = monitor.stop()
     except CountMismatch as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     finally:
         for server in servers:
             server.stop()
-    load = monitor.stop()
     results = {
         "settings": {
             k: v
