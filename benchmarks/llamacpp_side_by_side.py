@@ -469,6 +469,20 @@ def decode_step(walls: tuple[float, float], extra_tokens: int) -> tuple[float | 
     return difference / extra_tokens, difference >= RESOLVED_SHARE * walls[0]
 
 
+def _decode_figure(reps: list[dict]) -> tuple[float | None, bool, int]:
+    """One decode figure over repetitions (the samples of one batch and context): the median of
+    every repetition's (t(T + n) - t(T)) / n in ms, negative ones included (None where that median
+    is not positive); whether every repetition was resolved (``decode_step``); and how many gave
+    a figure of their own."""
+    steps, resolved = [], []
+    for r in reps:
+        (short, long), (base, more) = r["walls_s"], r["tokens"]
+        steps.append(1000 * (long - short) / (more - base))
+        resolved.append(decode_step((short, long), more - base)[1])
+    median = _median(steps)
+    return (median if median > 0 else None), all(resolved), sum(step > 0 for step in steps)
+
+
 def decode(server: Server, images: Images, w: Workload, s: argparse.Namespace) -> dict:
     """ms per decode step at each batch and context: (t(T + n) - t(T)) / n over the same requests
     (the native llama.cpp build at ``--native-batches`` only), flagged where unresolved
@@ -531,11 +545,14 @@ def summarize(servers: list[Server], items: list[str]) -> dict:
                 continue
             if item == "decode":
                 for key in [k for k, v in reps[0].items() if isinstance(v, dict) and "ms_per_step" in v]:
-                    steps = [r[key]["ms_per_step"] for r in reps if r[key]["ms_per_step"] is not None]
-                    fig[f"decode_{key}_ms"] = _median(steps) if steps else None
-                    fig[f"decode_{key}_resolved"] = all(r[key]["resolved"] for r in reps)
+                    ms, resolved, with_figure = _decode_figure([r[key] for r in reps])
+                    fig[f"decode_{key}_ms"] = ms
+                    fig[f"decode_{key}_resolved"] = resolved
+                    fig[f"decode_{key}_repetitions"] = [with_figure, len(reps)]
                     fig[f"decode_{key}_context"] = reps[0][key]["context_tokens"]
-                    fig[f"prompt_{key}_tokens_per_s"] = _median([r[key]["prompt_tokens_per_s"] for r in reps])
+                    rates = [r[key]["prompt_tokens_per_s"] for r in reps if "prompt_tokens_per_s" in r[key]]
+                    if rates:  # (not in the samples of runs before it was measured)
+                        fig[f"prompt_{key}_tokens_per_s"] = _median(rates)
             elif item == "median_page":
                 fig["median_page_s"] = _median([r["s"] for r in reps])
                 fig["median_page_pages_per_min"] = 60 / fig["median_page_s"]
@@ -642,20 +659,24 @@ def markdown(results: dict) -> str:
 
 
 def unresolved_notes(figures: dict, names: list[str]) -> list[str]:
-    """A line per decode figure whose two walls differ by less than ``RESOLVED_SHARE`` of the
-    shorter one (or not at all: its cell is "-")."""
+    """A line per decode figure that is not resolved (``decode_step``) in every repetition: its
+    value or why none ("-" in the table), and how many repetitions gave a figure."""
     lines = []
     for name in names:
         fig = figures.get(name, {})
         for key in sorted(k for k in fig if k.startswith("decode_") and k.endswith("_resolved") and not fig[k]):
             figure = key.removesuffix("_resolved")
-            batch, context = figure.removeprefix("decode_b").split("_")
+            batch, context = figure.removeprefix("decode_b").split("_", 1)
             value = fig.get(f"{figure}_ms")
-            shown = "no figure (the longer run was not the slower)" if value is None else f"{value:.1f} ms/step"
-            lines.append(
-                f"- {name}, decode at batch {batch}, {context} context: {shown}; its two runs' walls differ "
-                f"by less than {RESOLVED_SHARE:.0%} of the shorter, within the prefill's variation between runs"
+            with_figure, reps = fig.get(f"{figure}_repetitions", [None, None])
+            shown = (
+                "no figure: the runs with more output tokens were not the slower ones"
+                if value is None
+                else f"{value:.1f} ms/step, from runs whose walls differ by less than {RESOLVED_SHARE:.0%} of the "
+                "shorter one somewhere: a change of the prefill between two runs moves it"
             )
+            counted = "" if reps is None else f" ({with_figure} of {reps} repetitions gave a positive difference)"
+            lines.append(f"- {name}, decode at batch {batch}, {context} context: {shown}{counted}")
     return lines
 
 
