@@ -472,8 +472,8 @@ def decode_step(walls: tuple[float, float], extra_tokens: int) -> tuple[float | 
 def _decode_figure(reps: list[dict]) -> tuple[float | None, bool, int]:
     """One decode figure over repetitions (the samples of one batch and context): the median of
     every repetition's (t(T + n) - t(T)) / n in ms, negative ones included (None where that median
-    is not positive); whether every repetition was resolved (``decode_step``); and how many gave
-    a figure of their own."""
+    is not positive); whether every repetition was resolved (``decode_step``); and how many had a
+    positive difference."""
     steps, resolved = [], []
     for r in reps:
         (short, long), (base, more) = r["walls_s"], r["tokens"]
@@ -672,8 +672,8 @@ def unresolved_notes(figures: dict, names: list[str]) -> list[str]:
             shown = (
                 "no figure: the runs with more output tokens were not the slower ones"
                 if value is None
-                else f"{value:.1f} ms/step, from runs whose walls differ by less than {RESOLVED_SHARE:.0%} of the "
-                "shorter one somewhere: a change of the prefill between two runs moves it"
+                else f"{value:.1f} ms/step; in at least one repetition its two runs' walls differ by less than "
+                f"{RESOLVED_SHARE:.0%} of the shorter one, so a change of the prefill between them moves it"
             )
             counted = "" if reps is None else f" ({with_figure} of {reps} repetitions gave a positive difference)"
             lines.append(f"- {name}, decode at batch {batch}, {context} context: {shown}{counted}")

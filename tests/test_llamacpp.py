@@ -287,7 +287,7 @@ def test_a_decode_figure_inside_the_prefills_variation_is_flagged_or_dropped(sid
     text = side_by_side.markdown({**results, "figures": {"mineru-fast": figures}})
     assert "| decode at batch 16, long context (~1501 tokens), ms per step | 135.9 ms/token |" in text
     assert "| prompt tokens per second at batch 16, long context" in text and "| 416.9 tokens/s |" in text
-    assert "- mineru-fast, decode at batch 16, long context: 135.9 ms/step, from runs whose walls differ" in text
+    assert "- mineru-fast, decode at batch 16, long context: 135.9 ms/step; in at least one repetition" in text
     assert "(2 of 3 repetitions gave a positive difference)" in text
     # a majority of negative differences: no figure
     figures = run((57.6, 54.7), (60.0, 50.0), (58.1, 66.8))["mineru-fast"]
