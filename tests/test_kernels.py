@@ -1,8 +1,9 @@
 """The own INT8 kernels (``engine.kernels``, built at install): the block-wise linear
 (``quantize.BlockInt8Linear``) gives the same bits on every instruction-set path and in its PyTorch
 form, at every row count and shape class, alone and inside the engine; the GEMV
-(``quantize.GemvInt8Linear``) gives oneDNN's outputs bit for bit; how the path is chosen and what a
-missing or stale build does."""
+(``quantize.GemvInt8Linear``) gives oneDNN's outputs bit for bit, and so does the one-pass token
+quantization of the per-channel linears' activations; how the path is chosen and what a missing or
+stale build does."""
 
 from __future__ import annotations
 
@@ -80,6 +81,84 @@ def test_the_gemv_refuses_what_it_cannot_run():
         kernels.check_gemv_weight(weight.float(), sums, scale, None)
     with pytest.raises(ValueError, match="bias"):
         kernels.check_gemv_weight(weight, sums, scale, torch.zeros(7))
+
+
+needs_token_quantization = pytest.mark.skipif(
+    STATUS.quantize_tokens is None or torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+    reason=f"no own token quantization ({STATUS.reason}), or PyTorch's scalar build (its addcmul rounds twice)",
+)
+
+
+def pytorchs_token_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_PerTokenInt8Linear._quantized_input``'s PyTorch operators, whatever the kernel status."""
+    x_scale, inv = OneDnnInt8Linear._token_scales(x)
+    return torch.addcmul(torch.tensor(128.5), x, inv).to(torch.uint8), x_scale
+
+
+@needs_token_quantization
+@pytest.mark.parametrize("cols", [1, 7, 31, 33, 100, 896, 1280, 4864, 5120])  # tails of 8 and 32; model widths
+def test_the_token_quantization_gives_pytorchs_bits(cols):
+    """Rows of every magnitude (denormal-sized to 1e30), an all-zero row (the scale's floor), a row
+    of exact halves of its scale (ties: rounded up), a row whose largest value is negative and one of
+    values where rounding once or twice gives another q: the uint8 values and the scales equal
+    PyTorch's, bit for bit."""
+    torch.manual_seed(cols)
+    x = torch.randn(40, cols) * torch.logspace(-38, 30, 40)[:, None]
+    x[0] = 0.0
+    x[1] = torch.randint(-254, 255, (cols,)).float() / 2
+    x[1, 0] = 127.0  # max |x| = 127: x / scale = 2 x, halves where x is odd / 2
+    x[2] = -x[2].abs()
+    x[2, -1] = -1e4
+    # values whose q differs between one fused multiply-add and a multiply then an add (the kernel
+    # must round once, as PyTorch's vectorized addcmul does)
+    inv = (1 / torch.tensor(3.7)) * 127
+    halves = ((torch.arange(-127, 127) + 0.5) / inv).view(torch.int32)  # x * inv near k + 1/2
+    candidates = torch.cat([(halves + ulps).view(torch.float32) for ulps in range(-64, 65)])
+    fused, apart = torch.addcmul(torch.tensor(128.5), candidates, inv), candidates * inv + 128.5
+    split = candidates[fused.to(torch.uint8) != apart.to(torch.uint8)]
+    assert split.numel() > 0
+    x[3] = split[torch.arange(cols) % split.numel()]
+    x[3, 0] = 3.7
+    q, scale = torch.full((40, cols), 7, dtype=torch.uint8), torch.full((40, 1), 7.0)
+    STATUS.quantize_tokens(x, q, scale)
+    expected_q, expected_scale = pytorchs_token_quantization(x)
+    assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
+    assert q[1].float().sub(128).mul(scale[1]).sub(x[1]).abs().max() <= scale[1] / 2  # a value's step, at most half
+    assert scale[0].item() == (torch.tensor(127e-12) / 127).item()  # the floor of the all-zero row, float32
+
+
+@needs_token_quantization
+def test_the_token_quantization_marks_a_nan_row_and_refuses_what_it_cannot_read():
+    x = torch.randn(3, 50)
+    x[1, 17] = float("nan")
+    q, scale = torch.empty(3, 50, dtype=torch.uint8), torch.empty(3, 1)
+    STATUS.quantize_tokens(x, q, scale)
+    assert scale[1].isnan().all() and not scale[[0, 2]].isnan().any()  # the row's outputs will be NaN
+    assert torch.equal(q[[0, 2]], pytorchs_token_quantization(x[[0, 2]])[0])
+    with pytest.raises(ValueError, match="x:"):
+        STATUS.quantize_tokens(x.double(), q, scale)
+    with pytest.raises(ValueError, match="x:"):
+        STATUS.quantize_tokens(x.t(), torch.empty(50, 3, dtype=torch.uint8), torch.empty(50, 1))
+    with pytest.raises(ValueError, match="q:"):
+        STATUS.quantize_tokens(x, q[:, :49], scale)
+    with pytest.raises(ValueError, match="scale:"):
+        STATUS.quantize_tokens(x, q, torch.empty(3))
+
+
+@needs_token_quantization
+def test_a_per_channel_linear_gives_the_same_outputs_with_and_without_the_token_quantization(monkeypatch):
+    """``OneDnnInt8Linear`` on the kernel's quantization and on PyTorch's operators (the kernel off):
+    the same outputs, bit for bit, on a vision-encoder shape and a strided (non-contiguous) input."""
+    import mineru_fast.engine.quantize as quantize
+
+    torch.manual_seed(0)
+    layer = OneDnnInt8Linear(nn.Linear(1280, 320))
+    x = torch.randn(300, 1280) * torch.logspace(-3, 3, 300)[:, None]
+    strided = torch.randn(1280, 300).t()
+    with_kernel = layer(x), layer(strided)
+    monkeypatch.setattr(quantize, "kernel_status", lambda: replace(STATUS, quantize_tokens=None))
+    without = layer(x), layer(strided)
+    assert torch.equal(with_kernel[0], without[0]) and torch.equal(with_kernel[1], without[1])
 
 
 SHAPES = [

@@ -3,8 +3,10 @@ of the language model (``int8-block``, the fast preset's), the per-token INT8 GE
 (``int8-dynamic`` on the ``gemv`` backend), the language model's decode-step attention
 (``KernelStatus.decode_attention``) and, for the fast preset's block-wise language model, its
 RMSNorm, SiLU-gated product and a whole decode step in one call (``KernelStatus.decoder``; these two
-on the ``avx512_vnni`` and ``avx2`` paths, the same bits), and the vision encoder's bfloat16
-attention (``attention_status``).
+on the ``avx512_vnni`` and ``avx2`` paths, the same bits), the per-token INT8 quantization of the
+per-channel INT8 linears' activations (``KernelStatus.quantize_tokens``, the vision encoder's
+linears; the same paths, PyTorch's bits), and the vision encoder's bfloat16 attention
+(``attention_status``).
 
 The C++ sources are in ``csrc/`` (``csrc/kernels.h`` states the block kernel's arithmetic), built by
 ``setup.py`` into the extension module ``mineru_fast.engine._kernels`` (CPython's limited API, no
@@ -61,6 +63,7 @@ MAX_ROWS = 16  # rows of activations per GEMV call (csrc/kernels.h's kGemvMaxRow
 
 BlockLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
 GemvLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+TokenQuantize = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 DecodeAttention = Callable[
     [
         torch.Tensor,
@@ -101,6 +104,10 @@ class KernelStatus:
             ``avx512_vnni`` and ``avx2`` paths (the same bits), else None.
         decoder: the RMSNorm, the SiLU-gated product and a whole decode step of block-wise decoder
             layers in one call (``DecoderKernels``), on the paths of ``decode_attention``, else None.
+        quantize_tokens: ``quantize_tokens(x, q, scale)``, the per-token INT8 quantization of the
+            ``onednn`` and ``gemv`` linears' activations in one pass, PyTorch's operators there bit
+            for bit (``csrc/kernels.h``'s token quantization; checks: ``_quantize_tokens``), on the
+            ``avx512_vnni`` and ``avx2`` paths, else None.
     """
 
     path: str | None
@@ -110,6 +117,7 @@ class KernelStatus:
     gemv_reason: str = ""
     decode_attention: DecodeAttention | None = None
     decoder: DecoderKernels | None = None
+    quantize_tokens: TokenQuantize | None = None
 
 
 def source_digest(csrc: Path | None = None) -> str:
@@ -324,6 +332,28 @@ def _gemv_linear(module: ModuleType) -> GemvLinear:
         return y
 
     return gemv
+
+
+def _quantize_tokens(module: ModuleType) -> TokenQuantize:
+    def quantize_tokens(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows ``x`` ``[M, N]`` float32 (contiguous) -> ``q`` ``[M, N]`` uint8 (``round(x / scale) +
+        128``, halves up) and ``scale`` ``[M, 1]`` float32 (``max|x_row| / 127``), both contiguous,
+        written in place.
+
+        Raises:
+            ValueError: a tensor of another dtype, shape or layout.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"x: [M, N] contiguous float32, got {x.dtype} {tuple(x.shape)}")
+        if q.dtype != torch.uint8 or q.shape != x.shape or not q.is_contiguous():
+            raise ValueError(f"q: {tuple(x.shape)} contiguous uint8, got {q.dtype} {tuple(q.shape)}")
+        if scale.dtype != torch.float32 or scale.shape != (x.shape[0], 1) or not scale.is_contiguous():
+            raise ValueError(f"scale: ({x.shape[0]}, 1) contiguous float32, got {scale.dtype} {tuple(scale.shape)}")
+        module.quantize_tokens(
+            torch.get_num_threads(), x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), scale.data_ptr()
+        )
+
+    return quantize_tokens
 
 
 DECODE_ATTENTION_PATHS = ("avx512_vnni", "avx2")  # the paths with an own decode attention
@@ -673,7 +703,8 @@ def kernel_status() -> KernelStatus:
     reason = f"own block-wise INT8 kernel, {path} path{lowered}"
     decode = _decode_attention(module, path) if path in DECODE_ATTENTION_PATHS else None
     decoder = DecoderKernels(module, path) if path in DECODE_ATTENTION_PATHS else None
-    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows, decode, decoder)
+    quantize = _quantize_tokens(module) if path in DECODE_ATTENTION_PATHS else None
+    return KernelStatus(path, reason, _block_linear(module, path), gemv, rows, decode, decoder, quantize)
 
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

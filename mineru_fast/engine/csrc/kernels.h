@@ -113,6 +113,20 @@ void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t blo
 void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
                                const BF16AttentionBuffers& b);
 
+// Per-token INT8 quantization of a row x [cols] float32 (token_quantize_avx2.cpp; the activations
+// of quantize.py's per-channel INT8 linears, onednn and gemv backends), PyTorch's operators there
+// (quantize._PerTokenInt8Linear) bit for bit:
+//
+//   a     = max(max(max over j of x[j], -(min over j of x[j])), kTokenScaleFloor)   (NaN if any x[j] is)
+//   scale = a / 127;   inv = (1 / a) * 127   (each operation rounded to float32)
+//   q[j]  = trunc(fma(x[j], inv, 128.5)) as uint8: round(x[j] / scale) + 128, halves rounded up
+//           (x[j] * inv is in [-127, 127]: the sum is positive; one rounding, as PyTorch's AVX2 and
+//           AVX-512 addcmul fuses it: its scalar build, ATEN_CPU_CAPABILITY=default, rounds twice)
+//
+// A row with a NaN gets scale NaN (its outputs are NaN) and q values of 0.
+constexpr float kTokenScaleFloor = static_cast<float>(127e-12);  // quantize.py's clamp (a double there)
+void quantize_tokens_avx2(const float* x, int64_t cols, uint8_t* q, float* scale);
+
 // The language model's attention for one decode step (decode_attention_avx512.cpp, AVX-512F, and
 // decode_attention_avx2.cpp, AVX2 + FMA: the same operations, the same bits), for
 // rows b = 0..batch-1 (slot b of the KV cache, float32):

@@ -384,6 +384,37 @@ PyObject* rms_norm(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// quantize_tokens(threads, x, m, n, q, scale): rows x [m][n] float32 -> q [m][n] uint8 and scale [m]
+PyObject* quantize_tokens(PyObject*, PyObject* args) {
+  int threads;
+  unsigned long long x_p, q_p, s_p;
+  long long m, n;
+  if (!PyArg_ParseTuple(args, "iKLLKK", &threads, &x_p, &m, &n, &q_p, &s_p)) return nullptr;
+  if (!cpu_has(kAvx2)) {
+    PyErr_SetString(PyExc_ValueError, "the token quantization needs AVX2 and FMA");
+    return nullptr;
+  }
+  if (m < 0 || n < 1) {
+    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
+    return nullptr;
+  }
+  if (m == 0) Py_RETURN_NONE;
+  if (x_p == 0 || q_p == 0 || s_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return nullptr;
+  }
+  const float* x = as_pointer<const float>(x_p);
+  uint8_t* q = as_pointer<uint8_t>(q_p);
+  float* scale = as_pointer<float>(s_p);
+  Py_BEGIN_ALLOW_THREADS;
+  // each row is its own: any split gives the same bits; a fork costs ~a row of 10^5 values
+  parallel(threads, m, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) mf::quantize_tokens_avx2(x + row * n, n, q + row * n, scale + row);
+  });
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 void silu_mul_values(Path path, const float* gate, const float* up, int64_t n, float* y) {
   if (path == kAvx512Vnni)
     mf::silu_mul_avx512(gate, up, n, y);
@@ -552,6 +583,7 @@ PyMethodDef methods[] = {
     {"attention_runs", attention_runs, METH_NOARGS, "Whether this CPU runs the bfloat16 attention (AVX-512 BF16)."},
     {"attention_bf16", attention_bf16, METH_VARARGS, "Bfloat16 attention of one image's heads (engine/kernels.py)."},
     {"decode_attention", decode_attention, METH_VARARGS, "The language model's decode-step attention (engine/kernels.py)."},
+    {"quantize_tokens", quantize_tokens, METH_VARARGS, "Per-token INT8 quantization of rows (engine/kernels.py)."},
     {"rms_norm", rms_norm, METH_VARARGS, "The language model's RMSNorm of rows (engine/kernels.py)."},
     {"silu_mul", silu_mul, METH_VARARGS, "The feed-forward's SiLU-gated product of rows (engine/kernels.py)."},
     {"decode_layers", decode_layers, METH_VARARGS, "A decode step through every decoder layer (engine/kernels.py)."},
