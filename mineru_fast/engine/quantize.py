@@ -316,7 +316,7 @@ class _PerTokenInt8Linear(nn.Module):
         qx = _scratch_tensor("u8", x2.shape, torch.uint8)
         quantize = kernel_status().quantize_tokens
         if quantize is not None and x2.is_contiguous():
-            x_scale = torch.empty(x2.shape[0], 1)
+            x_scale = torch.empty(x2.shape[0], 1, dtype=torch.float32)
             quantize(x2, qx, x_scale)
             return qx, x_scale
         x_scale, inv = cls._token_scales(x2)

@@ -123,7 +123,8 @@ void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t til
 //           (x[j] * inv is in [-127, 127]: the sum is positive; one rounding, as PyTorch's AVX2 and
 //           AVX-512 addcmul fuses it: its scalar build, ATEN_CPU_CAPABILITY=default, rounds twice)
 //
-// A row with a NaN gets scale NaN (its outputs are NaN) and q values of 0.
+// A row with a NaN gets scale NaN (its outputs are NaN) and q values of 0; one with an infinity,
+// scale infinity (its outputs are not finite either).
 constexpr float kTokenScaleFloor = static_cast<float>(127e-12);  // quantize.py's clamp (a double there)
 void quantize_tokens_avx2(const float* x, int64_t cols, uint8_t* q, float* scale);
 

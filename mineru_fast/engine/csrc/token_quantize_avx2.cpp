@@ -1,7 +1,7 @@
 // Per-token INT8 quantization of rows (AVX2 + FMA, run on the avx2 and avx512_vnni paths): the
 // activations of the per-channel INT8 linears (quantize.py's onednn and gemv backends), one pass
 // over a row from memory and one over it in cache, where PyTorch's operators take four passes
-// over the whole input. See kernels.h's TokenQuantization for the arithmetic.
+// over the whole input. See kernels.h's token quantization for the arithmetic.
 
 #include <algorithm>
 #include <cmath>
