@@ -98,7 +98,7 @@ def pytorchs_token_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 @needs_token_quantization
 @pytest.mark.parametrize("cols", [1, 7, 31, 33, 100, 896, 1280, 4864, 5120])  # tails of 8 and 32; model widths
 def test_the_token_quantization_gives_pytorchs_bits(cols):
-    """Rows of every magnitude (denormal-sized to 1e30), an all-zero row (the scale's floor), a row
+    """Rows of every magnitude (denormal-sized to 1e38), an all-zero row (the scale's floor), a row
     of exact halves of its scale (ties: rounded up), a row whose largest value is negative and one of
     values where rounding once or twice gives another q: the uint8 values and the scales equal
     PyTorch's, bit for bit."""
@@ -109,14 +109,15 @@ def test_the_token_quantization_gives_pytorchs_bits(cols):
     x[1, 0] = 127.0  # max |x| = 127: x / scale = 2 x, halves where x is odd / 2
     x[2] = -x[2].abs()
     x[2, -1] = -1e4
+    x[4] = (torch.rand(cols) * 2 - 1) * 1e38  # past 2**126: 1 / max|x| is a denormal
     # values whose q differs between one fused multiply-add and a multiply then an add (the kernel
-    # must round once, as PyTorch's vectorized addcmul does)
+    # must round once, as PyTorch's addcmul does on its AVX2 and AVX-512 builds)
     inv = (1 / torch.tensor(3.7)) * 127
     halves = ((torch.arange(-127, 127) + 0.5) / inv).view(torch.int32)  # x * inv near k + 1/2
     candidates = torch.cat([(halves + ulps).view(torch.float32) for ulps in range(-64, 65)])
     fused, apart = torch.addcmul(torch.tensor(128.5), candidates, inv), candidates * inv + 128.5
     split = candidates[fused.to(torch.uint8) != apart.to(torch.uint8)]
-    assert split.numel() > 0
+    assert split.numel() > 0, "this PyTorch's addcmul rounds twice: the kernel's one rounding is not its bits"
     x[3] = split[torch.arange(cols) % split.numel()]
     x[3, 0] = 3.7
     q, scale = torch.full((40, cols), 7, dtype=torch.uint8), torch.full((40, 1), 7.0)
@@ -128,34 +129,51 @@ def test_the_token_quantization_gives_pytorchs_bits(cols):
 
 
 @needs_token_quantization
-def test_the_token_quantization_marks_a_nan_row_and_refuses_what_it_cannot_read():
-    x = torch.randn(3, 50)
-    x[1, 17] = float("nan")
-    q, scale = torch.empty(3, 50, dtype=torch.uint8), torch.empty(3, 1)
+def test_the_token_quantization_marks_nan_and_infinite_rows_and_refuses_what_it_cannot_read():
+    """A NaN in the vector loop's part of a row or in its scalar tail (50 = 48 + 2 columns): scale
+    NaN and every q 0, so the row's outputs are NaN; an infinity: scale infinity, the finite values
+    at the zero point 128; the other rows as PyTorch's."""
+    x = torch.randn(4, 50)
+    x[1, 17] = x[2, 49] = float("nan")
+    x[3, 5] = float("inf")
+    q, scale = torch.full((4, 50), 7, dtype=torch.uint8), torch.empty(4, 1)
     STATUS.quantize_tokens(x, q, scale)
-    assert scale[1].isnan().all() and not scale[[0, 2]].isnan().any()  # the row's outputs will be NaN
-    assert torch.equal(q[[0, 2]], pytorchs_token_quantization(x[[0, 2]])[0])
+    assert scale[1:3].isnan().all() and torch.all(q[1:3] == 0)
+    assert scale[3].item() == float("inf") and torch.all(q[3, torch.arange(50) != 5] == 128)
+    expected_q, expected_scale = pytorchs_token_quantization(x[:1])
+    assert torch.equal(q[:1], expected_q) and torch.equal(scale[:1], expected_scale)
     with pytest.raises(ValueError, match="x:"):
         STATUS.quantize_tokens(x.double(), q, scale)
     with pytest.raises(ValueError, match="x:"):
-        STATUS.quantize_tokens(x.t(), torch.empty(50, 3, dtype=torch.uint8), torch.empty(50, 1))
+        STATUS.quantize_tokens(x.t(), torch.empty(50, 4, dtype=torch.uint8), torch.empty(50, 1))
     with pytest.raises(ValueError, match="q:"):
         STATUS.quantize_tokens(x, q[:, :49], scale)
     with pytest.raises(ValueError, match="scale:"):
-        STATUS.quantize_tokens(x, q, torch.empty(3))
+        STATUS.quantize_tokens(x, q, torch.empty(4))
+    with pytest.raises(ValueError, match="CPU"):
+        STATUS.quantize_tokens(x.to("meta"), q, scale)
 
 
 @needs_token_quantization
-def test_a_per_channel_linear_gives_the_same_outputs_with_and_without_the_token_quantization(monkeypatch):
-    """``OneDnnInt8Linear`` on the kernel's quantization and on PyTorch's operators (the kernel off):
-    the same outputs, bit for bit, on a vision-encoder shape and a strided (non-contiguous) input."""
+def test_a_per_channel_linear_quantizes_on_the_kernel_and_gives_the_operators_outputs(monkeypatch):
+    """``OneDnnInt8Linear`` calls the kernel once per call (a strided input too, on a contiguous
+    copy), and its outputs equal those on PyTorch's operators (the kernel off) bit for bit, on a
+    vision-encoder shape."""
     import mineru_fast.engine.quantize as quantize
 
     torch.manual_seed(0)
     layer = OneDnnInt8Linear(nn.Linear(1280, 320))
     x = torch.randn(300, 1280) * torch.logspace(-3, 3, 300)[:, None]
     strided = torch.randn(1280, 300).t()
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        STATUS.quantize_tokens(*args)
+
+    monkeypatch.setattr(quantize, "kernel_status", lambda: replace(STATUS, quantize_tokens=counted))
     with_kernel = layer(x), layer(strided)
+    assert calls == [(300, 1280), (300, 1280)]
     monkeypatch.setattr(quantize, "kernel_status", lambda: replace(STATUS, quantize_tokens=None))
     without = layer(x), layer(strided)
     assert torch.equal(with_kernel[0], without[0]) and torch.equal(with_kernel[1], without[1])

@@ -336,13 +336,16 @@ def _gemv_linear(module: ModuleType) -> GemvLinear:
 
 def _quantize_tokens(module: ModuleType) -> TokenQuantize:
     def quantize_tokens(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """Rows ``x`` ``[M, N]`` float32 (contiguous) -> ``q`` ``[M, N]`` uint8 (``round(x / scale) +
-        128``, halves up) and ``scale`` ``[M, 1]`` float32 (``max|x_row| / 127``), both contiguous,
-        written in place.
+        """Rows ``x`` ``[M, N]`` float32 (contiguous, CPU) -> ``q`` ``[M, N]`` uint8 (``x * 127 / a``
+        rounded, halves up, ``+ 128``) and ``scale`` ``[M, 1]`` float32 (``a / 127``), both contiguous,
+        written in place; ``a`` is the row's largest magnitude, at least ``127e-12`` (NaN for a row
+        with a NaN). The arithmetic: ``csrc/kernels.h``.
 
         Raises:
-            ValueError: a tensor of another dtype, shape or layout.
+            ValueError: a tensor of another dtype, shape, layout or device.
         """
+        if not (x.is_cpu and q.is_cpu and scale.is_cpu):
+            raise ValueError(f"CPU tensors only, got {x.device}, {q.device}, {scale.device}")
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise ValueError(f"x: [M, N] contiguous float32, got {x.dtype} {tuple(x.shape)}")
         if q.dtype != torch.uint8 or q.shape != x.shape or not q.is_contiguous():

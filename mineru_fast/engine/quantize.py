@@ -32,8 +32,9 @@ quantized form through a handler registered for the config's type:
   activation granularity is what differs: per token for ``onednn`` / ``int_mm``, per tensor for
   ``torch_ao`` (whose one scale follows the largest value anywhere in the batch).
   The ``onednn`` and ``gemv`` activations are quantized in one pass by the own kernel where it
-  runs (``kernels.KernelStatus.quantize_tokens``: PyTorch's operators' bits, ~4x faster on a vision
-  input; the operators elsewhere).
+  runs (``kernels.KernelStatus.quantize_tokens``: the bits of PyTorch's operators on its AVX2 and
+  AVX-512 builds; a vision block's four linears 0.77x the time on an AMX Xeon,
+  ``benchmarks/token_quantize.py``), by those operators elsewhere.
   ``gemv`` gives ``onednn``'s outputs bit for bit (the same integers, the same float steps): the
   fast engine runs its language model on it where the own kernel builds (``engine.factory``), since
   decode steps of a few rows are bound by reading the weights, which it does faster than oneDNN
@@ -312,12 +313,13 @@ class _PerTokenInt8Linear(nn.Module):
         """The ``onednn`` / ``gemv`` activation quantization: ``x2`` ``[M, in]`` float32 ->
         (``q + 128`` ``[M, in]`` uint8 in this thread's work buffer, valid until the next INT8
         layer runs on the thread; the scales ``[M, 1]``). The own kernel's one pass where it runs
-        (``kernels.kernel_status().quantize_tokens``, the same bits), else PyTorch's operators."""
+        (``kernels.kernel_status().quantize_tokens``, on a contiguous copy of a strided input; the
+        same bits), else PyTorch's operators."""
         qx = _scratch_tensor("u8", x2.shape, torch.uint8)
         quantize = kernel_status().quantize_tokens
-        if quantize is not None and x2.is_contiguous():
+        if quantize is not None:
             x_scale = torch.empty(x2.shape[0], 1, dtype=torch.float32)
-            quantize(x2, qx, x_scale)
+            quantize(x2.contiguous(), qx, x_scale)
             return qx, x_scale
         x_scale, inv = cls._token_scales(x2)
         # round(x / scale) + 128 as uint8: x * inv lies in [-127, 127], so + 128.5 is positive

@@ -119,9 +119,9 @@ void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t til
 //
 //   a     = max(max(max over j of x[j], -(min over j of x[j])), kTokenScaleFloor)   (NaN if any x[j] is)
 //   scale = a / 127;   inv = (1 / a) * 127   (each operation rounded to float32)
-//   q[j]  = trunc(fma(x[j], inv, 128.5)) as uint8: round(x[j] / scale) + 128, halves rounded up
-//           (x[j] * inv is in [-127, 127]: the sum is positive; one rounding, as PyTorch's AVX2 and
-//           AVX-512 addcmul fuses it: its scalar build, ATEN_CPU_CAPABILITY=default, rounds twice)
+//   q[j]  = trunc(fma(x[j], inv, 128.5)) as uint8: x[j] * 127 / a rounded, halves up, + 128
+//           (x[j] * inv is within an ulp of [-127, 127]: the sum is positive; one rounding, as
+//           PyTorch's addcmul on its AVX2 and AVX-512 builds (tested); its scalar build rounds twice)
 //
 // A row with a NaN gets scale NaN (its outputs are NaN) and q values of 0; one with an infinity,
 // scale infinity (its outputs are not finite either).

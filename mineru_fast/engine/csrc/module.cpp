@@ -407,7 +407,8 @@ PyObject* quantize_tokens(PyObject*, PyObject* args) {
   uint8_t* q = as_pointer<uint8_t>(q_p);
   float* scale = as_pointer<float>(s_p);
   Py_BEGIN_ALLOW_THREADS;
-  // each row is its own: any split gives the same bits; a fork costs ~a row of 10^5 values
+  // each row is its own: any split gives the same bits; at least ~65,536 values per thread (a fork
+  // costs about as much as quantizing them)
   parallel(threads, m, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) mf::quantize_tokens_avx2(x + row * n, n, q + row * n, scale + row);
   });
