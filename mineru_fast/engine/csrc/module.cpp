@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <vector>
@@ -357,6 +358,24 @@ PyObject* decode_attention(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// What a call over m rows of n values may do: run; nothing (m == 0, where a tensor's data pointer may be
+// null); or fail, with a Python ValueError set (a negative m, an empty row, a null pointer).
+enum class RowsCall { kRun, kNothing, kFail };
+RowsCall check_rows(long long m, long long n, std::initializer_list<unsigned long long> pointers) {
+  if (m < 0 || n < 1) {
+    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
+    return RowsCall::kFail;
+  }
+  if (m == 0) return RowsCall::kNothing;
+  for (const unsigned long long pointer : pointers) {
+    if (pointer == 0) {
+      PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+      return RowsCall::kFail;
+    }
+  }
+  return RowsCall::kRun;
+}
+
 // rms_norm(threads, x, m, n, weight, eps, y): rows of x [m][n] -> y [m][n] (kernels.h's rms_norm_row)
 PyObject* rms_norm(PyObject*, PyObject* args) {
   int threads;
@@ -364,15 +383,9 @@ PyObject* rms_norm(PyObject*, PyObject* args) {
   long long m, n;
   float eps;
   if (!PyArg_ParseTuple(args, "iKLLKfK", &threads, &x_p, &m, &n, &w_p, &eps, &y_p)) return nullptr;
-  if (m < 0 || n < 1) {
-    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
-    return nullptr;
-  }
-  if (m == 0) Py_RETURN_NONE;
-  if (x_p == 0 || w_p == 0 || y_p == 0) {
-    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
-    return nullptr;
-  }
+  const RowsCall call = check_rows(m, n, {x_p, w_p, y_p});
+  if (call == RowsCall::kFail) return nullptr;
+  if (call == RowsCall::kNothing) Py_RETURN_NONE;
   const float* x = as_pointer<const float>(x_p);
   const float* w = as_pointer<const float>(w_p);
   float* y = as_pointer<float>(y_p);
@@ -394,15 +407,9 @@ PyObject* quantize_tokens(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "the token quantization needs AVX2 and FMA");
     return nullptr;
   }
-  if (m < 0 || n < 1) {
-    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
-    return nullptr;
-  }
-  if (m == 0) Py_RETURN_NONE;
-  if (x_p == 0 || q_p == 0 || s_p == 0) {
-    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
-    return nullptr;
-  }
+  const RowsCall call = check_rows(m, n, {x_p, q_p, s_p});
+  if (call == RowsCall::kFail) return nullptr;
+  if (call == RowsCall::kNothing) Py_RETURN_NONE;
   const float* x = as_pointer<const float>(x_p);
   uint8_t* q = as_pointer<uint8_t>(q_p);
   float* scale = as_pointer<float>(s_p);
@@ -449,15 +456,9 @@ PyObject* silu_mul(PyObject*, PyObject* args) {
     PyErr_Format(PyExc_ValueError, "silu_mul runs on the avx2 and avx512_vnni paths, not path %d here", path);
     return nullptr;
   }
-  if (m < 0 || n < 1) {
-    PyErr_Format(PyExc_ValueError, "sizes: m=%lld n=%lld", m, n);
-    return nullptr;
-  }
-  if (m == 0) Py_RETURN_NONE;
-  if (x_p == 0 || y_p == 0) {
-    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
-    return nullptr;
-  }
+  const RowsCall call = check_rows(m, n, {x_p, y_p});
+  if (call == RowsCall::kFail) return nullptr;
+  if (call == RowsCall::kNothing) Py_RETURN_NONE;
   const float* x = as_pointer<const float>(x_p);
   float* y = as_pointer<float>(y_p);
   const Path chosen = static_cast<Path>(path);
