@@ -117,16 +117,19 @@ class ParserOptions:
         vision_mode: ``"eager"``, ``"trace"`` (TorchScript trace + freeze per shape) or
             ``"compile"`` (``torch.compile``) for the vision encoder (fast engine only).
         vision_attention: the vision encoder's attention (fast engine, float32 precision, eager
-            mode): ``"bf16"`` (default): the own kernel (``csrc/kernels.h``, ``BF16Attention``):
-            queries, keys, values and probabilities rounded to bfloat16, dot products summed and
-            the softmax taken in float32, on CPUs with AVX-512 BF16 (elsewhere, and in the trace
-            and compile modes, PyTorch's float32 attention runs: ``engine.numerics``'
-            ``vision_attention`` says which); ``"fp32"``: PyTorch's attention always. A layout
-            image's attention (16 heads of 5,476 patches) ran 1.75x as fast as float32 SDPA and
-            the encoder's layout pass in 0.71x the time (2 threads, AMD EPYC, 2026-12-04;
-            ``benchmarks/README.md``, "Vision attention on the own bfloat16 kernel"). On CPUs
-            with AMX, ``"bf16"`` runs PyTorch's SDPA over bfloat16 copies instead (AMX tiles;
-            ``engine.kernels.vision_attention_status``).
+            mode): ``"bf16"`` (default): this CPU class's fast attention
+            (``engine.kernels.vision_attention_status``): on CPUs with AVX-512 BF16 the own kernel
+            (``csrc/kernels.h``'s bfloat16 attention: queries, keys, values and probabilities
+            rounded to bfloat16, dot products summed and the softmax taken in float32; a layout
+            image's attention, 16 heads of 5,476 patches, ran 1.75x as fast as float32 SDPA and the
+            encoder's layout pass in 0.71x the time, 2 threads, AMD EPYC, 2026-12-04;
+            ``benchmarks/README.md``, "Vision attention on the own bfloat16 kernel"); on CPUs with
+            AMX, PyTorch's SDPA over bfloat16 copies (AMX tiles); on CPUs with AVX2 but no AVX-512,
+            the own float32 attention (``csrc/attention_avx2.cpp``: the layout pass in 0.89x the
+            float32-SDPA time on an AMX Xeon capped to AVX2, 2 threads, 2026-12-06); on the other
+            AVX-512 CPUs, and in the trace and compile modes, PyTorch's float32 attention.
+            ``"fp32"``: PyTorch's float32 attention always. ``engine.numerics``'
+            ``vision_attention`` says which ran.
         kv_dtype: storage dtype of the fast engine's KV buffers: ``"auto"`` (the precision's
             dtype), ``"fp32"`` or ``"bf16"`` (half the memory; each decode step then upcasts the
             keys and values it reads, which made decode attention ~3.7x slower than from a

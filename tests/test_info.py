@@ -47,9 +47,9 @@ def test_an_avx2_machine_runs_the_block_kernels_avx2_path(tmp_path):
         "decode attention on the own kernel's avx2 path",
         "decode_attention": "avx2",
     }
-    # no AVX-512 BF16: the vision attention stays PyTorch's float32 SDPA, and the report says so
-    assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.NO_BF16_ATTENTION}
-    assert f"vision attention: {kernels.NO_BF16_ATTENTION}" in render(info)
+    # no AVX-512 BF16: the vision attention is the own float32 kernel, and the report says so
+    assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.F32_ATTENTION}
+    assert f"vision attention: {kernels.F32_ATTENTION}" in render(info)
 
 
 def test_info_json_runs_here(capsys, tmp_path, monkeypatch):

@@ -521,7 +521,7 @@ needs_attention = pytest.mark.skipif(ATTENTION.attention is None, reason=ATTENTI
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``csrc/kernels.h``'s ``BF16Attention`` in PyTorch, ``[heads, n, d]`` -> ``[heads, n, d]``: the
+    """``csrc/kernels.h``'s bfloat16 attention in PyTorch, ``[heads, n, d]`` -> ``[heads, n, d]``: the
     same roundings to bfloat16 (queries times scale * log2(e), keys, values, probabilities), float32
     sums, a softmax in powers of 2 against each row's maximum over all keys at once."""
     scale = q.shape[-1] ** -0.5 * 1.4426950408889634
@@ -587,9 +587,9 @@ def test_the_bf16_attention_passes_a_nan_on_and_refuses_what_it_cannot_run():
     got = own_attention(q, k, v)
     assert not got[0].isnan().any() and got[1].isnan().all()
     out = torch.empty(70, 32)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
         ATTENTION.attention(q.double(), k, v, out)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
         ATTENTION.attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out)
     with pytest.raises(ValueError, match="out"):
         ATTENTION.attention(q, k, v, torch.empty(70, 31))
@@ -622,17 +622,134 @@ def test_the_amx_attention_is_sdpa_over_bfloat16_copies_written_in_place():
         assert torch.nn.functional.cosine_similarity(got.flatten(), exact.flatten(), dim=0) > cosine
 
 
-@pytest.mark.parametrize(("cls", "amx"), [("amx", True), ("avx512_bf16", False), ("avx2", False)])
-def test_the_vision_attention_is_bfloat16_sdpa_on_amx_only(monkeypatch, cls, amx):
-    """On the AMX class (caps included) the fast preset's vision attention is PyTorch's bfloat16
-    SDPA; on every other class it is ``attention_status()``'s choice (the own kernel or float32)."""
+F32_ATTENTION = kernels.f32_attention_kernel() if "avx2" in CPU_PATHS else None
+needs_f32_attention = pytest.mark.skipif(F32_ATTENTION is None, reason="no AVX2 path here (or no own kernels)")
+
+
+def f32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """The float32 kernel's outputs as ``[heads, n, d]`` (see ``own_attention``)."""
+    heads, n, d = q.shape
+    rows = torch.full((n, heads * d + extra), 7.0)
+    assert F32_ATTENTION is not None
+    F32_ATTENTION(q, k, v, rows[:, : heads * d])
+    assert torch.all(rows[:, heads * d :] == 7.0)
+    return rows[:, : heads * d].view(n, heads, d).transpose(0, 1)
+
+
+def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q[None].double(), k[None].double(), v[None].double())[0]
+
+
+@needs_f32_attention
+@pytest.mark.parametrize(
+    ("heads", "n", "d"),
+    [
+        (2, 1, 16),  # one patch; the tiny model's head size
+        (1, 15, 48),  # part of one key panel, part of one query tile
+        (2, 17, 80),  # a panel and one key
+        (1, 48, 32),  # exactly one query block
+        (1, 49, 64),  # a query block and one row
+        (2, 256, 80),  # exactly one key block
+        (2, 257, 80),  # a key block and one key
+        (1, 300, 128),  # the widest head
+        (2, 1040, 80),  # a crop's patches (MinerU2.5's head size)
+        (2, 5476, 80),  # a layout image (1036 x 1036 pixels: 74 x 74 patches)
+    ],
+)
+def test_the_f32_attention_is_float32_attention(heads, n, d):
+    """Against float64 SDPA. Tolerance 2e-6 * max|v|, about 16 float32 units of the values' scale:
+    the kernel rounds each score (a sum of d products), each 2^x (a relative 3e-7, simd_math.h)
+    and its sums of up to 5,476 weighted values in float32, in its own order (seen: under 4e-7 *
+    max|v|; float32 SDPA: under 1.3e-7). A key left unmasked, a mixed-up panel or tile, or a
+    missed rescale moves outputs by 1e-3 to 1."""
+    torch.manual_seed(n + d)
+    q, k, v = (torch.randn(heads, n, d) for _ in range(3))
+    got = f32_attention(q, k, v, extra=3)
+    torch.testing.assert_close(got.double(), float64_attention(q, k, v), rtol=0, atol=2e-6 * v.abs().max().item())
+
+
+@needs_f32_attention
+def test_the_f32_attention_holds_on_sharp_attention():
+    """Keys near their queries, scaled up: each row's mass on few keys, large scores (up to ~1,000:
+    the running maximum grows block after block). The same tolerance as above."""
+    torch.manual_seed(0)
+    q = 3 * torch.randn(2, 1000, 80)
+    k, v = q + 0.1 * torch.randn_like(q), torch.randn(2, 1000, 80)
+    exact = float64_attention(q, k, v)
+    assert exact.abs().max() > 0.9 * v.abs().max()  # sharp indeed: rows close to single values
+    torch.testing.assert_close(f32_attention(q, k, v).double(), exact, rtol=0, atol=2e-6 * v.abs().max().item())
+
+
+@needs_f32_attention
+def test_the_f32_attention_passes_a_nan_on_and_refuses_what_it_cannot_run():
+    q, k, v = (torch.randn(2, 70, 16) for _ in range(3))
+    k[1, 3, 0] = float("nan")  # every row of head 1 reads that key
+    got = f32_attention(q, k, v)
+    assert not got[0].isnan().any() and got[1].isnan().all()
+    v2 = v.clone()
+    v2[0, 5, 2] = float("nan")  # a value: its column, in every row of head 0
+    got = f32_attention(q, k.nan_to_num(), v2)
+    assert got[0, :, 2].isnan().all() and not got[0, :, 3:].isnan().any() and not got[1].isnan().any()
+    assert F32_ATTENTION is not None
+    out = torch.empty(70, 32)
+    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
+        F32_ATTENTION(q.double(), k, v, out)
+    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
+        F32_ATTENTION(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out)
+    with pytest.raises(ValueError, match="out"):
+        F32_ATTENTION(q, k, v, torch.empty(70, 31))
+    with pytest.raises(ValueError, match="d=24"):
+        F32_ATTENTION(*(torch.randn(1, 5, 24) for _ in range(3)), torch.empty(5, 24))
+
+
+@pytest.mark.parametrize("kernel", ["bf16", "f32"])
+def test_the_attention_kernels_read_views_by_their_strides(kernel):
+    """The vision encoder passes views: q and k (rotary outputs) and v (columns of the qkv
+    projection, [n, 3, heads, d] permuted). The outputs equal those of contiguous copies bit for bit
+    (the same values packed; a stride misread gives other rows or heads)."""
+    attention = ATTENTION.attention if kernel == "bf16" else F32_ATTENTION
+    if attention is None:
+        pytest.skip(f"no {kernel} attention kernel here")
+    torch.manual_seed(0)
+    n, heads, d = 300, 2, 80
+    qkv = torch.randn(n, 3, heads, d)
+    q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)  # [heads, n, d], rows 3 * heads * d apart
+    q = q * 1.5  # a dense [heads, n, d] in [n, heads, d] order: another head and row stride
+    assert not q.is_contiguous() and not v.is_contiguous()
+    got, expected = torch.empty(n, heads * d), torch.empty(n, heads * d)
+    attention(q, k, v, got)
+    attention(q.contiguous(), k.contiguous(), v.contiguous(), expected)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("cls", ["amx", "avx512_bf16", "avx512", "avx2"])
+def test_the_vision_attention_follows_the_cpu_class(monkeypatch, cls):
+    """The fast preset's vision attention per CPU class (caps included): PyTorch's bfloat16 SDPA on
+    AMX, the own float32 kernel on the AVX2 class where the kernels run its path, else
+    ``attention_status()``'s choice (the own bfloat16 kernel, or float32 SDPA)."""
+    import dataclasses
+
     from mineru_fast.runtime.cpu import IsaClass
 
     monkeypatch.setattr(kernels, "isa_class", lambda isa: IsaClass(cls, "amx", {}))
-    status = kernels.vision_attention_status.__wrapped__()
-    if amx:
+    if STATUS.block is not None:  # as an AVX2 CPU would choose
+        monkeypatch.setattr(kernels, "kernel_status", lambda: dataclasses.replace(STATUS, path="avx2"))
+    kernels.f32_attention_status.cache_clear()
+    try:
+        status = kernels.vision_attention_status.__wrapped__()
+    finally:
+        kernels.f32_attention_status.cache_clear()
+    if cls == "amx":
         assert status == kernels.AttentionStatus(kernels.sdpa_bf16_attention, kernels.AMX_ATTENTION)
-    else:  # the own kernel's status (or float32's reason), never the AMX path
+    elif cls == "avx2" and F32_ATTENTION is not None:
+        assert status.reason == kernels.F32_ATTENTION and status.attention is not None
+        q, k, v = (torch.randn(1, 20, 16) for _ in range(3))
+        out = torch.empty(20, 16)
+        status.attention(q, k, v, out)  # the float32 kernel: float32 SDPA's outputs within its rounding
+        torch.testing.assert_close(out, float64_attention(q, k, v)[0].float(), rtol=0, atol=1e-5)
+    elif cls == "avx2":
+        assert status.attention is None and status.reason.startswith("float32 attention (PyTorch SDPA)")
+    else:  # the own bfloat16 kernel's status (or float32's reason), never the AMX path
         assert status == kernels.attention_status() and status.attention is not kernels.sdpa_bf16_attention
         assert status.reason != kernels.AMX_ATTENTION
 

@@ -126,10 +126,17 @@ def _fast_lm_quant(topology: Topology) -> dict[str, str]:
 def _fast_vision_attention(topology: Topology) -> dict[str, str]:
     """What runs the fast preset's vision attention (``vision_attention="bf16"``) on ``topology``:
     PyTorch's bfloat16 SDPA on the AMX class, the own bfloat16 kernel where its CPU class has
-    AVX-512 BF16 and this install loads it, else PyTorch's float32 SDPA, with the reason."""
-    from mineru_fast.engine.kernels import NO_BF16_ATTENTION, vision_attention_status
+    AVX-512 BF16 and this install loads it, the own float32 kernel on the AVX2 class where this
+    install loads the kernels, else PyTorch's float32 SDPA, with the reason."""
+    from mineru_fast.engine.kernels import F32_ATTENTION, NO_BF16_ATTENTION, kernel_status, vision_attention_status
 
-    if not isa_class(topology.isa).native_bf16:
+    cls = isa_class(topology.isa)
+    if cls.name == "avx2":
+        kernels = kernel_status()
+        if kernels.block is None:
+            return {"attention": "fp32", "reason": f"float32 attention (PyTorch SDPA): {kernels.reason}"}
+        return {"attention": "fp32", "reason": F32_ATTENTION}
+    if not cls.native_bf16:
         return {"attention": "fp32", "reason": NO_BF16_ATTENTION}
     status = vision_attention_status()
     return {"attention": "bf16" if status.attention else "fp32", "reason": status.reason}

@@ -60,10 +60,11 @@ class FastEngine:
         vision_pack_patches: most patches packed into one vision forward (bounds activation memory
             and, with ``admission_budget_s``, how long a decode step can wait for vision work).
         vision_mode: ``"eager"``, ``"trace"`` or ``"compile"`` (see ``vision_runner``).
-        vision_attention: ``"fp32"`` (PyTorch's SDPA) or ``"bf16"``: bfloat16 attention where it
-            runs (float32 precision, eager mode; ``kernels.vision_attention_status``: PyTorch's
-            bfloat16 SDPA on AMX, the own kernel on AVX-512 BF16; elsewhere float32 SDPA).
-            ``vision_attention_reason`` says which runs.
+        vision_attention: ``"fp32"`` (PyTorch's SDPA) or ``"bf16"``: this CPU class's fast attention
+            where it runs (float32 precision, eager mode; ``kernels.vision_attention_status``:
+            PyTorch's bfloat16 SDPA on AMX, the own bfloat16 kernel on AVX-512 BF16, the own float32
+            kernel on the AVX2 class; elsewhere float32 SDPA). ``vision_attention_reason`` says which
+            runs.
         vision_quant / lm_quant / lm_head_quant: ``quantize`` configs, or None for float.
         repetition_window: repetition guard window; a free-running sequence whose last
             ``repetition_window`` tokens are near-periodic (see ``repetition.loop_period``) is
@@ -126,8 +127,9 @@ class FastEngine:
         )
 
     def _attention(self, wanted: str) -> str:
-        """Put the vision encoder's attention on bfloat16 (``vision_attention_status``) where
-        ``wanted`` asks for it and it can run; the reason, one line, either way.
+        """Put the vision encoder's attention on this CPU class's fast attention
+        (``vision_attention_status``) where ``wanted`` asks for it and it can run; the reason, one
+        line, either way.
 
         Raises:
             ValueError: ``wanted`` is neither ``"fp32"`` nor ``"bf16"``.
@@ -138,12 +140,12 @@ class FastEngine:
         if wanted == "fp32":
             return sdpa
         if self.dtype != torch.float32:
-            return f"{sdpa} (the bfloat16 attention takes float32 activations)"
+            return f"{sdpa} (the fast attention takes float32 activations)"
         if self.vision_mode != "eager":
-            return f"{sdpa} (the bfloat16 attention runs in the eager vision mode only)"
+            return f"{sdpa} (the fast attention runs in the eager vision mode only)"
         head_dim = self.vision.config.head_dim
         if head_dim % 16 or not 16 <= head_dim <= 128:
-            return f"{sdpa} (the bfloat16 attention takes head sizes of 16 to 128 in steps of 16, not {head_dim})"
+            return f"{sdpa} (the fast attention takes head sizes of 16 to 128 in steps of 16, not {head_dim})"
         status = vision_attention_status()
         self.vision.use_attention_kernel(status.attention)
         return status.reason

@@ -716,15 +716,16 @@ NO_BF16_ATTENTION = "no AVX-512 BF16 in this CPU class: float32 attention (PyTor
 
 @dataclass(frozen=True)
 class AttentionStatus:
-    """Whether the own bfloat16 attention runs here, and why not when it does not.
+    """Whether an attention other than PyTorch's float32 SDPA runs the vision encoder's here (the own
+    bfloat16 or float32 kernel, or bfloat16 SDPA), and why not when none does.
 
     Attributes:
-        attention: ``attention(q, k, v, out)``: ``q``, ``k``, ``v`` ``[heads, n, d]`` contiguous
-            float32 (``d`` a multiple of 16, 16 to 128), ``out`` a float32 ``[n, >= heads * d]``
+        attention: ``attention(q, k, v, out)``: ``q``, ``k``, ``v`` ``[heads, n, d]`` float32 with
+            contiguous rows of ``d`` (``d`` a multiple of 16, 16 to 128), ``out`` a float32 ``[n, >= heads * d]``
             view whose rows are ``heads * d`` (or more) apart and whose last dimension is
             contiguous; writes head ``h``'s outputs to ``out[:, h * d : (h + 1) * d]``. The
-            arithmetic is ``csrc/kernels.h``'s ``BF16Attention``; the scale is ``d ** -0.5``.
-            None where it does not run.
+            arithmetic is ``csrc/kernels.h``'s bfloat16 or float32 attention (``reason`` says
+            which), or ``sdpa_bf16_attention``'s; the scale is ``d ** -0.5``. None where none runs.
         reason: one line: what runs the vision attention, for ``engine.numerics``.
     """
 
@@ -732,21 +733,32 @@ class AttentionStatus:
     reason: str
 
 
-def _attention(module: ModuleType) -> Attention:
+def _attention(run: Callable[..., None]) -> Attention:
+    """``AttentionStatus.attention`` over ``run``, the module's ``attention_bf16`` or ``attention_f32``
+    (the same arguments): the tensors' dtypes, shapes and strides checked (``ValueError``), the
+    sizes by the module (``ValueError``), PyTorch's thread count. ``q``, ``k`` and ``v`` may be views
+    (the vision encoder's rotary outputs and its qkv projection's columns): the kernels read them
+    by their head and row strides."""
+
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         heads, n, d = q.shape
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dtype != torch.float32 or t.shape != q.shape or not t.is_contiguous():
-                raise ValueError(f"{name}: [heads, n, d] contiguous float32 like q, got {t.dtype} {tuple(t.shape)}")
+            if t.dtype != torch.float32 or t.shape != q.shape or t.stride(2) != 1:
+                raise ValueError(
+                    f"{name}: [heads, n, d] float32 like q, rows of d contiguous, got {t.dtype} {tuple(t.shape)} "
+                    f"strides {t.stride()}"
+                )
         if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != n or out.shape[1] < heads * d:
             raise ValueError(f"out: [{n}, >= {heads * d}] float32, got {out.dtype} {tuple(out.shape)}")
         if out.stride(1) != 1 or out.stride(0) < heads * d:
             raise ValueError(f"out: contiguous rows at least {heads * d} apart, got strides {out.stride()}")
-        module.attention_bf16(
+        run(
             torch.get_num_threads(),
             q.data_ptr(),
             k.data_ptr(),
             v.data_ptr(),
+            *(t.stride(0) for t in (q, k, v)),
+            *(t.stride(1) for t in (q, k, v)),
             heads,
             n,
             d,
@@ -773,7 +785,37 @@ def attention_status() -> AttentionStatus:
         return AttentionStatus(None, f"own kernels not loaded ({type(exc).__name__}): float32 attention (PyTorch SDPA)")
     if not module.attention_runs():
         return AttentionStatus(None, "the CPU lacks AVX-512 BF16: float32 attention (PyTorch SDPA)")
-    return AttentionStatus(_attention(module), "own bfloat16 attention (AVX-512 BF16), float32 softmax")
+    return AttentionStatus(_attention(module.attention_bf16), "own bfloat16 attention (AVX-512 BF16), float32 softmax")
+
+
+F32_ATTENTION = "own float32 attention (AVX2)"
+
+
+@functools.cache
+def f32_attention_status() -> AttentionStatus:
+    """The own float32 attention (``csrc/kernels.h``'s ``F32AttentionBuffers``, AVX2 + FMA) where the
+    CPU class is ``avx2`` (caps included) and the kernels' path is ``avx2``, else why not (cached per
+    process; never raises). On the AVX-512 classes without BF16 PyTorch's float32 SDPA, on its
+    AVX-512 build, is the faster (270 against 153 GFLOP/s at a layout image natively on an AMX Xeon,
+    2 threads, 2026-12-06), so it runs there."""
+    if isa_class(read_topology().isa).name != "avx2":
+        return AttentionStatus(None, "float32 attention (PyTorch SDPA): the own float32 one is for the avx2 class")
+    status = kernel_status()
+    if status.path != "avx2":
+        return AttentionStatus(None, f"float32 attention (PyTorch SDPA): {status.reason}")
+    return AttentionStatus(f32_attention_kernel(), F32_ATTENTION)
+
+
+def f32_attention_kernel() -> Attention:
+    """The own float32 attention (``AttentionStatus.attention``'s contract; the arithmetic:
+    ``csrc/kernels.h``'s float32 attention), whatever the CPU class would choose (tests run it on
+    every CPU with AVX2; ``vision_attention_status()`` is what the engine runs).
+
+    Raises:
+        ImportError: the extension is not built (or stale).
+        ValueError: this CPU lacks AVX2 and FMA.
+    """
+    return _attention(_decode_path_module("avx2", "float32 attention").attention_f32)
 
 
 AMX_ATTENTION = "PyTorch SDPA in bfloat16 (its flash attention on AMX tiles), float32 softmax"
@@ -801,6 +843,9 @@ def vision_attention_status() -> AttentionStatus:
     ``benchmarks/vision_attention.py``, results/2026-12-06-xeon-amx-2core); elsewhere
     ``attention_status()``'s choice. ``MINERU_FAST_OWN_KERNELS=0`` does not turn the AMX choice
     off: it is PyTorch's operator, not an own kernel (``vision_attention="fp32"`` does)."""
-    if isa_class(read_topology().isa).name == "amx":
+    name = isa_class(read_topology().isa).name
+    if name == "amx":
         return AttentionStatus(sdpa_bf16_attention, AMX_ATTENTION)
+    if name == "avx2":
+        return f32_attention_status()
     return attention_status()

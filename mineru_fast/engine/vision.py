@@ -80,7 +80,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class VisionBlock(nn.Module):
-    # The bfloat16 attention (engine.kernels.vision_attention_status().attention), set by
+    # The CPU class's fast attention (engine.kernels.vision_attention_status().attention), set by
     # VisionEncoder.use_attention_kernel; None: PyTorch's SDPA in the activations' dtype.
     attention_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
@@ -132,7 +132,7 @@ class VisionBlock(nn.Module):
             q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)  # [G, n, d]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if kernel is not None:  # writes the group's heads into out[:, h : h + G] itself
-                kernel(q.contiguous(), k.contiguous(), v.contiguous(), out[:, h : h + q.shape[0]].view(n, -1))
+                kernel(q, k, v, out[:, h : h + q.shape[0]].view(n, -1))
             else:
                 # 4-D [1, G, n, d] inputs take SDPA's fused CPU kernel (3-D ones fall back to the math path)
                 attended = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]

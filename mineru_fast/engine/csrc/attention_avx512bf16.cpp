@@ -1,6 +1,6 @@
 // The vision encoder's attention in bfloat16 dot products with a float32 softmax (AVX-512 BF16:
 // AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids and later): see kernels.h's
-// BF16Attention for the arithmetic.
+// bfloat16 attention (ImageAttention) for the arithmetic.
 //
 // Per head: the queries (times scale * log2(e)), keys and values are rounded to bfloat16 and packed
 // for vdpbf16ps, which multiplies pairs of bfloat16 values and adds both products to a float32 lane:
@@ -40,7 +40,7 @@ inline __m512 dot_pairs(__m512 acc, uint32_t pair, __m512i packed) {
 
 // Four query rows [row, row + 4) of one head against all keys, written to out. DV = d / 16.
 template <int DV>
-void query_rows(const BF16Attention& a, const uint32_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t n_pad,
+void query_rows(const ImageAttention& a, const uint32_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t n_pad,
                 int64_t head, int64_t row) {
   constexpr int64_t d = DV * 16, pairs = d / 2;
   float o[kRows][d];
@@ -120,13 +120,13 @@ void query_rows(const BF16Attention& a, const uint32_t* qp, const uint16_t* kp, 
 
 }  // namespace
 
-void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t block_begin, int64_t block_end,
+void attention_pack_avx512bf16(const ImageAttention& a, int64_t head, int64_t block_begin, int64_t block_end,
                                const BF16AttentionBuffers& b) {
   const int64_t d = a.d, pairs = d / 2;
   const __m512 qf = _mm512_set1_ps(a.scale * 1.4426950408889634f);  // log2(e): powers of 2
-  const float* q = a.q + head * a.n * d;
-  const float* k = a.k + head * a.n * d;
-  const float* v = a.v + head * a.n * d;
+  const float* q = a.q + head * a.head_stride[0];
+  const float* k = a.k + head * a.head_stride[1];
+  const float* v = a.v + head * a.head_stride[2];
   uint16_t* qp = reinterpret_cast<uint16_t*>(b.q + head * b.n_pad * pairs);  // a row's pairs: the row in order
   uint32_t* kp = reinterpret_cast<uint32_t*>(b.k + head * b.n_pad * d);
   uint16_t* vp = b.v + head * b.n_pad * d;
@@ -147,9 +147,11 @@ void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t blo
       if (i < a.n) {
         for (int64_t j = 0; j < d; j += 16) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + i * d + j),
-                              to_bf16(_mm512_mul_ps(_mm512_loadu_ps(q + i * d + j), qf)));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(&keys[r][j]), to_bf16(_mm512_loadu_ps(k + i * d + j)));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(&value[j]), to_bf16(_mm512_loadu_ps(v + i * d + j)));
+                              to_bf16(_mm512_mul_ps(_mm512_loadu_ps(q + i * a.row_stride[0] + j), qf)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&keys[r][j]),
+                             to_bf16(_mm512_loadu_ps(k + i * a.row_stride[1] + j)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&value[j]),
+                             to_bf16(_mm512_loadu_ps(v + i * a.row_stride[2] + j)));
         }
       } else {  // past n: zero queries, keys (masked anyway) and values
         std::memset(qp + i * d, 0, d * sizeof(uint16_t));
@@ -172,7 +174,7 @@ void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t blo
   }
 }
 
-void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
+void attention_rows_avx512bf16(const ImageAttention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
                                const BF16AttentionBuffers& b) {
   const int64_t pairs = a.d / 2;
   const uint32_t* qp = b.q + head * b.n_pad * pairs;
@@ -193,8 +195,8 @@ void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t til
   }
 }
 #else
-void attention_pack_avx512bf16(const BF16Attention&, int64_t, int64_t, int64_t, const BF16AttentionBuffers&) {}
-void attention_rows_avx512bf16(const BF16Attention&, int64_t, int64_t, int64_t, const BF16AttentionBuffers&) {}
+void attention_pack_avx512bf16(const ImageAttention&, int64_t, int64_t, int64_t, const BF16AttentionBuffers&) {}
+void attention_rows_avx512bf16(const ImageAttention&, int64_t, int64_t, int64_t, const BF16AttentionBuffers&) {}
 #endif
 
 }  // namespace mineru_fast

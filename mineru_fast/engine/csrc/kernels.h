@@ -78,8 +78,22 @@ void gemv_quantize_avx512(const GemvLinear& l, uint8_t* qx, float* x_scale);
 void gemv_tiles_avx512(const GemvLinear& l, const uint8_t* qx, const float* x_scale, int64_t tile_begin,
                        int64_t tile_end);
 
+// The vision encoder's full (unmasked) attention of one image's heads: q, k and v and where each
+// head's outputs go, for the bfloat16 kernel and the float32 one below.
+struct ImageAttention {
+  // [heads][n][d], each row of d contiguous: q[head, i, c] at q + head * head_stride[0] +
+  // i * row_stride[0] + c, k's and v's by strides [1] and [2]
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t head_stride[3], row_stride[3];
+  float* out;  // row i, head h at out + i * out_row_stride + h * d
+  int64_t out_row_stride, heads, n, d;
+  float scale;
+};
+
 // Attention of one image's heads in bfloat16 dot products with a float32 softmax
-// (attention_avx512bf16.cpp, AVX-512 BF16 only): the vision encoder's full (unmasked) attention.
+// (attention_avx512bf16.cpp, AVX-512 BF16 only):
 //
 //   out[i, head * d + j] = sum over keys t of p(i, t) * bf16(v[head, t, j]) / sum over t of p(i, t)
 //   s(i, t) = sum over c of bf16(q[head, i, c] * scale * log2(e)) * bf16(k[head, t, c])   (float32 sums)
@@ -90,15 +104,6 @@ void gemv_tiles_avx512(const GemvLinear& l, const uint8_t* qx, const float* x_sc
 // NaN stays a NaN; float32 denormals become zero). The float32 sums of the
 // bfloat16 products run in the order vdpbf16ps gives, so the result is compared with a float32
 // reference of the same roundings within a tolerance (tests/test_kernels.py), not bit for bit.
-struct BF16Attention {
-  const float* q;  // [heads][n][d] contiguous, and so k and v
-  const float* k;
-  const float* v;
-  float* out;  // row i, head h at out + i * out_row_stride + h * d
-  int64_t out_row_stride, heads, n, d;
-  float scale;
-};
-// Packed bfloat16 operands (see the .cpp): n_pad = n rounded up to 64.
 struct BF16AttentionBuffers {
   uint32_t* q;  // [heads][n_pad][d / 2]
   uint16_t* k;  // [heads][n_pad / 16][d / 2][16][2]
@@ -108,10 +113,36 @@ struct BF16AttentionBuffers {
 constexpr int64_t kAttentionRows = 4;  // query rows per unit of work
 // Pack rows [16 block_begin, 16 block_end) of one head; then the outputs of query-row tiles
 // [tile_begin, tile_end) (kAttentionRows rows each) of one head.
-void attention_pack_avx512bf16(const BF16Attention& a, int64_t head, int64_t block_begin, int64_t block_end,
+void attention_pack_avx512bf16(const ImageAttention& a, int64_t head, int64_t block_begin, int64_t block_end,
                                const BF16AttentionBuffers& b);
-void attention_rows_avx512bf16(const BF16Attention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
+void attention_rows_avx512bf16(const ImageAttention& a, int64_t head, int64_t tile_begin, int64_t tile_end,
                                const BF16AttentionBuffers& b);
+
+// Attention of one image's heads in float32 (attention_avx2.cpp, AVX2 + FMA):
+//
+//   out[i, head * d + j] = sum over keys t of p(i, t) * v[head, t, j] / sum over t of p(i, t)
+//   s(i, t) = sum over c of (q[head, i, c] * scale * log2(e)) * k[head, t, c]
+//   p(i, t) = 2^(s(i, t) - m), m the running maximum of row i's scores over the keys so far
+//
+// taken over blocks of kF32AttentionKeyBlock keys (online softmax, as above); every operation in
+// float32, 2^x by simd_math.h's exp2_nonpositive. The sums run in the kernel's order, so the result
+// is compared with a float64 reference within a tolerance (tests/test_kernels.py).
+constexpr int64_t kF32AttentionTileRows = 6;      // query rows whose scores share a key panel's loads
+constexpr int64_t kF32AttentionQueryTiles = 8;    // tiles per work item: 48 query rows
+constexpr int64_t kF32AttentionKeyBlock = 256;    // keys per softmax step
+// Packed operands: n_pad = n rounded up to 48 (kF32AttentionQueryTiles * kF32AttentionTileRows).
+struct F32AttentionBuffers {
+  float* q;  // [heads][n_pad][d]: q * scale * log2(e), zero rows past n
+  float* k;  // [heads][n_pad / 16][d][16]: panels of 16 keys, zero keys past n
+  float* v;  // [heads][d / 16][n_pad][16]: 16 columns of every key, zero keys past n
+  int64_t n_pad;
+};
+// Pack rows [16 block_begin, 16 block_end) of one head; then the outputs of query blocks
+// [block_begin, block_end) (48 rows each) of one head.
+void attention_pack_avx2(const ImageAttention& a, int64_t head, int64_t block_begin, int64_t block_end,
+                         const F32AttentionBuffers& b);
+void attention_rows_avx2(const ImageAttention& a, int64_t head, int64_t block_begin, int64_t block_end,
+                         const F32AttentionBuffers& b);
 
 // Per-token INT8 quantization of a row x [cols] float32 (token_quantize_avx2.cpp; the activations
 // of quantize.py's per-channel INT8 linears, onednn and gemv backends), PyTorch's operators there

@@ -260,29 +260,56 @@ bool cpu_has_bf16() {
 
 PyObject* attention_runs(PyObject*, PyObject*) { return PyBool_FromLong(cpu_has_bf16()); }
 
-// attention_bf16(threads, q, k, v, heads, n, d, scale, out, out_row_stride)
+// The arguments of attention_bf16 and attention_f32: (threads, q, k, v, q_head_stride, k_head_stride,
+// v_head_stride, q_row_stride, k_row_stride, v_row_stride, heads, n, d, scale, out, out_row_stride),
+// the sizes checked; false with a Python ValueError set when they do not parse or fit.
+bool image_attention_args(PyObject* args, int& threads, mf::ImageAttention& a) {
+  unsigned long long q_p, k_p, v_p, out_p;
+  long long head_stride[3], row_stride[3], heads, n, d, stride;
+  float scale;
+  if (!PyArg_ParseTuple(args, "iKKKLLLLLLLLLfKL", &threads, &q_p, &k_p, &v_p, &head_stride[0], &head_stride[1],
+                        &head_stride[2], &row_stride[0], &row_stride[1], &row_stride[2], &heads, &n, &d, &scale,
+                        &out_p, &stride))
+    return false;
+  if (heads < 1 || n < 1 || d < 16 || d > 128 || d % 16 != 0 || stride < heads * d) {
+    PyErr_Format(PyExc_ValueError, "sizes: heads=%lld n=%lld d=%lld (16 to 128, a multiple of 16) out_row_stride=%lld",
+                 heads, n, d, stride);
+    return false;
+  }
+  for (int t = 0; t < 3; ++t) {
+    if (head_stride[t] < 0 || row_stride[t] < 0) {
+      PyErr_SetString(PyExc_ValueError, "a negative stride");
+      return false;
+    }
+  }
+  if (q_p == 0 || k_p == 0 || v_p == 0 || out_p == 0) {
+    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
+    return false;
+  }
+  a = mf::ImageAttention{as_pointer<const float>(q_p),
+                         as_pointer<const float>(k_p),
+                         as_pointer<const float>(v_p),
+                         {head_stride[0], head_stride[1], head_stride[2]},
+                         {row_stride[0], row_stride[1], row_stride[2]},
+                         as_pointer<float>(out_p),
+                         stride,
+                         heads,
+                         n,
+                         d,
+                         scale};
+  return true;
+}
+
+// attention_bf16(the arguments of image_attention_args)
 PyObject* attention_bf16(PyObject*, PyObject* args) {
   int threads;
-  unsigned long long q_p, k_p, v_p, out_p;
-  long long heads, n, d, stride;
-  float scale;
-  if (!PyArg_ParseTuple(args, "iKKKLLLfKL", &threads, &q_p, &k_p, &v_p, &heads, &n, &d, &scale, &out_p, &stride))
-    return nullptr;
+  mf::ImageAttention a{};
+  if (!image_attention_args(args, threads, a)) return nullptr;
   if (!cpu_has_bf16()) {
     PyErr_SetString(PyExc_ValueError, "the bfloat16 attention needs AVX-512 BF16");
     return nullptr;
   }
-  if (heads < 1 || n < 1 || d < 16 || d > 128 || d % 16 != 0 || stride < heads * d) {
-    PyErr_Format(PyExc_ValueError, "sizes: heads=%lld n=%lld d=%lld (16 to 128, a multiple of 16) out_row_stride=%lld",
-                 heads, n, d, stride);
-    return nullptr;
-  }
-  if (q_p == 0 || k_p == 0 || v_p == 0 || out_p == 0) {
-    PyErr_SetString(PyExc_ValueError, "a null tensor pointer");
-    return nullptr;
-  }
-  const mf::BF16Attention a{as_pointer<const float>(q_p), as_pointer<const float>(k_p), as_pointer<const float>(v_p),
-                            as_pointer<float>(out_p), stride, heads, n, d, scale};
+  const int64_t heads = a.heads, n = a.n, d = a.d;
   const int64_t n_pad = (n + 63) / 64 * 64;
   // left uninitialised: the packing writes every element, rows past n included
   const std::unique_ptr<uint32_t[]> q(new (std::nothrow) uint32_t[heads * n_pad * d / 2]);
@@ -304,6 +331,50 @@ PyObject* attention_bf16(PyObject*, PyObject* args) {
     for (int64_t item = begin; item < end;) {
       const int64_t head = item / tiles, first = item % tiles, last = std::min(tiles, first + (end - item));
       mf::attention_rows_avx512bf16(a, head, first, last, b);
+      item += last - first;
+    }
+  });
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// The first 32-byte boundary at or after p (p a float array with 8 floats to spare).
+float* align32(float* p) { return p + ((32 - reinterpret_cast<uintptr_t>(p) % 32) % 32) / sizeof(float); }
+
+// attention_f32(the arguments of image_attention_args)
+PyObject* attention_f32(PyObject*, PyObject* args) {
+  int threads;
+  mf::ImageAttention a{};
+  if (!image_attention_args(args, threads, a)) return nullptr;
+  if (!cpu_has(kAvx2)) {
+    PyErr_SetString(PyExc_ValueError, "the float32 attention needs AVX2 and FMA");
+    return nullptr;
+  }
+  const int64_t heads = a.heads, n = a.n, d = a.d;
+  constexpr int64_t block_rows = mf::kF32AttentionQueryTiles * mf::kF32AttentionTileRows;
+  const int64_t n_pad = (n + block_rows - 1) / block_rows * block_rows;
+  // left uninitialised: the packing writes every element, rows past n included
+  // 8 floats more than the operands: each starts on a 32-byte boundary (the kernel's aligned loads)
+  const int64_t size = heads * n_pad * d;
+  const std::unique_ptr<float[]> q(new (std::nothrow) float[size + 8]);
+  const std::unique_ptr<float[]> k(new (std::nothrow) float[size + 8]);
+  const std::unique_ptr<float[]> v(new (std::nothrow) float[size + 8]);
+  if (!q || !k || !v) return PyErr_NoMemory();
+  const mf::F32AttentionBuffers b{align32(q.get()), align32(k.get()), align32(v.get()), n_pad};
+  const int64_t packs = n_pad / 16, blocks = n_pad / block_rows;
+  Py_BEGIN_ALLOW_THREADS;
+  // work items are (head, 16 rows) and (head, query block) pairs, numbered head-major
+  parallel(threads, heads * packs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t head = item / packs, first = item % packs, last = std::min(packs, first + (end - item));
+      mf::attention_pack_avx2(a, head, first, last, b);
+      item += last - first;
+    }
+  });
+  parallel(threads, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t head = item / blocks, first = item % blocks, last = std::min(blocks, first + (end - item));
+      mf::attention_rows_avx2(a, head, first, last, b);
       item += last - first;
     }
   });
@@ -584,6 +655,7 @@ PyMethodDef methods[] = {
     {"gemv_linear", gemv_linear, METH_VARARGS, "Per-token INT8 GEMV on raw pointers (engine/kernels.py)."},
     {"attention_runs", attention_runs, METH_NOARGS, "Whether this CPU runs the bfloat16 attention (AVX-512 BF16)."},
     {"attention_bf16", attention_bf16, METH_VARARGS, "Bfloat16 attention of one image's heads (engine/kernels.py)."},
+    {"attention_f32", attention_f32, METH_VARARGS, "Float32 attention of one image's heads, AVX2 (engine/kernels.py)."},
     {"decode_attention", decode_attention, METH_VARARGS, "The language model's decode-step attention (engine/kernels.py)."},
     {"quantize_tokens", quantize_tokens, METH_VARARGS, "Per-token INT8 quantization of rows (engine/kernels.py)."},
     {"rms_norm", rms_norm, METH_VARARGS, "The language model's RMSNorm of rows (engine/kernels.py)."},
