@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from mineru_fast.engine.generate import FastEngine
 from mineru_fast.engine.kernels import (
+    F32_ATTENTION,
     Attention,
     attention_status,
     f32_attention_kernel,
@@ -90,9 +91,10 @@ def layout_pass(model, reps: int, kernels: dict[str, Attention]) -> dict:
         )
         for name in ("fp32", "bf16")
     }
-    fast = vision_attention_status().attention
+    fast = vision_attention_status().reason
+    reasons = {"own_bf16": attention_status().reason, "own_f32": F32_ATTENTION}
     for name, own in kernels.items():
-        if own is fast:
+        if reasons[name] == fast:  # the fast preset's engine runs it already
             continue
         engines[name] = FastEngine(
             model, slots=1, max_seq_len=4096, vision_attention="bf16", vision_quant=Int8DynamicConfig(kernel)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from fake_machine import SPR_FLAGS, build_machine
 
 from mineru_fast.cli.info import collect, render
@@ -50,6 +51,30 @@ def test_an_avx2_machine_runs_the_block_kernels_avx2_path(tmp_path):
     # no AVX-512 BF16: the vision attention is the own float32 kernel, and the report says so
     assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.F32_ATTENTION}
     assert f"vision attention: {kernels.F32_ATTENTION}" in render(info)
+
+
+def test_an_avx2_machine_on_a_lowered_path_reports_float32_sdpa(tmp_path, monkeypatch):
+    """The float32 kernel needs the kernels' avx2 path: lowered to the portable one, the report
+    says float32 SDPA runs, and why, as the engine decides it (kernels.f32_attention_status)."""
+    if kernels.kernel_status().block is None:
+        pytest.skip(kernels.kernel_status().reason)
+    monkeypatch.setenv("MINERU_FAST_KERNEL_PATH", "portable")
+    sysfs, proc = build_machine(tmp_path, 1, 4, flags="fpu sse2 avx2 fma", vendor="AuthenticAMD")
+    info = collect(read_topology(sysfs, proc, affinity=set(range(4))))
+    assert info["choices"]["lm_quant_fast"]["path"] == "portable"
+    assert info["choices"]["vision_attention_fast"] == {
+        "attention": "fp32",
+        "reason": kernels.f32_attention_path_reason("portable"),
+    }
+
+
+def test_an_avx512_machine_without_bf16_reports_float32_sdpa(tmp_path):
+    """AVX-512 without BF16 (Skylake-SP to Ice Lake): PyTorch's float32 SDPA, faster there than
+    the own AVX2 float32 kernel."""
+    flags = "fpu sse2 avx2 fma avx512f avx512bw avx512vl"
+    sysfs, proc = build_machine(tmp_path, 1, 4, flags=flags, vendor="GenuineIntel")
+    info = collect(read_topology(sysfs, proc, affinity=set(range(4))))
+    assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.NO_BF16_ATTENTION}
 
 
 def test_info_json_runs_here(capsys, tmp_path, monkeypatch):

@@ -128,13 +128,23 @@ def _fast_vision_attention(topology: Topology) -> dict[str, str]:
     PyTorch's bfloat16 SDPA on the AMX class, the own bfloat16 kernel where its CPU class has
     AVX-512 BF16 and this install loads it, the own float32 kernel on the AVX2 class where this
     install loads the kernels, else PyTorch's float32 SDPA, with the reason."""
-    from mineru_fast.engine.kernels import F32_ATTENTION, NO_BF16_ATTENTION, kernel_status, vision_attention_status
+    from mineru_fast.engine.kernels import (
+        F32_ATTENTION,
+        NO_BF16_ATTENTION,
+        allowed_paths,
+        f32_attention_path_reason,
+        kernel_status,
+        vision_attention_status,
+    )
 
     cls = isa_class(topology.isa)
     if cls.name == "avx2":
         kernels = kernel_status()
         if kernels.block is None:
             return {"attention": "fp32", "reason": f"float32 attention (PyTorch SDPA): {kernels.reason}"}
+        path = (allowed_paths(topology) or ("portable",))[0]  # as _fast_lm_quant decides it
+        if path != "avx2":
+            return {"attention": "fp32", "reason": f32_attention_path_reason(path)}
         return {"attention": "fp32", "reason": F32_ATTENTION}
     if not cls.native_bf16:
         return {"attention": "fp32", "reason": NO_BF16_ATTENTION}

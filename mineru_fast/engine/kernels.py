@@ -793,17 +793,26 @@ F32_ATTENTION = "own float32 attention (AVX2)"
 
 @functools.cache
 def f32_attention_status() -> AttentionStatus:
-    """The own float32 attention (``csrc/kernels.h``'s ``F32AttentionBuffers``, AVX2 + FMA) where the
-    CPU class is ``avx2`` (caps included) and the kernels' path is ``avx2``, else why not (cached per
+    """The own float32 attention (``csrc/kernels.h``'s float32 attention, AVX2 + FMA) where the CPU
+    class is ``avx2`` (caps included) and the kernels' path is ``avx2``, else why not (cached per
     process; never raises). On the AVX-512 classes without BF16 PyTorch's float32 SDPA, on its
-    AVX-512 build, is the faster (270 against 153 GFLOP/s at a layout image natively on an AMX Xeon,
-    2 threads, 2026-12-06), so it runs there."""
+    AVX-512 build, is the faster, so it runs there (a layout image's attention natively on an AMX
+    Xeon, 2 threads: SDPA at 1.6x the kernel's speed; ``benchmarks/vision_attention.py``,
+    results/2026-12-06d-xeon-amx-2core-avx2/vision_attention_native.json)."""
     if isa_class(read_topology().isa).name != "avx2":
         return AttentionStatus(None, "float32 attention (PyTorch SDPA): the own float32 one is for the avx2 class")
     status = kernel_status()
-    if status.path != "avx2":
+    if status.block is None:
         return AttentionStatus(None, f"float32 attention (PyTorch SDPA): {status.reason}")
+    if status.path != "avx2":
+        return AttentionStatus(None, f32_attention_path_reason(str(status.path)))
     return AttentionStatus(f32_attention_kernel(), F32_ATTENTION)
+
+
+def f32_attention_path_reason(path: str) -> str:
+    """Why the avx2 class runs float32 SDPA where the kernels run another path (``path``, lowered by
+    ``MINERU_FAST_KERNEL_PATH``, or a CPU without FMA), one line."""
+    return f"float32 attention (PyTorch SDPA): the own float32 attention needs the kernels' avx2 path ({path} here)"
 
 
 def f32_attention_kernel() -> Attention:
@@ -828,9 +837,10 @@ def sdpa_bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     CPU has them, scores and softmax in float32, probabilities rounded to bfloat16 for the values'
     GEMM; the scale is ``d ** -0.5``. Raises what SDPA raises on a shape it cannot take."""
     heads, n, d = q.shape
-    attended = torch.nn.functional.scaled_dot_product_attention(
-        q.bfloat16()[None], k.bfloat16()[None], v.bfloat16()[None]
-    )[0]  # [heads, n, d]
+    # contiguous copies whatever the inputs' strides (the encoder passes views): the layout SDPA was
+    # measured on
+    qb, kb, vb = (t.to(torch.bfloat16, memory_format=torch.contiguous_format) for t in (q, k, v))
+    attended = torch.nn.functional.scaled_dot_product_attention(qb[None], kb[None], vb[None])[0]  # [heads, n, d]
     out[:, : heads * d].unflatten(1, (heads, d)).copy_(attended.transpose(0, 1))
 
 

@@ -5,18 +5,20 @@
 // are copied row-major, the keys transposed into panels of 16 keys, [d][16], and the values into
 // 16-column strips, [d / 16][n_pad][16]. A work item is a block of kF32AttentionQueryTiles tiles of
 // kRows query rows; for each block of kKeyBlock keys, each tile
-//   1. takes its scores, 16 keys at a time: kRows x 16 keys in 12 accumulators, one broadcast query
-//      value and two loads of a key panel per step of d, and the block's lane-wise row maxima;
+//   1. takes its scores, 16 keys at a time: kRows x 16 keys in 12 accumulators, per step of d a
+//      broadcast query value for each row and two loads of a key panel (12 FMAs), and the block's
+//      lane-wise row maxima;
 //   2. updates its rows' online softmax: the running maximum, 2^(s - max) written over the scores
 //      (two chains of additions for the sums), and the running output and per-lane sums rescaled
 //      by 2^(old - new);
-//   3. adds p v to its running output, one 16-column strip at a time (12 accumulators again).
+//   3. adds p v to its running output, one 16-column strip at a time (12 accumulators again, a
+//      broadcast probability for each row and two loads of a strip per key).
 // The key block (its panels and strips, 2 x kKeyBlock x d floats) stays in the L2 cache while the
 // block's tiles use it; a tile's scores, kRows x kKeyBlock floats, in L1. Keys past n score
 // -infinity (2^x of at most 2^-149 in the sums, none in the outputs: the values' loop stops at n).
-// On a 2-core AMX Xeon capped to AVX2 a layout image's attention ran at 68-88 % of the cores' FMA
-// peak measured right after it, float32 SDPA at 1.07-1.08x its time (benchmarks/README.md, "AVX2:
-// an own float32 vision attention").
+// On a 2-core AMX Xeon capped to AVX2 float32 SDPA took 1.07-1.08x its time at a layout image's
+// attention (benchmarks/README.md, "AVX2: an own float32 vision attention", with its share of the
+// FMA peak).
 
 #include <algorithm>
 #include <cmath>

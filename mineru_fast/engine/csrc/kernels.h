@@ -104,6 +104,7 @@ struct ImageAttention {
 // NaN stays a NaN; float32 denormals become zero). The float32 sums of the
 // bfloat16 products run in the order vdpbf16ps gives, so the result is compared with a float32
 // reference of the same roundings within a tolerance (tests/test_kernels.py), not bit for bit.
+// Packed bfloat16 operands (see the .cpp): n_pad = n rounded up to 64.
 struct BF16AttentionBuffers {
   uint32_t* q;  // [heads][n_pad][d / 2]
   uint16_t* k;  // [heads][n_pad / 16][d / 2][16][2]
@@ -125,12 +126,14 @@ void attention_rows_avx512bf16(const ImageAttention& a, int64_t head, int64_t ti
 //   p(i, t) = 2^(s(i, t) - m), m the running maximum of row i's scores over the keys so far
 //
 // taken over blocks of kF32AttentionKeyBlock keys (online softmax, as above); every operation in
-// float32, 2^x by simd_math.h's exp2_nonpositive. The sums run in the kernel's order, so the result
-// is compared with a float64 reference within a tolerance (tests/test_kernels.py).
+// float32, 2^x by simd_math.h's exp2_nonpositive (the rescale of the running output and sum by
+// std::exp2). The sums run in the kernel's order, so the result is compared with a float64
+// reference within a tolerance (tests/test_kernels.py).
 constexpr int64_t kF32AttentionTileRows = 6;      // query rows whose scores share a key panel's loads
 constexpr int64_t kF32AttentionQueryTiles = 8;    // tiles per work item: 48 query rows
 constexpr int64_t kF32AttentionKeyBlock = 256;    // keys per softmax step
-// Packed operands: n_pad = n rounded up to 48 (kF32AttentionQueryTiles * kF32AttentionTileRows).
+// Packed operands, each starting on a 32-byte boundary (the kernel's aligned loads): n_pad = n
+// rounded up to 48 (kF32AttentionQueryTiles * kF32AttentionTileRows).
 struct F32AttentionBuffers {
   float* q;  // [heads][n_pad][d]: q * scale * log2(e), zero rows past n
   float* k;  // [heads][n_pad / 16][d][16]: panels of 16 keys, zero keys past n
