@@ -531,14 +531,34 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     return (p @ vb) / p.sum(-1, keepdim=True)
 
 
-def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
-    """The kernel's outputs as ``[heads, n, d]``, written into rows ``extra`` columns wider than the
-    heads (whose extra columns must keep their value)."""
+def kernel_outputs(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """``attention``'s outputs as ``[heads, n, d]``, written into rows ``extra`` columns wider than
+    the heads (whose extra columns must keep their value)."""
     heads, n, d = q.shape
     rows = torch.full((n, heads * d + extra), 7.0)
-    ATTENTION.attention(q, k, v, rows[:, : heads * d])
+    attention(q, k, v, rows[:, : heads * d])
     assert torch.all(rows[:, heads * d :] == 7.0)
     return rows[:, : heads * d].view(n, heads, d).transpose(0, 1)
+
+
+def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
+    """The bfloat16 kernel's outputs (``kernel_outputs``)."""
+    return kernel_outputs(ATTENTION.attention, q, k, v, extra)
+
+
+def assert_refuses_what_it_cannot_run(attention) -> None:
+    """Another dtype, a transposed (strided last dimension) input, a narrow ``out`` and a head size
+    off the 16-step: each a ValueError naming it."""
+    q, k, v = (torch.randn(2, 70, 16) for _ in range(3))
+    out = torch.empty(70, 32)
+    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
+        attention(q.double(), k, v, out)
+    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
+        attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out)
+    with pytest.raises(ValueError, match="out"):
+        attention(q, k, v, torch.empty(70, 31))
+    with pytest.raises(ValueError, match="d=24"):
+        attention(*(torch.randn(1, 5, 24) for _ in range(3)), torch.empty(5, 24))
 
 
 @needs_attention
@@ -586,15 +606,7 @@ def test_the_bf16_attention_passes_a_nan_on_and_refuses_what_it_cannot_run():
     k[1, 3, 0] = float("nan")  # every row of head 1 reads that key
     got = own_attention(q, k, v)
     assert not got[0].isnan().any() and got[1].isnan().all()
-    out = torch.empty(70, 32)
-    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
-        ATTENTION.attention(q.double(), k, v, out)
-    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
-        ATTENTION.attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out)
-    with pytest.raises(ValueError, match="out"):
-        ATTENTION.attention(q, k, v, torch.empty(70, 31))
-    with pytest.raises(ValueError, match="d=24"):
-        ATTENTION.attention(*(torch.randn(1, 5, 24) for _ in range(3)), torch.empty(5, 24))
+    assert_refuses_what_it_cannot_run(ATTENTION.attention)
 
 
 def test_the_amx_attention_is_sdpa_over_bfloat16_copies_written_in_place():
@@ -627,13 +639,8 @@ needs_f32_attention = pytest.mark.skipif(F32_ATTENTION is None, reason="no AVX2 
 
 
 def f32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0) -> torch.Tensor:
-    """The float32 kernel's outputs as ``[heads, n, d]`` (see ``own_attention``)."""
-    heads, n, d = q.shape
-    rows = torch.full((n, heads * d + extra), 7.0)
-    assert F32_ATTENTION is not None
-    F32_ATTENTION(q, k, v, rows[:, : heads * d])
-    assert torch.all(rows[:, heads * d :] == 7.0)
-    return rows[:, : heads * d].view(n, heads, d).transpose(0, 1)
+    """The float32 kernel's outputs (``kernel_outputs``)."""
+    return kernel_outputs(F32_ATTENTION, q, k, v, extra)
 
 
 def float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -690,16 +697,7 @@ def test_the_f32_attention_passes_a_nan_on_and_refuses_what_it_cannot_run():
     v2[0, 5, 2] = float("nan")  # a value: its column, in every row of head 0
     got = f32_attention(q, k.nan_to_num(), v2)
     assert got[0, :, 2].isnan().all() and not got[0, :, 3:].isnan().any() and not got[1].isnan().any()
-    assert F32_ATTENTION is not None
-    out = torch.empty(70, 32)
-    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
-        F32_ATTENTION(q.double(), k, v, out)
-    with pytest.raises(ValueError, match="float32 like q, rows of d contiguous"):
-        F32_ATTENTION(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out)
-    with pytest.raises(ValueError, match="out"):
-        F32_ATTENTION(q, k, v, torch.empty(70, 31))
-    with pytest.raises(ValueError, match="d=24"):
-        F32_ATTENTION(*(torch.randn(1, 5, 24) for _ in range(3)), torch.empty(5, 24))
+    assert_refuses_what_it_cannot_run(F32_ATTENTION)
 
 
 @pytest.mark.parametrize("kernel", ["bf16", "f32"])
