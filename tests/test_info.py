@@ -51,6 +51,10 @@ def test_an_avx2_machine_runs_the_block_kernels_avx2_path(tmp_path):
     # no AVX-512 BF16: the vision attention is the own float32 kernel, and the report says so
     assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.F32_ATTENTION}
     assert f"vision attention: {kernels.F32_ATTENTION}" in render(info)
+    # its vision linears on the own AVX2 GEMM (where this install runs the kernels)
+    if kernels.kernel_status().block is not None:
+        assert info["choices"]["vision_linears_fast"] == {"gemm": "own_avx2", "reason": kernels.OWN_GEMM}
+        assert f"vision linears: {kernels.OWN_GEMM}" in render(info)
 
 
 def test_an_avx2_machine_on_a_lowered_path_reports_float32_sdpa(tmp_path, monkeypatch):
@@ -66,6 +70,10 @@ def test_an_avx2_machine_on_a_lowered_path_reports_float32_sdpa(tmp_path, monkey
         "attention": "fp32",
         "reason": kernels.f32_attention_path_reason("portable"),
     }
+    assert info["choices"]["vision_linears_fast"] == {
+        "gemm": "onednn",
+        "reason": f"{kernels.ONEDNN_GEMM}: the own per-channel GEMM needs the kernels' avx2 path (portable here)",
+    }
 
 
 def test_an_avx512_machine_without_bf16_reports_float32_sdpa(tmp_path):
@@ -75,6 +83,8 @@ def test_an_avx512_machine_without_bf16_reports_float32_sdpa(tmp_path):
     sysfs, proc = build_machine(tmp_path, 1, 4, flags=flags, vendor="GenuineIntel")
     info = collect(read_topology(sysfs, proc, affinity=set(range(4))))
     assert info["choices"]["vision_attention_fast"] == {"attention": "fp32", "reason": kernels.NO_BF16_ATTENTION}
+    assert info["choices"]["vision_linears_fast"]["gemm"] == "onednn"  # its AVX-512 GEMM is twice as wide
+    assert info["choices"]["vision_linears_fast"]["reason"].endswith("is for the avx2 class")
 
 
 def test_info_json_runs_here(capsys, tmp_path, monkeypatch):

@@ -179,6 +179,163 @@ def test_a_per_channel_linear_quantizes_on_the_kernel_and_gives_the_operators_ou
     assert torch.equal(with_kernel[0], without[0]) and torch.equal(with_kernel[1], without[1])
 
 
+PER_CHANNEL_GEMM = kernels.per_channel_gemm_kernel() if "avx2" in CPU_PATHS else None
+needs_per_channel_gemm = pytest.mark.skipif(PER_CHANNEL_GEMM is None, reason="no AVX2 path here (or no own kernels)")
+
+
+def onednn_reference(x_q, q, weight_scale, x_scale, bias):
+    """oneDNN's u8 x s8 GEMM and ``_PerTokenInt8Linear._rescaled``, as the ``onednn`` layer runs them
+    (exact on every ISA for 7-bit weights)."""
+    from mineru_fast.engine.quantize import _onednn_matmul
+
+    y = _onednn_matmul(x_q, torch.ops.onednn.qlinear_prepack(q, None), weight_scale, torch.zeros(q.shape[0]).long())
+    return OneDnnInt8Linear._rescaled(y, x_scale, bias)
+
+
+@needs_per_channel_gemm
+@pytest.mark.parametrize(
+    ("rows", "k", "n", "bias"),
+    [
+        (1, 4, 1, True),  # the smallest: one row (the 1-row micro-tile), a panel of 1 output
+        (3, 64, 33, False),  # a partial last panel, an odd row
+        (193, 1280, 480, True),  # past a row block (192), 15 panels: a short last panel group; a qkv group
+        (50, 5120, 96, True),  # k over kGemmDepth: sums kept across passes (the vision MLP's fc2)
+        (97, 1540, 70, False),  # k past one pass, not a multiple of the pass; n not a multiple of 8
+        (0, 64, 32, True),  # no rows
+    ],
+)
+def test_the_per_channel_gemm_gives_onednns_outputs_bit_for_bit(rows, k, n, bias):
+    """The own per-channel GEMM against oneDNN's GEMM and the rescale after it, on 7-bit weights
+    (the only ones it takes), random and worst-case: activations 255 and weights +-63 everywhere,
+    where each vpmaddubsw pair sum is its largest, 2 * 255 * 63 = 32130 (a saturating GEMM fails)."""
+    from mineru_fast.engine.quantize import pack_per_channel_weight, unpack_per_channel_weight
+
+    generator = torch.Generator().manual_seed(rows * 7 + k + n)
+    x_q = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=generator)
+    q = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=generator)
+    weight_scale = torch.rand(n, generator=generator) * 1e-2
+    x_scale = torch.rand(rows, 1, generator=generator) * 10
+    b = torch.randn(n, generator=generator) if bias else None
+    for case in ("random", "worst"):
+        if case == "worst":
+            x_q.fill_(255)
+            q = torch.full((n, k), 63, dtype=torch.int8)
+            q[: n // 2] = -63
+        weight, offset = pack_per_channel_weight(q)
+        assert torch.equal(unpack_per_channel_weight(weight, n), q)
+        got = PER_CHANNEL_GEMM(x_q, weight, offset, weight_scale, x_scale, b, n)
+        assert torch.equal(got, onednn_reference(x_q, q, weight_scale, x_scale, b)), case
+        if rows:  # the integers themselves, exactly
+            exact = (x_q.long() - 128) @ q.long().t()
+            assert torch.equal(got, OneDnnInt8Linear._rescaled(exact.float() * weight_scale, x_scale, b)), case
+
+
+@needs_per_channel_gemm
+def test_the_per_channel_gemm_refuses_what_it_cannot_run():
+    from mineru_fast.engine.quantize import pack_per_channel_weight
+
+    q = torch.zeros(40, 64, dtype=torch.int8)
+    weight, offset = pack_per_channel_weight(q)
+    x, ws, xs = torch.zeros(2, 64, dtype=torch.uint8), torch.ones(40), torch.ones(2, 1)
+    for bad in (64, -64, -128):  # its products would saturate vpmaddubsw's int16 pair sums
+        q[3, 5] = bad
+        with pytest.raises(ValueError, match="beyond"):
+            pack_per_channel_weight(q)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_per_channel_weight(torch.zeros(4, 6, dtype=torch.int8))
+    with pytest.raises(ValueError, match="x: "):
+        PER_CHANNEL_GEMM(x.to(torch.int8), weight, offset, ws, xs, None, 40)
+    with pytest.raises(ValueError, match="weight: "):
+        PER_CHANNEL_GEMM(torch.zeros(2, 60, dtype=torch.uint8), weight, offset, ws, xs, None, 40)
+    with pytest.raises(ValueError, match="panels"):
+        PER_CHANNEL_GEMM(x, weight, offset, torch.ones(70), xs, None, 70)
+    with pytest.raises(ValueError, match="weight_offset"):
+        PER_CHANNEL_GEMM(x, weight, offset[:32], ws, xs, None, 40)
+    with pytest.raises(ValueError, match="x_scale"):
+        PER_CHANNEL_GEMM(x, weight, offset, ws, torch.ones(2), None, 40)
+    with pytest.raises(ValueError, match="bias"):
+        PER_CHANNEL_GEMM(x, weight, offset, ws, xs, torch.ones(39), 40)
+
+
+def seven_bit_layers(linear, monkeypatch, row_groups=None):
+    """The ``onednn`` layer of ``linear`` with 7-bit weights (as oneDNN without VNNI quantizes), built
+    twice from one prepared state: on the own per-channel GEMM and on oneDNN."""
+    import mineru_fast.engine.quantize as quantize
+
+    monkeypatch.setattr(quantize, "int8_weight_max", lambda backend: 63)
+    layer = OneDnnInt8Linear(linear)
+    if row_groups is not None:
+        layer.pack_row_groups(row_groups)
+    state = layer.prepared_state()
+    built = {}
+    for way, gemm in (("own", PER_CHANNEL_GEMM), ("onednn", None)):
+        monkeypatch.setattr(quantize, "per_channel_gemm_status", lambda g=gemm, w=way: kernels.GemmStatus(g, w))
+        built[way] = OneDnnInt8Linear.from_prepared(state)
+    assert built["own"].own_gemm and not built["onednn"].own_gemm
+    return built["own"], built["onednn"], state
+
+
+@needs_per_channel_gemm
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_per_channel_linear_on_the_own_gemm_gives_onednns_outputs(monkeypatch, bias):
+    """``OneDnnInt8Linear`` on the own GEMM (where the avx2 class runs it: 7-bit weights) gives its
+    outputs on oneDNN bit for bit, whole and by row groups (the vision qkv's form), keeps the same
+    prepared state and holds only the own packing."""
+    torch.manual_seed(1)
+    linear = nn.Linear(1280, 240, bias=bias)
+    x = torch.randn(300, 1280) * torch.logspace(-3, 3, 300)[:, None]
+    own, onednn, state = seven_bit_layers(linear, monkeypatch)
+    assert torch.equal(own(x), onednn(x))
+    assert torch.equal(own(x[:1]), onednn(x[:1]))  # a decode row
+    assert all(torch.equal(own.prepared_state()[key], value) for key, value in state.items())
+    assert own.packed_bytes() == 256 * 1280 + 256 * 4  # 8 panels of 32 outputs and their offsets
+    groups = torch.arange(240).view(3, 80).flip(0)
+    own, onednn, state = seven_bit_layers(linear, monkeypatch, row_groups=groups)
+    parts = list(zip(own.row_group_outputs(x), onednn.row_group_outputs(x), strict=True))
+    assert len(parts) == 3 and all(torch.equal(a, b) for a, b in parts)
+    assert torch.equal(own(x), onednn(x))
+    assert torch.equal(own.prepared_state()["weight_q"], state["weight_q"])
+
+
+def test_the_int8_kernel_path_names_the_gemm_that_runs(monkeypatch):
+    """``engine.numerics`` / result metadata (``quantize.int8_kernel_path``) name the own GEMM where
+    the layers run it (its status, 7-bit weights), oneDNN's where the weights are 8-bit (VNNI)."""
+    import mineru_fast.engine.quantize as quantize
+
+    monkeypatch.setattr(quantize, "per_channel_gemm_status", lambda: kernels.GemmStatus(None, kernels.OWN_GEMM))
+    for weight_max, kernel in ((63, kernels.OWN_GEMM), (127, kernels.ONEDNN_GEMM)):
+        monkeypatch.setattr(quantize, "int8_weight_max", lambda backend, w=weight_max: w)
+        bits = 7 if weight_max == 63 else 8
+        assert quantize.int8_kernel_path("onednn") == (
+            f"onednn: int8 weights per channel ({bits}-bit); int8 activations per token; {kernel}"
+        )
+
+
+@pytest.mark.parametrize("cls", ["amx", "avx512_bf16", "avx512", "avx2"])
+def test_the_per_channel_gemm_follows_the_cpu_class(monkeypatch, cls):
+    """The own per-channel GEMM runs on the avx2 class where the kernels run their avx2 path; the
+    AVX-512 classes keep oneDNN (its AVX-512 GEMM is twice as wide), and so does a lowered path."""
+    import dataclasses
+
+    from mineru_fast.runtime.cpu import IsaClass
+
+    monkeypatch.setattr(kernels, "isa_class", lambda isa: IsaClass(cls, "amx", {}))
+    status = kernels.per_channel_gemm_status.__wrapped__()
+    if cls != "avx2":
+        assert status.gemm is None and status.reason.startswith(kernels.ONEDNN_GEMM) and "avx2 class" in status.reason
+        return
+    if STATUS.block is None:
+        assert status.gemm is None and status.reason == f"{kernels.ONEDNN_GEMM}: {STATUS.reason}"
+        return
+    monkeypatch.setattr(kernels, "kernel_status", lambda: dataclasses.replace(STATUS, path="portable"))
+    lowered = kernels.per_channel_gemm_status.__wrapped__()
+    assert lowered.gemm is None and "portable here" in lowered.reason
+    if PER_CHANNEL_GEMM is not None:
+        monkeypatch.setattr(kernels, "kernel_status", lambda: dataclasses.replace(STATUS, path="avx2"))
+        status = kernels.per_channel_gemm_status.__wrapped__()
+        assert status.reason == kernels.OWN_GEMM and status.gemm is not None
+
+
 SHAPES = [
     (1152, 896, True),  # the LM's fused QKV projection
     (896, 4864, False),  # its down projection (152 blocks)

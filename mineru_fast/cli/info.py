@@ -89,6 +89,7 @@ def collect(topology: Topology | None = None) -> dict:
             "int8_kernel_auto": {"kernel": kernel.value, "reason": kernel.reason},
             "lm_quant_fast": _fast_lm_quant(topology),
             "vision_attention_fast": _fast_vision_attention(topology),
+            "vision_linears_fast": _fast_vision_linears(topology),
         },
         "prepared_cache": prepared_cache_summary(),
         "model": {"default": DEFAULT_MODEL_ID, "protocol_version": DEFAULT_MODEL_VERSION, "versions": MODEL_IDS},
@@ -152,6 +153,18 @@ def _fast_vision_attention(topology: Topology) -> dict[str, str]:
     return {"attention": "bf16" if status.attention else "fp32", "reason": status.reason}
 
 
+def _fast_vision_linears(topology: Topology) -> dict[str, str]:
+    """What runs the GEMM of the fast preset's vision linears (``int8-dynamic`` on ``onednn``) on
+    ``topology``: the own AVX2 GEMM on the avx2 class where this install runs the kernels' avx2
+    path, else oneDNN's, with the reason (``kernels.per_channel_gemm_reason``, as the engine decides)."""
+    from mineru_fast.engine.kernels import OWN_GEMM, allowed_paths, kernel_status, per_channel_gemm_reason
+
+    status = kernel_status()
+    path = (allowed_paths(topology) or ("portable",))[0] if status.block is not None else None
+    reason = per_channel_gemm_reason(isa_class(topology.isa).name, status, path)
+    return {"gemm": "own_avx2" if reason == OWN_GEMM else "onednn", "reason": reason}
+
+
 def render(info: dict) -> str:
     """``collect()``'s dict as the human-readable report."""
     t, a, th, b = info["topology"], info["allowed"], info["threads"], info["backends"]
@@ -196,6 +209,7 @@ def render(info: dict) -> str:
         f"  the fast preset's language model runs {choices['lm_quant_fast']['quant']}: "
         f"{choices['lm_quant_fast']['reason']}",
         f"  the fast preset's vision attention: {choices['vision_attention_fast']['reason']}",
+        f"  the fast preset's vision linears: {choices['vision_linears_fast']['reason']}",
         "Prepared:   "
         + (
             f"{cache['root']}: {cache['entries']} prepared model(s), {cache['bytes'] / 1e9:.2f} GB "

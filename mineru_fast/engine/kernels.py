@@ -5,8 +5,9 @@ of the language model (``int8-block``, the fast preset's), the per-token INT8 GE
 RMSNorm, SiLU-gated product and a whole decode step in one call (``KernelStatus.decoder``; these two
 on the ``avx512_vnni`` and ``avx2`` paths, the same bits), the per-token INT8 quantization of the
 per-channel INT8 linears' activations (``KernelStatus.quantize_tokens``, the vision encoder's
-linears; the same paths, PyTorch's bits), and the vision encoder's bfloat16 attention
-(``attention_status``).
+linears; the same paths, PyTorch's bits), the vision encoder's bfloat16 and float32 attentions
+(``attention_status``, ``f32_attention_status``) and, on the avx2 class, its per-channel INT8
+linears' GEMM (``per_channel_gemm_status``: oneDNN's outputs bit for bit).
 
 The C++ sources are in ``csrc/`` (``csrc/kernels.h`` states the block kernel's arithmetic), built by
 ``setup.py`` into the extension module ``mineru_fast.engine._kernels`` (CPython's limited API, no
@@ -357,6 +358,143 @@ def _quantize_tokens(module: ModuleType) -> TokenQuantize:
         )
 
     return quantize_tokens
+
+
+GEMM_PANEL = 32  # outputs per packed weight panel of the per-channel GEMM (csrc/kernels.h's kGemmPanel)
+GEMM_WEIGHT_MAX = 63  # the per-channel GEMM's largest weight magnitude: vpmaddubsw's int16 pair sums stay exact
+
+
+def check_per_channel_weight(weight: torch.Tensor, weight_offset: torch.Tensor, k_size: int) -> None:
+    """Check a per-channel GEMM weight's layout (``csrc/kernels.h``; made by
+    ``quantize.pack_per_channel_weight``): ``weight`` ``[N'/32, K/4, 32, 4]`` int8 and
+    ``weight_offset`` ``[N']`` int32, contiguous, on the CPU.
+
+    Raises:
+        ValueError: another dtype, shape, layout or device.
+    """
+    panels = weight.shape[0] if weight.dim() == 4 else 0
+    expected = (panels, k_size // 4, GEMM_PANEL, 4)
+    if weight.dtype != torch.int8 or tuple(weight.shape) != expected or not weight.is_contiguous() or not weight.is_cpu:
+        raise ValueError(f"weight: [N'/{GEMM_PANEL}, K/4, {GEMM_PANEL}, 4] contiguous int8 on the CPU, K = {k_size}")
+    if weight_offset.dtype != torch.int32 or tuple(weight_offset.shape) != (panels * GEMM_PANEL,):
+        raise ValueError(f"weight_offset: [{panels * GEMM_PANEL}] int32")
+    if not weight_offset.is_contiguous() or not weight_offset.is_cpu:
+        raise ValueError("weight_offset: contiguous, on the CPU")
+
+
+PerChannelGemm = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor
+]
+
+
+def _per_channel_gemm(module: ModuleType) -> PerChannelGemm:
+    def gemm(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_offset: torch.Tensor,
+        weight_scale: torch.Tensor,
+        x_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        n_size: int,
+    ) -> torch.Tensor:
+        """``x`` ``[M, K]`` uint8 (per-token ``q + 128``, contiguous), the packed weight and its
+        offsets (``check_per_channel_weight``; weights within +-63, which the packing checks: larger
+        ones saturate), ``weight_scale`` ``[N]`` float32, ``x_scale`` ``[M, 1]`` float32, ``bias``
+        ``[N]`` float32 or None -> ``[M, N]`` float32: ``csrc/kernels.h``'s per-channel INT8 GEMM,
+        the ``onednn`` backend's outputs bit for bit.
+
+        Raises:
+            ValueError: a tensor of another dtype, shape, layout or device.
+        """
+        if x.dtype != torch.uint8 or x.dim() != 2 or not x.is_contiguous() or not x.is_cpu:
+            raise ValueError(f"x: [M, K] contiguous uint8 on the CPU, got {x.dtype} {tuple(x.shape)}")
+        m, k = x.shape
+        check_per_channel_weight(weight, weight_offset, k)
+        if weight.shape[0] != -(-n_size // GEMM_PANEL):
+            raise ValueError(f"weight: {weight.shape[0]} panels for {n_size} outputs")
+        for name, t, shape in (("weight_scale", weight_scale, (n_size,)), ("x_scale", x_scale, (m, 1))):
+            if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"{name}: {shape} contiguous float32 on the CPU, got {t.dtype} {tuple(t.shape)}")
+        if bias is not None and (
+            bias.dtype != torch.float32 or tuple(bias.shape) != (n_size,) or not bias.is_contiguous() or not bias.is_cpu
+        ):
+            raise ValueError(f"bias: [{n_size}] contiguous float32 on the CPU")
+        y = torch.empty(m, n_size, dtype=torch.float32)
+        module.per_channel_gemm(
+            torch.get_num_threads(),
+            x.data_ptr(),
+            m,
+            k,
+            weight.data_ptr(),
+            weight_offset.data_ptr(),
+            weight.shape[0],
+            weight_scale.data_ptr(),
+            x_scale.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            n_size,
+        )
+        return y
+
+    return gemm
+
+
+def per_channel_gemm_kernel() -> PerChannelGemm:
+    """The own per-channel INT8 GEMM (``_per_channel_gemm``'s contract), whatever the CPU class would
+    choose (tests run it on every CPU with AVX2; ``per_channel_gemm_status()`` is what the engine runs).
+
+    Raises:
+        ImportError: the extension is not built (or stale).
+        ValueError: this CPU lacks AVX2 and FMA.
+    """
+    return _per_channel_gemm(_decode_path_module("avx2", "per-channel INT8 GEMM"))
+
+
+@dataclass(frozen=True)
+class GemmStatus:
+    """Whether the own per-channel INT8 GEMM runs the ``onednn`` linears here, and why not when not.
+
+    Attributes:
+        gemm: ``per_channel_gemm_kernel()``'s callable, or None where oneDNN runs them.
+        reason: one line, for ``quantize.int8_kernel_path``.
+    """
+
+    gemm: PerChannelGemm | None
+    reason: str
+
+
+ONEDNN_GEMM = "oneDNN u8s8s32"
+OWN_GEMM = (
+    "own AVX2 u8s8s32 GEMM where oneDNN has no VNNI (7-bit weights; oneDNN's outputs bit for bit), "
+    "row scales and bias fused"
+)
+
+
+def per_channel_gemm_reason(class_name: str, status: KernelStatus, path: str | None) -> str:
+    """What runs the ``onednn`` linears' GEMM on a CPU of class ``class_name`` whose kernels
+    (``status``) run ``path``: ``OWN_GEMM`` on the avx2 class and path, else why oneDNN's does
+    (one line, starting with ``ONEDNN_GEMM``)."""
+    if class_name != "avx2":
+        return f"{ONEDNN_GEMM}: the own per-channel GEMM is for the avx2 class"
+    if status.block is None:
+        return f"{ONEDNN_GEMM}: {status.reason}"
+    if path != "avx2":
+        return f"{ONEDNN_GEMM}: the own per-channel GEMM needs the kernels' avx2 path ({path} here)"
+    return OWN_GEMM
+
+
+@functools.cache
+def per_channel_gemm_status() -> GemmStatus:
+    """The own per-channel INT8 GEMM where the CPU class is ``avx2`` (caps included) and the kernels'
+    path is ``avx2``, else why oneDNN's runs (``per_channel_gemm_reason``; cached per process;
+    never raises). The ``onednn`` layers use it only where their weights are 7-bit
+    (``quantize.int8_weight_max``: oneDNN without VNNI). On the AVX2 class it took a layout image's
+    encoder pass to 0.90x the time on oneDNN (an AMX Xeon capped to AVX2, 2 threads,
+    ``benchmarks/per_channel_gemm.py``); the AVX-512 classes keep oneDNN, whose AVX-512 GEMM is
+    twice as wide."""
+    status = kernel_status()
+    reason = per_channel_gemm_reason(isa_class(read_topology().isa).name, status, status.path)
+    return GemmStatus(per_channel_gemm_kernel() if reason == OWN_GEMM else None, reason)
 
 
 DECODE_ATTENTION_PATHS = ("avx512_vnni", "avx2")  # the paths with an own decode attention

@@ -31,6 +31,9 @@ quantized form through a handler registered for the config's type:
   So the integer products are exact on every ISA (tested under simulated classes), and the
   activation granularity is what differs: per token for ``onednn`` / ``int_mm``, per tensor for
   ``torch_ao`` (whose one scale follows the largest value anywhere in the batch).
+  On the avx2 class, where oneDNN's AVX2 GEMM runs 7-bit weights, the ``onednn`` layers run an own
+  AVX2 GEMM instead (``kernels.per_channel_gemm_status``; ``OneDnnInt8Linear``): the same
+  instructions, the same outputs bit for bit, the row scales and the bias applied as it writes them.
   The ``onednn`` and ``gemv`` activations are quantized in one pass by the own kernel where it
   runs (``kernels.KernelStatus.quantize_tokens``: the bits of PyTorch's operators on its AVX2 and
   AVX-512 builds; a vision block's four linears 0.77x the time on an AMX Xeon,
@@ -38,7 +41,7 @@ quantized form through a handler registered for the config's type:
   ``gemv`` gives ``onednn``'s outputs bit for bit (the same integers, the same float steps): the
   fast engine runs its language model on it where the own kernel builds (``engine.factory``), since
   decode steps of a few rows are bound by reading the weights, which it does faster than oneDNN
-  there (``benchmarks/decode_step.py``), while vision's GEMMs of thousands of rows stay on oneDNN.
+  there (``benchmarks/decode_step.py``), while vision's GEMMs of thousands of rows stay on ``onednn``.
   ``"auto"`` is the per-token ``onednn`` kernel, ``int_mm`` where PyTorch lacks oneDNN's
   quantized linear ops, ``torch_ao`` where both are missing. Which one is fastest on a CPU class
   is measured, not assumed (``mineru_fast.runtime.choice``). ``torch_ao`` is the deprecated
@@ -68,19 +71,23 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mineru_fast.engine.kernels import (
+    GEMM_PANEL,
+    GEMM_WEIGHT_MAX,
     MAX_ROWS,
+    ONEDNN_GEMM,
     BoundBlockLinear,
     bind_block_linear,
     check_block_weight,
     check_gemv_weight,
     kernel_status,
+    per_channel_gemm_status,
 )
 from mineru_fast.engine.memory import trim_heap
 
@@ -339,6 +346,33 @@ class _PerTokenInt8Linear(nn.Module):
         return self._rescaled(y, x_scale, self.bias).to(dtype).reshape(*shape[:-1], self.out_features)
 
 
+def pack_per_channel_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own per-channel GEMM's weight (``csrc/kernels.h``): ``q`` ``[N, K]`` int8 within
+    +-``kernels.GEMM_WEIGHT_MAX``, ``K`` a multiple of 4 -> ``(weight [N'/32, K/4, 32, 4] int8,
+    weight_offset [N'] int32)``, ``N'`` = ``N`` rounded up to 32 (zero weights past ``N``) and
+    ``weight_offset`` = 128 x each row's sum (the activations' zero point).
+
+    Raises:
+        ValueError: ``q`` is not ``[N, K]`` int8 with ``K`` a multiple of 4, or holds a weight
+            beyond +-63 (its products would saturate ``vpmaddubsw``'s 16-bit pair sums).
+    """
+    if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] % 4 != 0:
+        raise ValueError(f"q: [N, K] int8 with K a multiple of 4, got {q.dtype} {tuple(q.shape)}")
+    if q.numel() and (int(q.max()) > GEMM_WEIGHT_MAX or int(q.min()) < -GEMM_WEIGHT_MAX):
+        raise ValueError(f"weights beyond +-{GEMM_WEIGHT_MAX}: the own per-channel GEMM would saturate")
+    n, k = q.shape
+    padded = torch.zeros(_ceil_to(n, GEMM_PANEL), k, dtype=torch.int8)
+    padded[:n] = q
+    weight = padded.view(-1, GEMM_PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return weight, torch.sum(padded, dim=1, dtype=torch.int32).mul_(128)
+
+
+def unpack_per_channel_weight(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_per_channel_weight``'s ``q`` ``[n, K]`` int8 back from its packed ``weight``."""
+    panels, groups = weight.shape[:2]
+    return weight.permute(0, 2, 1, 3).reshape(panels * GEMM_PANEL, groups * 4)[:n].contiguous()
+
+
 class OneDnnInt8Linear(_PerTokenInt8Linear):
     """``y = x W^T + b``, backend ``onednn``: per-token int8 activations, per-channel int8
     weights, oneDNN's u8 x s8 -> s32 GEMM (see the module docstring).
@@ -350,23 +384,41 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
     input, so a caller that consumes them group by group never holds the whole output (the vision
     attention's ``qkv``: ``engine.vision``). Each output is computed by the same integer dot product
     and the same float steps whatever the grouping, so the values are bit-identical (tested).
+
+    Where ``kernels.per_channel_gemm_status()`` has the own AVX2 GEMM (the avx2 class) and the
+    weights are 7-bit (oneDNN without VNNI), the weight is packed for it instead
+    (``pack_per_channel_weight``), and it computes the outputs with the row scales and the bias
+    fused: oneDNN's GEMM and ``_rescaled``'s bits (tested).
     """
 
     backend = "onednn"
     row_groups: torch.Tensor | None = None  # [groups, rows] int64 output rows of each pack, or None: one pack
 
     def _pack(self, q: torch.Tensor) -> None:
+        # the own GEMM's (weight, weight_offset) or oneDNN's blocked layout; neither is a buffer
+        gemm = per_channel_gemm_status().gemm
+        self._gemm = gemm if self.weight_max <= GEMM_WEIGHT_MAX and q.shape[1] % 4 == 0 else None
+
+        def pack(rows: torch.Tensor) -> Any:  # a (weight, weight_offset) pair or a oneDNN packed tensor
+            return pack_per_channel_weight(rows) if self._gemm else torch.ops.onednn.qlinear_prepack(rows, None)
+
+        self._packs: list[Any]
         if self.row_groups is None:
-            self._packs = [torch.ops.onednn.qlinear_prepack(q, None)]  # oneDNN blocked layout: no buffer
+            self._packs = [pack(q)]
             self._group_state = []
         else:
-            self._packs = [torch.ops.onednn.qlinear_prepack(q[rows].contiguous(), None) for rows in self.row_groups]
+            self._packs = [pack(q[rows].contiguous()) for rows in self.row_groups]
             self._group_state = [
                 (self.weight_scale[rows], None if self.bias is None else self.bias[rows]) for rows in self.row_groups
             ]
 
+    @property
+    def own_gemm(self) -> bool:
+        """Whether this layer runs on the own per-channel GEMM (else on oneDNN's)."""
+        return self._gemm is not None
+
     def pack_row_groups(self, row_groups: torch.Tensor) -> None:
-        """Pack the weight again as one oneDNN weight per row group.
+        """Pack the weight again as one weight per row group (oneDNN's or the own GEMM's).
 
         Args:
             row_groups: ``[groups, rows]`` int64, each output row exactly once.
@@ -386,13 +438,22 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
         and, packed by row groups, the groups' rows and their copies of the scales and bias."""
         extra = [] if self.row_groups is None else [self.row_groups]
         extra += [t for state in self._group_state for t in state if t is not None]
-        return sum(pack.numel() for pack in self._packs) + sum(t.numel() * t.element_size() for t in extra)
+        if self._gemm is not None:
+            extra += [offset for _, offset in self._packs]
+            weights = sum(weight.numel() for weight, _ in self._packs)
+        else:
+            weights = sum(pack.numel() for pack in self._packs)
+        return weights + sum(t.numel() * t.element_size() for t in extra)
 
     def _dense_weight(self) -> torch.Tensor:
         """The int8 weight ``[out, in]`` in output-row order, read back from the packs."""
-        # A pack reads back as [in, rows] in plain layout. qlinear_prepack reads its input as
+        # A oneDNN pack reads back as [in, rows] in plain layout. qlinear_prepack reads its input as
         # contiguous [out, in] whatever its strides (a transposed view packs the wrong matrix).
-        dense = [pack.to_dense().t() for pack in self._packs]
+        if self._gemm is not None:
+            sizes = [self.out_features] if self.row_groups is None else [len(rows) for rows in self.row_groups]
+            dense = [unpack_per_channel_weight(weight, n) for (weight, _), n in zip(self._packs, sizes, strict=True)]
+        else:
+            dense = [pack.to_dense().t() for pack in self._packs]
         if self.row_groups is None:
             return dense[0].contiguous()
         q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
@@ -417,6 +478,9 @@ class OneDnnInt8Linear(_PerTokenInt8Linear):
         """``[M, rows]`` float32 outputs of pack ``group`` (scaled, bias added)."""
         pack = self._packs[group]
         weight_scale, bias = (self.weight_scale, self.bias) if self.row_groups is None else self._group_state[group]
+        if self._gemm is not None:
+            weight, weight_offset = pack
+            return self._gemm(qx, weight, weight_offset, weight_scale, x_scale, bias, weight_scale.shape[0])
         return self._rescaled(_onednn_matmul(qx, pack, weight_scale, _zero_points(pack.shape[1])), x_scale, bias)
 
     def row_group_outputs(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -936,7 +1000,7 @@ def int8_kernel_path(backend: str) -> str:
             f"torch_ao: int8 weights per channel; uint8 activations per tensor, 7-bit (reduce_range); {engine} engine"
         )
     kernel = {
-        "onednn": "oneDNN u8s8s32",
+        "onednn": per_channel_gemm_status().reason if int8_weight_max("onednn") <= GEMM_WEIGHT_MAX else ONEDNN_GEMM,
         "gemv": f"own AVX-512 VNNI u8s8s32 GEMV (1-{MAX_ROWS} rows), torch._int_mm s8s8s32 above",
         "int_mm": "torch._int_mm s8s8s32",
     }[backend]

@@ -162,6 +162,38 @@ void attention_rows_avx2(const ImageAttention& a, int64_t head, int64_t block_be
 constexpr float kTokenScaleFloor = static_cast<float>(127e-12);  // quantize.py's clamp (a double there)
 void quantize_tokens_avx2(const float* x, int64_t cols, uint8_t* q, float* scale);
 
+// Per-channel INT8 GEMM without VNNI (int8_gemm_avx2.cpp, AVX2 + FMA): quantize.py's onednn linears
+// (the vision encoder's) where oneDNN itself runs vpmaddubsw with 7-bit weights, oneDNN's outputs
+// and quantize._PerTokenInt8Linear's rescale bit for bit. For x_q [M][K] uint8 (quantize_tokens'
+// q + 128), w [N][K] int8 with |w| <= 63 (quantize.int8_weight_max on CPUs without VNNI):
+//
+//   acc[m, n] = sum over k of x_q[m, k] * w[n, k] - weight_offset[n]    (exact int32;
+//               weight_offset[n] = 128 * sum over k of w[n, k]: the activations' zero point 128)
+//   y[m, n]   = float(acc) * weight_scale[n]                            (oneDNN's dequantization)
+//   out[m, n] = fma(y, x_scale[m], bias[n]), or y * x_scale[m] without a bias (quantize._rescaled:
+//               PyTorch's addcmul on its AVX2 and AVX-512 builds, one rounding, and mul_)
+//
+// vpmaddubsw adds two u8 x s8 products in int16: 2 * 255 * 63 = 32130 < 32767, never saturated.
+// Weight layout (quantize.OneDnnInt8Linear): [N'/32][K/4][32][4] int8, N' = N rounded up to 32 (zero
+// weights past N), K a multiple of 4: one 128-byte group holds 4 consecutive k of 32 outputs.
+constexpr int64_t kGemmPanel = 32;      // outputs per packed weight panel
+constexpr int64_t kGemmRowBlock = 192;  // rows of a work item (their x_q stays in L2 across panels)
+constexpr int64_t kGemmItemPanels = 2;  // panels of a work item
+constexpr int64_t kGemmDepth = 1536;    // most k per pass over a panel (its weights stay in L1)
+struct PerChannelGemm {
+  const uint8_t* x;             // [m_size][k_size]
+  const int8_t* weight;         // [panels][k_size / 4][32][4]
+  const int32_t* weight_offset; // [panels * 32]
+  const float* weight_scale;    // [n_size]
+  const float* x_scale;         // [m_size]
+  const float* bias;            // [n_size] or nullptr
+  float* y;                     // [m_size][n_size]
+  int64_t m_size, k_size, n_size, panels;
+};
+// The outputs of rows [row_begin, row_end) (at most kGemmRowBlock) and panels [panel_begin, panel_end).
+void per_channel_gemm_avx2(const PerChannelGemm& g, int64_t row_begin, int64_t row_end, int64_t panel_begin,
+                           int64_t panel_end);
+
 // The language model's attention for one decode step (decode_attention_avx512.cpp, AVX-512F, and
 // decode_attention_avx2.cpp, AVX2 + FMA: the same operations, the same bits), for
 // rows b = 0..batch-1 (slot b of the KV cache, float32):

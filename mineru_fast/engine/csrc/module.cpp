@@ -494,6 +494,49 @@ PyObject* quantize_tokens(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// per_channel_gemm(threads, x, m, k, weight, weight_offset, panels, weight_scale, x_scale, bias, y, n):
+// kernels.h's per-channel INT8 GEMM (AVX2 + FMA) of x [m][k] uint8 -> y [m][n] float32, in work items
+// of kGemmRowBlock rows by kGemmItemPanels panels (each output is computed whole by one item: any
+// split gives the same bits)
+PyObject* per_channel_gemm(PyObject*, PyObject* args) {
+  int threads;
+  unsigned long long x_p, w_p, off_p, ws_p, xs_p, bias_p, y_p;
+  long long m, k, panels, n;
+  if (!PyArg_ParseTuple(args, "iKLLKKLKKKKL", &threads, &x_p, &m, &k, &w_p, &off_p, &panels, &ws_p, &xs_p, &bias_p,
+                        &y_p, &n))
+    return nullptr;
+  if (!cpu_has(kAvx2)) {
+    PyErr_SetString(PyExc_ValueError, "the per-channel INT8 GEMM needs AVX2 and FMA");
+    return nullptr;
+  }
+  if (m < 0 || k < 4 || k % 4 != 0 || n < 1 || panels != (n + mf::kGemmPanel - 1) / mf::kGemmPanel) {
+    PyErr_Format(PyExc_ValueError,
+                 "sizes: m=%lld (at least 0) k=%lld (a positive multiple of 4) n=%lld (at least 1) panels=%lld "
+                 "(n / %lld rounded up)",
+                 m, k, n, panels, (long long)mf::kGemmPanel);
+    return nullptr;
+  }
+  const RowsCall call = check_rows(m, k, {x_p, w_p, off_p, ws_p, xs_p, y_p});
+  if (call == RowsCall::kFail) return nullptr;
+  if (call == RowsCall::kNothing) Py_RETURN_NONE;
+  const mf::PerChannelGemm g{as_pointer<const uint8_t>(x_p), as_pointer<const int8_t>(w_p),
+                             as_pointer<const int32_t>(off_p), as_pointer<const float>(ws_p),
+                             as_pointer<const float>(xs_p), as_pointer<const float>(bias_p),
+                             as_pointer<float>(y_p), m, k, n, panels};
+  const int64_t row_blocks = (m + mf::kGemmRowBlock - 1) / mf::kGemmRowBlock;
+  const int64_t groups = (panels + mf::kGemmItemPanels - 1) / mf::kGemmItemPanels;
+  Py_BEGIN_ALLOW_THREADS;
+  parallel(threads, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / groups * mf::kGemmRowBlock, panel = item % groups * mf::kGemmItemPanels;
+      mf::per_channel_gemm_avx2(g, row, std::min<int64_t>(m, row + mf::kGemmRowBlock), panel,
+                                std::min<int64_t>(panels, panel + mf::kGemmItemPanels));
+    }
+  });
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 void silu_mul_values(Path path, const float* gate, const float* up, int64_t n, float* y) {
   if (path == kAvx512Vnni)
     mf::silu_mul_avx512(gate, up, n, y);
@@ -658,6 +701,7 @@ PyMethodDef methods[] = {
     {"attention_f32", attention_f32, METH_VARARGS, "Float32 attention of one image's heads, AVX2 (engine/kernels.py)."},
     {"decode_attention", decode_attention, METH_VARARGS, "The language model's decode-step attention (engine/kernels.py)."},
     {"quantize_tokens", quantize_tokens, METH_VARARGS, "Per-token INT8 quantization of rows (engine/kernels.py)."},
+    {"per_channel_gemm", per_channel_gemm, METH_VARARGS, "Per-channel INT8 GEMM, AVX2 (engine/kernels.py)."},
     {"rms_norm", rms_norm, METH_VARARGS, "The language model's RMSNorm of rows (engine/kernels.py)."},
     {"silu_mul", silu_mul, METH_VARARGS, "The feed-forward's SiLU-gated product of rows (engine/kernels.py)."},
     {"decode_layers", decode_layers, METH_VARARGS, "A decode step through every decoder layer (engine/kernels.py)."},
