@@ -488,8 +488,8 @@ def per_channel_gemm_status() -> GemmStatus:
     """The own per-channel INT8 GEMM where the CPU class is ``avx2`` (caps included) and the kernels'
     path is ``avx2``, else why oneDNN's runs (``per_channel_gemm_reason``; cached per process;
     never raises). The ``onednn`` layers use it only where their weights are 7-bit
-    (``quantize.int8_weight_max``: oneDNN without VNNI). On the AVX2 class it took a layout image's
-    encoder pass to 0.90x the time on oneDNN (an AMX Xeon capped to AVX2, 2 threads,
+    (``quantize.int8_weight_max``: oneDNN without VNNI). On the AVX2 class a layout image's encoder
+    pass took 0.90x and 0.95x the time on oneDNN in two runs (an AMX Xeon capped to AVX2, 2 threads,
     ``benchmarks/per_channel_gemm.py``); the AVX-512 classes keep oneDNN, whose AVX-512 GEMM is
     twice as wide."""
     status = kernel_status()
