@@ -68,6 +68,21 @@ void parallel(int threads, int64_t count, int64_t grain, const Body& body) {
   if (count > 0) body(0, count);
 }
 
+// body(head, first, last) over items [0, heads * per_head) numbered head-major, split over the threads as
+// parallel splits them (none fewer than `grain` items): one call per run of one head's items
+// [first, last) within a thread's share.
+template <class Body>
+void parallel_heads(int threads, int64_t heads, int64_t per_head, int64_t grain, const Body& body) {
+  parallel(threads, heads * per_head, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t head = item / per_head, first = item % per_head;
+      const int64_t last = std::min(per_head, first + (end - item));
+      body(head, first, last);
+      item += last - first;
+    }
+  });
+}
+
 // The quantized activations of a block-wise linear call: sized once for its rows and widest input.
 struct BlockScratch {
   std::vector<int8_t> q;
@@ -319,20 +334,12 @@ PyObject* attention_bf16(PyObject*, PyObject* args) {
   const mf::BF16AttentionBuffers b{q.get(), k.get(), v.get(), n_pad};
   const int64_t blocks = n_pad / 16, tiles = (n + mf::kAttentionRows - 1) / mf::kAttentionRows;
   Py_BEGIN_ALLOW_THREADS;
-  // work items are (head, block) and (head, tile) pairs, numbered head-major
-  parallel(threads, heads * blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end;) {
-      const int64_t head = item / blocks, first = item % blocks, last = std::min(blocks, first + (end - item));
-      mf::attention_pack_avx512bf16(a, head, first, last, b);
-      item += last - first;
-    }
+  // work items are (head, block) and (head, tile) pairs
+  parallel_heads(threads, heads, blocks, 16, [&](int64_t head, int64_t first, int64_t last) {
+    mf::attention_pack_avx512bf16(a, head, first, last, b);
   });
-  parallel(threads, heads * tiles, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end;) {
-      const int64_t head = item / tiles, first = item % tiles, last = std::min(tiles, first + (end - item));
-      mf::attention_rows_avx512bf16(a, head, first, last, b);
-      item += last - first;
-    }
+  parallel_heads(threads, heads, tiles, 4, [&](int64_t head, int64_t first, int64_t last) {
+    mf::attention_rows_avx512bf16(a, head, first, last, b);
   });
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
@@ -363,20 +370,12 @@ PyObject* attention_f32(PyObject*, PyObject* args) {
   const mf::F32AttentionBuffers b{align32(q.get()), align32(k.get()), align32(v.get()), n_pad};
   const int64_t packs = n_pad / 16, blocks = n_pad / block_rows;
   Py_BEGIN_ALLOW_THREADS;
-  // work items are (head, 16 rows) and (head, query block) pairs, numbered head-major
-  parallel(threads, heads * packs, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end;) {
-      const int64_t head = item / packs, first = item % packs, last = std::min(packs, first + (end - item));
-      mf::attention_pack_avx2(a, head, first, last, b);
-      item += last - first;
-    }
+  // work items are (head, 16 rows) and (head, query block) pairs
+  parallel_heads(threads, heads, packs, 16, [&](int64_t head, int64_t first, int64_t last) {
+    mf::attention_pack_avx2(a, head, first, last, b);
   });
-  parallel(threads, heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end;) {
-      const int64_t head = item / blocks, first = item % blocks, last = std::min(blocks, first + (end - item));
-      mf::attention_rows_avx2(a, head, first, last, b);
-      item += last - first;
-    }
+  parallel_heads(threads, heads, blocks, 1, [&](int64_t head, int64_t first, int64_t last) {
+    mf::attention_rows_avx2(a, head, first, last, b);
   });
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
