@@ -703,6 +703,23 @@ def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int 
     return kernel_outputs(ATTENTION.attention, q, k, v, extra)
 
 
+def sharp_attention_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k``, ``v`` ``[2, 1000, 80]``: keys near their queries, scaled up, so each row's
+    probability mass sits on few keys (the peaky case random weights never give)."""
+    q = 3 * torch.randn(2, 1000, 80)
+    return q, q + 0.1 * torch.randn_like(q), torch.randn(2, 1000, 80)
+
+
+def assert_a_nan_key_spoils_its_head(kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernel`` (called as ``own_attention``) on 2 heads of 70 rows where one key of head 1 is NaN:
+    every output of head 1 is NaN, none of head 0. Returns the inputs ``q``, ``k``, ``v``."""
+    q, k, v = (torch.randn(2, 70, 16) for _ in range(3))
+    k[1, 3, 0] = float("nan")  # every row of head 1 reads that key
+    got = kernel(q, k, v)
+    assert not got[0].isnan().any() and got[1].isnan().all()
+    return q, k, v
+
+
 def assert_refuses_what_it_cannot_run(attention) -> None:
     """Another dtype, a transposed (strided last dimension) input, a narrow ``out`` and a head size
     off the 16-step: each a ValueError naming it."""
@@ -749,8 +766,7 @@ def test_the_bf16_attention_stays_close_to_float32_on_sharp_attention():
     """Keys near their queries, scaled up: each row's probability mass sits on few keys (the peaky
     case random weights never give). Cosine against float32 SDPA >= 0.999 (issue 41's bound)."""
     torch.manual_seed(0)
-    q = 3 * torch.randn(2, 1000, 80)
-    k, v = q + 0.1 * torch.randn_like(q), torch.randn(2, 1000, 80)
+    q, k, v = sharp_attention_inputs()
     exact = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
     assert exact.abs().max() > 0.9 * v.abs().max()  # sharp indeed: rows close to single values
     got = own_attention(q, k, v)
@@ -759,10 +775,7 @@ def test_the_bf16_attention_stays_close_to_float32_on_sharp_attention():
 
 @needs_attention
 def test_the_bf16_attention_passes_a_nan_on_and_refuses_what_it_cannot_run():
-    q, k, v = (torch.randn(2, 70, 16) for _ in range(3))
-    k[1, 3, 0] = float("nan")  # every row of head 1 reads that key
-    got = own_attention(q, k, v)
-    assert not got[0].isnan().any() and got[1].isnan().all()
+    assert_a_nan_key_spoils_its_head(own_attention)
     assert_refuses_what_it_cannot_run(ATTENTION.attention)
 
 
@@ -837,8 +850,7 @@ def test_the_f32_attention_holds_on_sharp_attention():
     """Keys near their queries, scaled up: each row's mass on few keys, large scores (up to ~190 in
     powers of 2: the running maximum grows block after block). The same tolerance as above."""
     torch.manual_seed(0)
-    q = 3 * torch.randn(2, 1000, 80)
-    k, v = q + 0.1 * torch.randn_like(q), torch.randn(2, 1000, 80)
+    q, k, v = sharp_attention_inputs()
     exact = float64_attention(q, k, v)
     assert exact.abs().max() > 0.9 * v.abs().max()  # sharp indeed: rows close to single values
     torch.testing.assert_close(f32_attention(q, k, v).double(), exact, rtol=0, atol=2e-6 * v.abs().max().item())
@@ -846,10 +858,7 @@ def test_the_f32_attention_holds_on_sharp_attention():
 
 @needs_f32_attention
 def test_the_f32_attention_passes_a_nan_on_and_refuses_what_it_cannot_run():
-    q, k, v = (torch.randn(2, 70, 16) for _ in range(3))
-    k[1, 3, 0] = float("nan")  # every row of head 1 reads that key
-    got = f32_attention(q, k, v)
-    assert not got[0].isnan().any() and got[1].isnan().all()
+    q, k, v = assert_a_nan_key_spoils_its_head(f32_attention)
     v2 = v.clone()
     v2[0, 5, 2] = float("nan")  # a value: its column, in every row of head 0
     got = f32_attention(q, k.nan_to_num(), v2)
