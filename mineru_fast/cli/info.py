@@ -98,18 +98,27 @@ def collect(topology: Topology | None = None) -> dict:
     }
 
 
+def _kernel_path(topology: Topology) -> str:
+    """The own kernels' instruction-set path on ``topology``'s CPU class: the fastest one its class
+    (and ``MINERU_FAST_KERNEL_PATH``) allows, else ``"portable"`` (every path is in the installed
+    module, so this is the path ``kernels.kernel_status`` takes on such a CPU)."""
+    from mineru_fast.engine.kernels import allowed_paths
+
+    return (allowed_paths(topology) or ("portable",))[0]
+
+
 def _fast_lm_quant(topology: Topology) -> dict[str, str]:
     """What runs the fast preset's ``lm_quant="int8-block"`` on ``topology``: the own kernel's
     instruction-set path its CPU class allows (every path is in the installed module, with the same
     arithmetic), or, where this install cannot load the module or it is turned off, why its PyTorch
     form runs; and what runs its decode attention (``decode_attention``: the own kernel's path, or
     ``"pytorch"``)."""
-    from mineru_fast.engine.kernels import DECODE_ATTENTION_PATHS, allowed_paths, kernel_status
+    from mineru_fast.engine.kernels import DECODE_ATTENTION_PATHS, kernel_status
 
     status = kernel_status()
     if status.block is None:
         return {"quant": "int8-block", "path": "pytorch", "reason": status.reason, "decode_attention": "pytorch"}
-    path = (allowed_paths(topology) or ("portable",))[0]
+    path = _kernel_path(topology)
     own_attention = path in DECODE_ATTENTION_PATHS
     return {
         "quant": "int8-block",
@@ -132,7 +141,6 @@ def _fast_vision_attention(topology: Topology) -> dict[str, str]:
     from mineru_fast.engine.kernels import (
         F32_ATTENTION,
         NO_BF16_ATTENTION,
-        allowed_paths,
         f32_attention_path_reason,
         kernel_status,
         vision_attention_status,
@@ -143,7 +151,7 @@ def _fast_vision_attention(topology: Topology) -> dict[str, str]:
         kernels = kernel_status()
         if kernels.block is None:
             return {"attention": "fp32", "reason": f"float32 attention (PyTorch SDPA): {kernels.reason}"}
-        path = (allowed_paths(topology) or ("portable",))[0]  # as _fast_lm_quant decides it
+        path = _kernel_path(topology)
         if path != "avx2":
             return {"attention": "fp32", "reason": f32_attention_path_reason(path)}
         return {"attention": "fp32", "reason": F32_ATTENTION}
@@ -157,10 +165,10 @@ def _fast_vision_linears(topology: Topology) -> dict[str, str]:
     """What runs the GEMM of the fast preset's vision linears (``int8-dynamic`` on ``onednn``) on
     ``topology``: the own AVX2 GEMM on the avx2 class where this install runs the kernels' avx2
     path, else oneDNN's, with the reason (``kernels.per_channel_gemm_reason``, as the engine decides)."""
-    from mineru_fast.engine.kernels import OWN_GEMM, allowed_paths, kernel_status, per_channel_gemm_reason
+    from mineru_fast.engine.kernels import OWN_GEMM, kernel_status, per_channel_gemm_reason
 
     status = kernel_status()
-    path = (allowed_paths(topology) or ("portable",))[0] if status.block is not None else None
+    path = _kernel_path(topology) if status.block is not None else None
     reason = per_channel_gemm_reason(isa_class(topology.isa).name, status, path)
     return {"gemm": "own_avx2" if reason == OWN_GEMM else "onednn", "reason": reason}
 
