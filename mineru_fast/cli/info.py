@@ -210,9 +210,10 @@ def render(info: dict) -> str:
         f"  auto chooses: {b['auto_chooses']['backend']} (INT8 by {b['auto_chooses']['int8']}): "
         f"{b['auto_chooses']['reason']}",
         f"Presets:    auto runs {choices['auto_preset']['candidate']} ({choices['auto_preset']['preset']} preset"
-        f"{', ' + str(choices['auto_preset']['overrides']) if choices['auto_preset']['overrides'] else ''}): "
-        f"{choices['auto_preset']['reason']}",
-        f"  int8_kernel=auto (fast preset) runs {choices['int8_kernel_auto']['kernel']}: "
+        + "".join(f", {k}={v}" for k, v in choices["auto_preset"]["overrides"].items())
+        + f"): {choices['auto_preset']['reason']}",
+        f"  int8_kernel=auto (fast preset: the vision linears' per-token INT8) runs "
+        f"{choices['int8_kernel_auto']['kernel']}: "
         f"{choices['int8_kernel_auto']['reason']}",
         f"  the fast preset's language model runs {choices['lm_quant_fast']['quant']}: "
         f"{choices['lm_quant_fast']['reason']}",

@@ -834,7 +834,7 @@ def kernel_status() -> KernelStatus:
     runnable = [p for p in paths if p in module.cpu_paths()]
     path = runnable[0] if runnable else "portable"
     best = module.cpu_paths()[0]
-    lowered = "" if path == best else f" (this CPU runs {best}: lowered by its ISA class's caps or {PATH_ENV})"
+    lowered = "" if path == best else f" (this CPU could run {best}: lowered by its ISA class's caps or {PATH_ENV})"
     gemv = _gemv_linear(module) if path == "avx512_vnni" else None
     rows = (
         f"own AVX-512 VNNI INT8 GEMV for 1-{MAX_ROWS} rows, torch._int_mm above"

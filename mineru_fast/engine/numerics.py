@@ -20,13 +20,16 @@ logger = logging.getLogger(__name__)
 
 def describe(options: ParserOptions, topology: Topology | None = None, environ: dict[str, str] | None = None) -> dict:
     """What an engine built from ``options`` runs on this machine, and why (JSON-ready): ISA class
-    (and the caps that lowered it), precision and whether bfloat16 is native or emulated, the INT8
-    kernel with its exact numerics (``quantize.int8_kernel_path``; imports torch) and the reason."""
+    (and the caps that lowered it), precision and whether bfloat16 is native or emulated, the
+    per-token INT8 kernel of the ``int8-dynamic`` layers with its exact numerics
+    (``quantize.int8_kernel_path``; imports torch) and the reason (None where no layer is
+    ``int8-dynamic``)."""
     topology = topology or read_topology()
     cls = isa_class(topology.isa, environ)
-    # int8-block falls back to int8-dynamic where its kernel is not built (engine.factory)
+    # The per-token INT8 kernel serves the int8-dynamic layers only: int8-block layers run the block
+    # kernel (or its PyTorch form) on every machine, reported as lm_int8_block by engine.factory.
     quants = (options.vision_quant, options.lm_quant, options.lm_head_quant)
-    uses_int8 = not {"int8-dynamic", "int8-block"}.isdisjoint(quants)
+    uses_int8 = "int8-dynamic" in quants
     kernel = choose_int8_kernel(options.int8_kernel, topology, environ=environ) if uses_int8 else None
     bf16 = options.precision == "bf16"
     return {
