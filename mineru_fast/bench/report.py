@@ -87,7 +87,7 @@ def _kernel_paths(results: dict) -> list[str]:
         if "error" in r or not n:
             continue
         bf16 = f" ({n['bf16']} bf16)" if n.get("bf16") else ""
-        int8 = n.get("int8_kernel_path") or "no INT8 layers"
+        int8 = n.get("int8_kernel_path") or "no per-token INT8 layers"
         decode = f"; LM block-wise INT8: {n['lm_int8_block']}" if n.get("lm_int8_block") else ""
         decode += f"; LM decode rows: {n['lm_decode_kernel']}" if n.get("lm_decode_kernel") else ""
         lines.append(f"- {r['label']}: {n['engine']} engine, {n['precision']}{bf16}; {int8}{decode}")
