@@ -89,8 +89,9 @@ def test_describe_and_bf16_warning(amd, caplog, monkeypatch):
     assert fast["int8_kernel"] == "onednn" and "per token" in fast["int8_kernel_path"]
     assert fast["isa_class"] == "avx512_bf16" and fast["bf16"] is None
     # no int8-dynamic layer: no per-token kernel to report (the block kernel is reported by the engine)
-    block = ParserOptions(vision_quant="int8-block", lm_quant="int8-block", lm_head_quant="int8-block")
-    assert describe(block, amd, {})["int8_kernel"] is None and describe(block, amd, {})["int8_kernel_path"] is None
+    all_block = ParserOptions(vision_quant="int8-block", lm_quant="int8-block", lm_head_quant="int8-block")
+    block = describe(all_block, amd, {})
+    assert block["int8_kernel"] is None and block["int8_kernel_path"] is None
     for name, value in simulation_env("avx2").items():
         monkeypatch.setenv(name, value)
     with caplog.at_level(logging.WARNING, logger="mineru_fast.runtime.choice"):

@@ -29,8 +29,8 @@ def describe(options: ParserOptions, topology: Topology | None = None, environ: 
     # The per-token INT8 kernel serves the int8-dynamic layers only: int8-block layers run the block
     # kernel (or its PyTorch form) on every machine, reported as lm_int8_block by engine.factory.
     quants = (options.vision_quant, options.lm_quant, options.lm_head_quant)
-    uses_int8 = "int8-dynamic" in quants
-    kernel = choose_int8_kernel(options.int8_kernel, topology, environ=environ) if uses_int8 else None
+    per_token = "int8-dynamic" in quants
+    kernel = choose_int8_kernel(options.int8_kernel, topology, environ=environ) if per_token else None
     bf16 = options.precision == "bf16"
     return {
         "isa_class": cls.name,
